@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# pallet set-up and entry point: installs what pallet needs, then runs the demo or the tests.
+#
+#   ./bootstrap.sh demo [ARGS...]   install (if needed), then run `pallet demo`
+#   ./bootstrap.sh test [ARGS...]   install (if needed), then run the whole test suite
+#   ./bootstrap.sh install          install only
+#
+# Idempotent: apt packages are installed only when missing, the virtualenv
+# (.venv, or $PALLET_VENV) is reused, and the package is reinstalled in place.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+venv=${PALLET_VENV:-$here/.venv}
+apt_packages=(pigz zstd rsync openssh-server openssh-client openmpi-bin libopenmpi-dev
+              globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv)
+
+log() { printf 'bootstrap: %s\n' "$*" >&2; }
+
+install_apt() {
+    local missing=() pkg
+    for pkg in "${apt_packages[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        log "missing system packages: ${missing[*]}; run this as root or install them with apt-get"
+        exit 1
+    fi
+    log "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+install_python() {
+    local stamp="$venv/.pallet-installed"
+    if [ ! -x "$venv/bin/python" ]; then
+        log "creating virtualenv $venv"
+        python3 -m venv "$venv"
+    fi
+    # Reinstall only when the package metadata changed since the last install.
+    if [ ! -f "$stamp" ] || [ "$here/setup.cfg" -nt "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
+        log "installing pallet and its extras into $venv"
+        "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+        "$venv/bin/python" -m pip install -q -e "$here[all,test]"
+        touch "$stamp"
+    fi
+}
+
+main() {
+    local cmd=${1:-}
+    [ $# -gt 0 ] && shift
+    case "$cmd" in
+        install) install_apt; install_python ;;
+        demo) install_apt; install_python; exec "$venv/bin/pallet" demo "$@" ;;
+        test)
+            install_apt; install_python
+            cd "$here"
+            exec "$venv/bin/python" -m pytest "$@" ;;
+        *) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    esac
+}
+
+main "$@"

@@ -1,0 +1,163 @@
+"""Shard codecs: zstd (default), gzip (pigz when present) and none, one frame or member per shard."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import zstandard
+
+from .errors import BundleError, UsageError
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How shards are compressed.
+
+    ``compress`` turns one shard into one self-contained frame/member whose
+    concatenation with the others is a valid stream for the matching plain
+    tool; ``compress_stream`` does the same for data too large to hold in
+    memory; ``decompress`` inverts one frame/member and must return exactly
+    ``raw_size`` bytes or raise BundleError. Output bytes depend only on the
+    data, the codec and the level — never on the number of threads.
+    """
+
+    name: str
+    level: int
+    suffix: str
+
+    def compress(self, data: bytes) -> bytes:
+        if self.name == "zstd":
+            return zstandard.ZstdCompressor(level=self.level).compress(data)
+        if self.name == "gzip":
+            return _gzip_compress(data, self.level)
+        return bytes(data)
+
+    def compress_stream(self, chunks: Iterator[bytes], out: BinaryIO, threads: int) -> None:
+        """Compress the concatenated ``chunks`` as one frame/member onto ``out``."""
+        if self.name == "zstd":
+            compressor = zstandard.ZstdCompressor(level=self.level, threads=max(1, threads))
+            with compressor.stream_writer(out, closefd=False) as writer:
+                for chunk in chunks:
+                    writer.write(chunk)
+        elif self.name == "gzip":
+            _gzip_compress_stream(chunks, out, self.level, threads)
+        else:
+            for chunk in chunks:
+                out.write(chunk)
+
+    def decompress(self, data: bytes, raw_size: int) -> bytes:
+        try:
+            if self.name == "zstd":
+                result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+            elif self.name == "gzip":
+                result = zlib.decompress(data, wbits=31)
+            else:
+                result = data
+        except (zstandard.ZstdError, zlib.error) as exc:
+            raise BundleError(f"cannot decompress {self.name} shard: {exc}") from exc
+        if len(result) != raw_size:
+            raise BundleError(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
+        return result
+
+    def open_stream(self, raw: BinaryIO) -> BinaryIO:
+        """Return a reader of the decompressed bytes of the frames in ``raw``."""
+        if self.name == "zstd":
+            return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        if self.name == "gzip":
+            return _GzipReader(raw)
+        return raw
+
+
+def get_codec(name: str, level: int | None = None) -> Codec:
+    """Return the codec called ``name`` at ``level`` (None: the codec's default)."""
+    defaults = {"zstd": (3, ".tar.zst", 1, 19), "gzip": (6, ".tar.gz", 1, 9), "none": (0, ".tar", 0, 0)}
+    if name not in defaults:
+        raise UsageError(f"unknown codec {name!r}", hint="use one of: zstd, gzip, none")
+    default, suffix, low, high = defaults[name]
+    level = default if level is None else level
+    if not low <= level <= high:
+        raise UsageError(f"level {level} is out of range for {name}", hint=f"use {low}..{high}")
+    return Codec(name, level, suffix)
+
+
+def sniff(head: bytes) -> str:
+    """Name the codec of a stream from its first bytes: 'zstd', 'gzip' or 'none'."""
+    if head.startswith(ZSTD_MAGIC) or (len(head) >= 4 and 0x184D2A50 <= int.from_bytes(head[:4], "little") <= 0x184D2A5F):
+        return "zstd"
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    return "none"
+
+
+def _pigz() -> str | None:
+    return shutil.which("pigz")
+
+
+def _gzip_compress(data: bytes, level: int) -> bytes:
+    pigz = _pigz()
+    if pigz:
+        done = subprocess.run([pigz, "-c", "-n", f"-{level}", "-p", "1"], input=data,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
+        if done.returncode != 0:
+            raise BundleError(f"pigz failed: {done.stderr.decode(errors='replace').strip()}")
+        return done.stdout
+    compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
+    return compressor.compress(data) + compressor.flush()
+
+
+def _gzip_compress_stream(chunks: Iterator[bytes], out: BinaryIO, level: int, threads: int) -> None:
+    pigz = _pigz()
+    if not pigz:
+        compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
+        for chunk in chunks:
+            out.write(compressor.compress(chunk))
+        out.write(compressor.flush())
+        return
+    out.flush()
+    proc = subprocess.Popen([pigz, "-c", "-n", f"-{level}", "-p", str(max(1, threads))],
+                            stdin=subprocess.PIPE, stdout=out.fileno(), stderr=subprocess.PIPE)
+    errors: list[bytes] = []
+    reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    try:
+        for chunk in chunks:
+            proc.stdin.write(chunk)
+    finally:
+        proc.stdin.close()
+        code = proc.wait()
+        reader.join()
+    if code != 0:
+        raise BundleError(f"pigz failed: {b''.join(errors).decode(errors='replace').strip()}")
+
+
+class _GzipReader:
+    """Read-only stream over concatenated gzip members."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self._inflate = zlib.decompressobj(31)
+        self._buffer = b""
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self._buffer) < size:
+            chunk = self._inflate.unused_data or self._raw.read(_CHUNK)
+            if not chunk:
+                break
+            if self._inflate.eof:
+                self._inflate = zlib.decompressobj(31)
+            try:
+                self._buffer += self._inflate.decompress(chunk)
+            except zlib.error as exc:
+                raise BundleError(f"corrupt gzip data: {exc}") from exc
+        if size < 0:
+            size = len(self._buffer)
+        result, self._buffer = self._buffer[:size], self._buffer[size:]
+        return result

@@ -1,0 +1,111 @@
+"""Where the index lives in a bundle file: an index section and a fixed-size locator at the end."""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from . import codecs
+from .errors import BundleError, CorruptBundleError
+from .index import FORMAT_VERSION, Index, content_hash
+
+SIDECAR_SUFFIX = ".pidx"
+_SKIPPABLE_MAGIC = 0x184D2A5A
+_FRAME = struct.Struct("<II")
+_LOCATOR = struct.Struct("<8sIQQ16s8s")      # magic, version, index offset, index length, hash, self-check
+_LOCATOR_MAGIC = b"PALLETLC"
+# Gzip member with an FEXTRA field "PX" carrying the locator and an empty deflate body.
+_GZIP_LOCATOR_HEAD = (b"\x1f\x8b\x08\x04" + bytes(4) + b"\x00\xff"
+                      + struct.pack("<H", 4 + _LOCATOR.size) + b"PX" + struct.pack("<H", _LOCATOR.size))
+_GZIP_LOCATOR_TAIL = b"\x03\x00" + bytes(8)
+_TAIL_SIZE = {"zstd": _FRAME.size + _LOCATOR.size, "none": _LOCATOR.size,
+              "gzip": len(_GZIP_LOCATOR_HEAD) + _LOCATOR.size + len(_GZIP_LOCATOR_TAIL)}
+
+
+@dataclass(frozen=True)
+class Locator:
+    """Position and hash of the stored index section; ``data_end`` is where shards end."""
+
+    index_offset: int
+    index_length: int
+    index_hash: bytes
+
+    @property
+    def data_end(self) -> int:
+        return self.index_offset
+
+
+def index_section(codec_name: str, payload: bytes, offset: int) -> bytes:
+    """Return the bytes that follow the last shard: the wrapped index, then the locator.
+
+    zstd: two skippable frames (ignored by zstd and tar). gzip: a gzip member
+    holding the index (it decompresses to bytes after tar's end-of-archive,
+    which tar ignores) and an empty member whose FEXTRA field holds the
+    locator. none: the index and the locator, raw, after end-of-archive.
+    """
+    if codec_name == "zstd":
+        stored = _FRAME.pack(_SKIPPABLE_MAGIC, len(payload)) + payload
+    elif codec_name == "gzip":
+        deflate = zlib.compressobj(0, zlib.DEFLATED, 31)
+        stored = deflate.compress(payload) + deflate.flush()
+    else:
+        stored = payload
+    check = _locator_bytes(Locator(offset, len(stored), content_hash(stored)))
+    if codec_name == "zstd":
+        tail = _FRAME.pack(_SKIPPABLE_MAGIC, len(check)) + check
+    elif codec_name == "gzip":
+        tail = _GZIP_LOCATOR_HEAD + check + _GZIP_LOCATOR_TAIL
+    else:
+        tail = check
+    return stored + tail
+
+
+def _locator_bytes(loc: Locator) -> bytes:
+    body = _LOCATOR.pack(_LOCATOR_MAGIC, FORMAT_VERSION, loc.index_offset, loc.index_length, loc.index_hash, bytes(8))
+    return body[:-8] + content_hash(body[:-8])[:8]
+
+
+def read_locator(fd: int, file_size: int, codec_name: str) -> Locator | None:
+    """Return the locator at the end of the file, or None if there is none (a plain archive)."""
+    tail_size = _TAIL_SIZE[codec_name]
+    if file_size < tail_size:
+        return None
+    tail = os.pread(fd, tail_size, file_size - tail_size)
+    raw = tail[-_LOCATOR.size:] if codec_name != "gzip" else tail[len(_GZIP_LOCATOR_HEAD):-len(_GZIP_LOCATOR_TAIL)]
+    magic, version, offset, length, digest, check = _LOCATOR.unpack(raw)
+    if magic != _LOCATOR_MAGIC:
+        return None
+    if content_hash(raw[:-8])[:8] != check:
+        raise CorruptBundleError("the index locator at the end of the bundle is damaged", hint=_HINT)
+    if version != FORMAT_VERSION:
+        raise BundleError(f"bundle format {version} is not supported (this pallet reads {FORMAT_VERSION})",
+                          hint="upgrade pallet, or repack the data with this version")
+    if offset + length + tail_size != file_size:
+        raise CorruptBundleError("the bundle is truncated or has bytes appended", hint=_HINT)
+    return Locator(offset, length, digest)
+
+
+def read_index_section(fd: int, loc: Locator, codec_name: str, source: str) -> Index:
+    """Read, check and decode the embedded index that ``loc`` points to."""
+    stored = os.pread(fd, loc.index_length, loc.index_offset)
+    if content_hash(stored) != loc.index_hash:
+        raise CorruptBundleError("the embedded index is damaged (hash mismatch)", source, _HINT)
+    if codec_name == "zstd":
+        magic, size = _FRAME.unpack_from(stored)
+        if magic != _SKIPPABLE_MAGIC or size != len(stored) - _FRAME.size:
+            raise CorruptBundleError("the embedded index frame is malformed", source, _HINT)
+        payload = stored[_FRAME.size:]
+    elif codec_name == "gzip":
+        payload = zlib.decompress(stored, wbits=31)
+    else:
+        payload = stored
+    return Index.from_bytes(payload, source)
+
+
+def sniff_file(fd: int) -> str:
+    """Return the codec name of the stream in ``fd`` from its first bytes."""
+    return codecs.sniff(os.pread(fd, 4, 0))
+
+
+_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"

@@ -1,0 +1,85 @@
+"""The single exception hierarchy shared by every pallet layer."""
+from __future__ import annotations
+
+import os
+
+
+class PalletError(Exception):
+    """Base of every error pallet raises on purpose.
+
+    ``path`` names the file or URL concerned (may be None) and ``hint`` tells
+    the user how to fix it. ``str()`` renders both, so a CLI can print the
+    error as is.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else os.fsdecode(path)
+        self.hint = hint
+
+    def __reduce__(self):
+        # Keep path, hint and extra fields when errors cross process boundaries.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+    def __str__(self) -> str:
+        text = self.message if self.path is None else f"{self.path}: {self.message}"
+        return text if not self.hint else f"{text}\n  hint: {self.hint}"
+
+
+def _rebuild(cls, args, state):
+    error = Exception.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class UsageError(PalletError):
+    """The command line or the arguments of a call make no sense."""
+
+    exit_code = 2
+
+
+class SourceError(PalletError):
+    """A source tree or file cannot be read as asked (missing, unreadable, changed)."""
+
+
+class DestinationError(PalletError):
+    """A destination cannot be written (not writable, not a directory, disk full)."""
+
+
+class BundleError(PalletError):
+    """A bundle cannot be read: not an archive, truncated, or of an unknown format."""
+
+
+class CorruptBundleError(BundleError):
+    """A bundle's bytes do not match its index (flipped bytes, wrong hashes)."""
+
+    def __init__(self, message: str, path=None, hint=None, problems: list[str] | None = None):
+        super().__init__(message, path, hint)
+        self.problems = problems or []
+
+    def __str__(self) -> str:
+        lines = [super().__str__()] + [f"  - {p}" for p in self.problems[:50]]
+        if len(self.problems) > 50:
+            lines.append(f"  ... and {len(self.problems) - 50} more")
+        return "\n".join(lines)
+
+
+class UnsafeMemberError(BundleError):
+    """An archive holds members that would escape or endanger the destination."""
+
+    def __init__(self, members: list[tuple[str, str]], path=None):
+        self.members = members
+        listed = "\n".join(f"  - {name!r}: {why}" for name, why in members[:50])
+        more = f"\n  ... and {len(members) - 50} more" if len(members) > 50 else ""
+        super().__init__(
+            f"refusing to extract {len(members)} unsafe member(s):\n{listed}{more}",
+            path,
+            "the archive was not made by a trusted tool; nothing was written for these members",
+        )
+
+    def __str__(self) -> str:
+        return PalletError.__str__(self)

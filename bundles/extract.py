@@ -1,0 +1,246 @@
+"""Extract indexed bundles: directory tree, shards (by any worker or MPI rank), then links and metadata."""
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
+from .index import Index, Shard, content_hash, new_hasher
+from .reader import Bundle
+from .safety import index_problems, safe_mode
+from .tarformat import Kind
+
+_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_STREAM_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What extracting one shard did: files written and their bytes."""
+
+    shard: int
+    files: int
+    file_bytes: int
+
+
+def check_index(index: Index, bundle_path: str) -> None:
+    """Raise UnsafeMemberError naming every member that must not be extracted."""
+    problems = index_problems(index)
+    if problems:
+        raise UnsafeMemberError(problems, bundle_path)
+
+
+def prepare_destination(dest: str) -> None:
+    """Create ``dest`` if needed; raise DestinationError unless it is a writable directory."""
+    try:
+        os.makedirs(dest, exist_ok=True)
+    except FileExistsError:
+        raise DestinationError("exists and is not a directory", dest, "choose another destination") from None
+    except OSError as exc:
+        raise DestinationError(f"cannot create ({exc.strerror})", dest,
+                               "create it yourself or pick a writable location") from None
+    if not os.path.isdir(dest):
+        raise DestinationError("exists and is not a directory", dest, "choose another destination")
+    if not os.access(dest, os.W_OK | os.X_OK):
+        raise DestinationError("is not writable", dest, "fix its permissions or pick a writable location")
+
+
+def make_directories(index: Index, dest: str) -> None:
+    """Create every directory of the index under ``dest`` (owner-writable until finish_tree)."""
+    root = os.fsencode(dest)
+    for i, kind in enumerate(index.kinds):
+        if kind != Kind.DIR:
+            continue
+        path = os.path.join(root, index.paths[i])
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            if os.path.islink(path) or not os.path.isdir(path):
+                raise DestinationError("exists and is not a directory", os.fsdecode(path),
+                                       "remove it or unpack into an empty destination") from None
+            os.chmod(path, 0o700 | safe_mode(index.modes[i]))
+        except OSError as exc:
+            raise destination_error(exc, path) from None
+
+
+def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool = True) -> ShardOutcome:
+    """Write the regular files of one shard under ``dest``, with mode and mtime.
+
+    The contract MPI ranks and worker processes rely on: directories already
+    exist (make_directories), links and directory metadata are left to
+    finish_tree; only this shard's byte range is read; with ``verify`` the
+    compressed bytes and every file's content hash are checked, and a
+    mismatch raises CorruptBundleError naming the files. Rerunning a shard
+    rewrites the same files, so it is idempotent.
+    """
+    root = os.fsencode(dest)
+    if is_streamed(index, shard):
+        return _extract_streamed(bundle, index, shard, root, verify)
+    compressed = bundle.read_shard(shard)
+    if verify and content_hash(compressed) != shard.hash:
+        raise _damaged_shard(bundle, index, shard)
+    data = memoryview(bundle.codec.decompress(compressed, shard.raw_size))
+    files = nbytes = 0
+    bad: list[str] = []
+    for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
+        if index.kinds[i] != Kind.FILE:
+            continue
+        start, size = index.data_offsets[i], index.sizes[i]
+        content = data[start:start + size]
+        if verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]:
+            bad.append(os.fsdecode(index.paths[i]))
+            continue
+        write_file(os.path.join(root, index.paths[i]), content, index.modes[i], index.mtimes[i])
+        files, nbytes = files + 1, nbytes + size
+    if bad:
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH, bad)
+    return ShardOutcome(shard.number, files, nbytes)
+
+
+def is_streamed(index: Index, shard: Shard) -> bool:
+    """True for a shard holding one file too large to handle in memory."""
+    return shard.entry_count == 1 and index.kinds[shard.first_entry] == Kind.FILE and \
+        index.sizes[shard.first_entry] >= index.shard_size
+
+
+def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, verify: bool) -> ShardOutcome:
+    i = shard.first_entry
+    path, size = os.path.join(root, index.paths[i]), index.sizes[i]
+    if verify and hash_range(bundle, shard) != shard.hash:
+        raise _damaged_shard(bundle, index, shard)
+    reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
+    _skip(reader, index.data_offsets[i])
+    hasher = new_hasher()
+    try:
+        fd = os.open(path, _OPEN_FLAGS, 0o600)
+    except OSError as exc:
+        raise destination_error(exc, path) from None
+    try:
+        remaining = size
+        while remaining:
+            chunk = reader.read(min(_STREAM_CHUNK, remaining))
+            if not chunk:
+                raise CorruptBundleError(f"shard {shard.number} ends early", bundle.path, _REFETCH, [index.paths[i].decode(errors="replace")])
+            hasher.update(chunk)
+            _write_all(fd, chunk, path)
+            remaining -= len(chunk)
+        os.fchmod(fd, safe_mode(index.modes[i]))
+        os.utime(fd, ns=(index.mtimes[i], index.mtimes[i]))
+    finally:
+        os.close(fd)
+    if verify and hasher.digest() != index.hashes[i * 16:i * 16 + 16]:
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
+                                 [os.fsdecode(index.paths[i])])
+    return ShardOutcome(shard.number, 1, size)
+
+
+def finish_tree(index: Index, dest: str) -> None:
+    """Create hard links and symlinks, then apply directory modes and mtimes, deepest first."""
+    root = os.fsencode(dest)
+    for i, kind in enumerate(index.kinds):
+        path = os.path.join(root, index.paths[i])
+        try:
+            if kind == Kind.HARDLINK:
+                remove_stale(path)
+                os.link(os.path.join(root, index.links[i]), path, follow_symlinks=False)
+            elif kind == Kind.SYMLINK:
+                remove_stale(path)
+                os.symlink(index.links[i], path)
+                os.utime(path, ns=(index.mtimes[i], index.mtimes[i]), follow_symlinks=False)
+        except OSError as exc:
+            raise destination_error(exc, path) from None
+    directories = [i for i, kind in enumerate(index.kinds) if kind == Kind.DIR]
+    for i in sorted(directories, key=lambda i: index.paths[i].count(b"/"), reverse=True):
+        path = os.path.join(root, index.paths[i])
+        os.chmod(path, safe_mode(index.modes[i]))
+        os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
+
+
+def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int) -> None:
+    try:
+        fd = os.open(path, _OPEN_FLAGS, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR):
+            remove_stale(path)
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
+        else:
+            raise destination_error(exc, path) from None
+    try:
+        _write_all(fd, content, path)
+        os.fchmod(fd, safe_mode(mode))
+        os.utime(fd, ns=(mtime_ns, mtime_ns))
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, content, path: bytes) -> None:
+    view = memoryview(content)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise destination_error(exc, path) from None
+
+
+def remove_stale(path: bytes) -> None:
+    """Remove a non-directory at ``path`` (a stale file or link from an earlier run)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise DestinationError("is a directory in the destination, but a file in the bundle",
+                                   os.fsdecode(path), "remove it or unpack into an empty destination")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _skip(reader, count: int) -> None:
+    while count:
+        chunk = reader.read(min(count, _STREAM_CHUNK))
+        if not chunk:
+            break
+        count -= len(chunk)
+
+
+def hash_range(bundle: Bundle, shard: Shard) -> bytes:
+    """Content hash of a shard's compressed bytes, read in chunks."""
+    hasher, done = new_hasher(), 0
+    while done < shard.length:
+        chunk = os.pread(bundle.fd, min(_STREAM_CHUNK, shard.length - done), shard.offset + done)
+        if not chunk:
+            break
+        hasher.update(chunk)
+        done += len(chunk)
+    return hasher.digest()
+
+
+class RangeReader:
+    """File-like reader over one byte range of a file descriptor."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.position, self.end = fd, offset, offset + length
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.end - self.position if size < 0 else min(size, self.end - self.position)
+        data = os.pread(self.fd, size, self.position) if size > 0 else b""
+        self.position += len(data)
+        return data
+
+
+def _damaged_shard(bundle: Bundle, index: Index, shard: Shard) -> CorruptBundleError:
+    names = [os.fsdecode(index.paths[i]) for i in range(shard.first_entry, shard.first_entry + shard.entry_count)
+             if index.kinds[i] == Kind.FILE]
+    return CorruptBundleError(f"shard {shard.number} is damaged (hash of its bytes does not match the index); "
+                              f"it holds {len(names)} file(s)", bundle.path, _REFETCH, names)
+
+
+def destination_error(exc: OSError, path: bytes) -> DestinationError:
+    name = os.fsdecode(path)
+    if exc.errno == errno.ENOSPC:
+        return DestinationError("no space left on device", name, "free space, or unpack to another file system")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DestinationError(f"cannot write ({exc.strerror})", name, "fix the destination's permissions")
+    return DestinationError(f"cannot write ({exc.strerror})", name, "check the destination")
+
+
+_REFETCH = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"

@@ -1,0 +1,222 @@
+"""The bundle index: a columnar table of shards and entries, its binary encoding and validation."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from array import array
+from dataclasses import dataclass, field
+
+import xxhash
+import zstandard
+
+from .errors import BundleError, CorruptBundleError
+from .tarformat import Kind
+
+FORMAT_VERSION = 1
+HASH_NAME = "xxh3-128"
+HASH_SIZE = 16
+_MAGIC = b"PALLETIX"
+_HEAD = struct.Struct("<8sII")
+_LEN = struct.Struct("<Q")
+# (name, array typecode or "blob" for NUL-joined bytes or "hash" for packed digests)
+ENTRY_COLUMNS = (
+    ("path", "blob"), ("kind", "B"), ("mode", "I"), ("mtime_ns", "q"), ("size", "Q"),
+    ("link", "blob"), ("link_group", "q"), ("hash", "hash"), ("shard", "I"),
+    ("offset", "Q"), ("data_offset", "Q"),
+)
+
+
+def content_hash(data) -> bytes:
+    """Return the index's content hash (xxh3-128, big-endian digest) of ``data``."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def new_hasher():
+    """Return an incremental hasher matching :func:`content_hash`."""
+    return xxhash.xxh3_128()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One independently compressed piece of the bundle.
+
+    ``offset``/``length`` locate the compressed bytes in the bundle file,
+    ``raw_size`` is the uncompressed tar size, entries
+    ``first_entry .. first_entry+entry_count-1`` live in it, ``file_bytes`` is
+    their file content, and ``hash`` is the content hash of the compressed bytes.
+    """
+
+    number: int
+    offset: int
+    length: int
+    raw_size: int
+    first_entry: int
+    entry_count: int
+    file_bytes: int
+    hash: bytes
+
+    def to_json(self) -> dict:
+        return {"offset": self.offset, "length": self.length, "raw_size": self.raw_size,
+                "first_entry": self.first_entry, "entry_count": self.entry_count,
+                "file_bytes": self.file_bytes, "hash": self.hash.hex()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One member of a bundle, as the index records it (paths are raw bytes)."""
+
+    number: int
+    path: bytes
+    kind: Kind
+    mode: int
+    mtime_ns: int
+    size: int
+    link: bytes
+    link_group: int
+    hash: bytes
+    shard: int
+    offset: int
+    data_offset: int
+
+    @property
+    def name(self) -> str:
+        return os.fsdecode(self.path)
+
+    def to_json(self) -> dict:
+        doc = {"path": self.name, "type": self.kind.name.lower(), "mode": f"{self.mode:04o}",
+               "mtime_ns": self.mtime_ns, "size": self.size, "shard": self.shard}
+        if self.link:
+            doc["link"] = os.fsdecode(self.link)
+        if self.kind == Kind.FILE:
+            doc["hash"] = self.hash.hex()
+        return doc
+
+
+@dataclass
+class Index:
+    """The table of contents of a bundle, stored column by column.
+
+    Columns hold one value per entry, in stream order (directories first).
+    ``link`` is the symlink target or, for hard links, the path of the group's
+    first member; ``link_group`` is that member's entry number or -1.
+    """
+
+    codec: str
+    level: int
+    shard_size: int
+    paths: list = field(default_factory=list)
+    kinds: array = field(default_factory=lambda: array("B"))
+    modes: array = field(default_factory=lambda: array("I"))
+    mtimes: array = field(default_factory=lambda: array("q"))
+    sizes: array = field(default_factory=lambda: array("Q"))
+    links: list = field(default_factory=list)
+    link_groups: array = field(default_factory=lambda: array("q"))
+    hashes: bytearray = field(default_factory=bytearray)
+    shard_of: array = field(default_factory=lambda: array("I"))
+    offsets: array = field(default_factory=lambda: array("Q"))
+    data_offsets: array = field(default_factory=lambda: array("Q"))
+    shards: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def entry(self, i: int) -> Entry:
+        return Entry(i, self.paths[i], Kind(self.kinds[i]), self.modes[i], self.mtimes[i], self.sizes[i],
+                     self.links[i], self.link_groups[i], bytes(self.hashes[i * HASH_SIZE:(i + 1) * HASH_SIZE]),
+                     self.shard_of[i], self.offsets[i], self.data_offsets[i])
+
+    def __iter__(self):
+        return (self.entry(i) for i in range(len(self.paths)))
+
+    def shard_entries(self, shard: Shard):
+        return (self.entry(i) for i in range(shard.first_entry, shard.first_entry + shard.entry_count))
+
+    @property
+    def total_file_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+    def count(self, kind: Kind) -> int:
+        return self.kinds.count(int(kind))
+
+    def to_bytes(self) -> bytes:
+        """Encode as the ``.pidx`` payload: a zstd frame of header and columns, self-hashed."""
+        header = json.dumps({
+            "format": FORMAT_VERSION, "hash": HASH_NAME, "codec": self.codec, "level": self.level,
+            "shard_size": self.shard_size, "entries": len(self),
+            "columns": [name for name, _ in ENTRY_COLUMNS],
+            "shards": [s.to_json() for s in self.shards],
+        }, sort_keys=True, separators=(",", ":")).encode()
+        parts = [_HEAD.pack(_MAGIC, FORMAT_VERSION, len(header)), header]
+        for name, kind in ENTRY_COLUMNS:
+            column = self._column_bytes(name, kind)
+            parts += [_LEN.pack(len(column)), column]
+        blob = b"".join(parts)
+        blob += content_hash(blob)
+        return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob)
+
+    def _column_bytes(self, name: str, kind: str) -> bytes:
+        values = {"path": self.paths, "kind": self.kinds, "mode": self.modes, "mtime_ns": self.mtimes,
+                  "size": self.sizes, "link": self.links, "link_group": self.link_groups,
+                  "hash": self.hashes, "shard": self.shard_of, "offset": self.offsets,
+                  "data_offset": self.data_offsets}[name]
+        if kind == "blob":
+            return b"\0".join(values)
+        if kind == "hash":
+            return bytes(values)
+        return _little_endian(values).tobytes()
+
+    @classmethod
+    def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
+        """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged."""
+        try:
+            blob = zstandard.ZstdDecompressor().decompress(payload, max_output_size=1 << 34)
+        except zstandard.ZstdError as exc:
+            raise CorruptBundleError(f"index is damaged ({exc})", source, _REPACK_HINT) from exc
+        if len(blob) < _HEAD.size + HASH_SIZE or content_hash(blob[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
+            raise CorruptBundleError("index is damaged (its hash does not match)", source, _REPACK_HINT)
+        magic, version, header_len = _HEAD.unpack_from(blob)
+        if magic != _MAGIC:
+            raise BundleError("not a pallet index", source, "pass a bundle written by `pallet pack`")
+        if version != FORMAT_VERSION:
+            raise BundleError(f"index format {version} is not supported (this pallet reads {FORMAT_VERSION})",
+                              source, "upgrade pallet, or repack the data with this version")
+        header = json.loads(blob[_HEAD.size:_HEAD.size + header_len])
+        index = cls(header["codec"], header["level"], header["shard_size"])
+        index.shards = [Shard(n, s["offset"], s["length"], s["raw_size"], s["first_entry"],
+                              s["entry_count"], s["file_bytes"], bytes.fromhex(s["hash"]))
+                        for n, s in enumerate(header["shards"])]
+        index._load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE], header["entries"], source)
+        return index
+
+    def _load_columns(self, view: memoryview, count: int, source: str | None) -> None:
+        pos = 0
+        for name, kind in ENTRY_COLUMNS:
+            (length,) = _LEN.unpack_from(view, pos)
+            raw = view[pos + _LEN.size:pos + _LEN.size + length]
+            pos += _LEN.size + length
+            if kind == "blob":
+                values = bytes(raw).split(b"\0") if count else []
+            elif kind == "hash":
+                values = bytearray(raw)
+            else:
+                values = array(kind)
+                values.frombytes(raw)
+                values = _little_endian(values)
+            if len(values) != count * (HASH_SIZE if kind == "hash" else 1):
+                raise CorruptBundleError(f"index column {name!r} has the wrong length", source, _REPACK_HINT)
+            attribute = {"path": "paths", "kind": "kinds", "mode": "modes", "mtime_ns": "mtimes",
+                         "size": "sizes", "link": "links", "link_group": "link_groups", "hash": "hashes",
+                         "shard": "shard_of", "offset": "offsets", "data_offset": "data_offsets"}[name]
+            setattr(self, attribute, values)
+
+
+_REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
+
+
+def _little_endian(values: array) -> array:
+    if array("H", [1]).tobytes()[0] == 1:
+        return values
+    swapped = array(values.typecode, values)
+    swapped.byteswap()
+    return swapped

@@ -1,0 +1,142 @@
+"""Sequential, safe extraction and listing of plain archives that carry no pallet index."""
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import BundleError, UnsafeMemberError
+from .extract import destination_error, remove_stale, write_file
+from .progress import Progress
+from .safety import path_problem, safe_mode, symlink_problem
+
+_TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
+
+
+@dataclass
+class PlainStats:
+    """Counts of what a plain extraction wrote."""
+
+    entries: int = 0
+    files: int = 0
+    file_bytes: int = 0
+
+
+def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
+    """Yield the members of a plain archive in stream order; BundleError if it is not one."""
+    stream = bundle.codec.open_stream(_FdReader(bundle.fd))
+    try:
+        archive = tarfile.open(fileobj=stream, mode="r|", errorlevel=2)
+    except tarfile.ReadError as exc:
+        raise BundleError(f"not a tar archive or pallet bundle ({exc})", bundle.path, _TRUNCATED_HINT) from None
+    try:
+        for member in archive:
+            yield member, archive
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise BundleError(f"archive is damaged or truncated ({exc})", bundle.path, _TRUNCATED_HINT) from None
+
+
+def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
+    """Extract every safe member; after the last one, raise UnsafeMemberError naming the refused ones.
+
+    Links are created after all files (so nothing is written through them),
+    directory metadata last. Members are read in stream order only.
+    """
+    progress.start("unpack (no index: files not verified)", 0, 0)
+    root = os.fsencode(dest)
+    stats, refused = PlainStats(), []
+    directories: dict[bytes, tarfile.TarInfo] = {}
+    links: list[tuple[tarfile.TarInfo, bytes]] = []
+    files: set[bytes] = set()
+    symlink_names = set()
+    for member, archive in iter_members(bundle):
+        name = os.fsencode(member.name).rstrip(b"/")
+        reason = _member_problem(member, name, files, symlink_names)
+        if reason:
+            refused.append((member.name, reason))
+            continue
+        stats.entries += 1
+        path = os.path.join(root, name)
+        _make_parents(root, name)
+        if member.isdir():
+            _make_parents(root, name + b"/x")
+            directories[name] = member
+        elif member.isfile():
+            data = archive.extractfile(member).read()
+            write_file(path, memoryview(data), safe_mode(member.mode), int(member.mtime * 1e9))
+            files.add(name)
+            stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + len(data)
+            progress.advance(1, len(data))
+        else:
+            links.append((member, name))
+            if member.issym():
+                symlink_names.add(name)
+    _finish_links(root, links, files, refused)
+    for name in sorted(directories, key=lambda n: n.count(b"/"), reverse=True):
+        member = directories[name]
+        os.chmod(os.path.join(root, name), safe_mode(member.mode))
+        os.utime(os.path.join(root, name), ns=(int(member.mtime * 1e9),) * 2)
+    if refused:
+        raise UnsafeMemberError(refused, bundle.path)
+    return stats
+
+
+def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: set) -> str | None:
+    reason = path_problem(name)
+    if reason:
+        return reason
+    parts = name.split(b"/")
+    if any(b"/".join(parts[:n]) in symlinks for n in range(1, len(parts))):
+        return "written through a symlink"
+    if member.isdev() or member.isfifo():
+        return "device node or FIFO"
+    if member.issym():
+        return symlink_problem(name, os.fsencode(member.linkname), symlinks)
+    if member.islnk():
+        if os.fsencode(member.linkname) not in files:
+            return f"hard link to {member.linkname!r}, which is not a file extracted earlier"
+    elif not (member.isfile() or member.isdir()):
+        return f"unsupported member type {member.type!r}"
+    return None
+
+
+def _make_parents(root: bytes, name: bytes) -> None:
+    current = root
+    for part in name.split(b"/")[:-1]:
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, 0o700)
+        except FileExistsError:
+            if os.path.islink(current) or not os.path.isdir(current):
+                raise BundleError("a member would be written through a non-directory",
+                                  os.fsdecode(current), "unpack into an empty destination") from None
+        except OSError as exc:
+            raise destination_error(exc, current) from None
+
+
+def _finish_links(root: bytes, links: list, files: set, refused: list) -> None:
+    for member, name in links:
+        path = os.path.join(root, name)
+        try:
+            remove_stale(path)
+            if member.issym():
+                os.symlink(os.fsencode(member.linkname), path)
+                os.utime(path, ns=(int(member.mtime * 1e9),) * 2, follow_symlinks=False)
+            else:
+                os.link(os.path.join(root, os.fsencode(member.linkname)), path, follow_symlinks=False)
+        except OSError as exc:
+            refused.append((member.name, f"cannot create link ({exc.strerror})"))
+
+
+class _FdReader:
+    """Sequential reader over a file descriptor from offset 0."""
+
+    def __init__(self, fd: int):
+        self.fd, self.position = fd, 0
+
+    def read(self, size: int = -1) -> bytes:
+        size = 1 << 20 if size < 0 else size
+        data = os.pread(self.fd, size, self.position)
+        self.position += len(data)
+        return data

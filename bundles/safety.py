@@ -1,0 +1,96 @@
+"""Safety rules for extraction: which member names, types, links and modes may be written."""
+from __future__ import annotations
+
+import os
+
+from .index import Index
+from .tarformat import Kind
+
+STRIPPED_MODE_BITS = 0o6000        # setuid and setgid are never restored
+
+
+def safe_mode(mode: int) -> int:
+    """Permission bits to apply on extraction: the stored ones without setuid/setgid."""
+    return mode & 0o7777 & ~STRIPPED_MODE_BITS
+
+
+def path_problem(path: bytes) -> str | None:
+    """Why a member path is unsafe as a name under the destination, or None if it is fine."""
+    if not path:
+        return "empty name"
+    if path.startswith(b"/"):
+        return "absolute path"
+    if b"\0" in path:
+        return "NUL byte in name"
+    parts = path.split(b"/")
+    if b".." in parts:
+        return "'..' component"
+    if any(p in (b"", b".") for p in parts):
+        return "empty or '.' component"
+    return None
+
+
+def symlink_problem(path: bytes, target: bytes, symlinks: set[bytes]) -> str | None:
+    """Why symlink ``path`` -> ``target`` is unsafe, or None if it resolves inside the destination.
+
+    The target is resolved lexically from the link's directory; it must not
+    be absolute, climb above the root, or climb with '..' after passing
+    through another symlink of the archive (whose real location may differ).
+    """
+    if not target:
+        return "empty symlink target"
+    if target.startswith(b"/"):
+        return f"symlink to absolute path {os.fsdecode(target)!r}"
+    stack = path.split(b"/")[:-1]
+    through_link = False
+    for part in target.split(b"/"):
+        if part == b"..":
+            if not stack or through_link:
+                return f"symlink to {os.fsdecode(target)!r} points outside the destination"
+            stack.pop()
+        elif part not in (b"", b"."):
+            stack.append(part)
+            through_link = through_link or b"/".join(stack) in symlinks
+    return None
+
+
+def index_problems(index: Index) -> list[tuple[str, str]]:
+    """Return (name, reason) for every entry of ``index`` that must not be extracted."""
+    problems: list[tuple[str, str]] = []
+    directories: set[bytes] = set()
+    symlinks = {index.paths[i] for i, k in enumerate(index.kinds) if k == Kind.SYMLINK}
+    seen: set[bytes] = set()
+    for i, path in enumerate(index.paths):
+        kind = index.kinds[i]
+        reason = path_problem(path)
+        if reason is None and path in seen:
+            reason = "duplicate name"
+        if reason is None:
+            parent = path.rpartition(b"/")[0]
+            if parent and parent not in directories:
+                reason = ("written through a symlink" if _under(parent, symlinks)
+                          else "parent directory is not a directory of the archive")
+        if reason is None and kind == Kind.SYMLINK:
+            reason = symlink_problem(path, index.links[i], symlinks)
+        if reason is None and kind == Kind.HARDLINK:
+            reason = _hardlink_problem(index, i)
+        if reason is None and kind not in tuple(Kind):
+            reason = f"unsupported entry type {kind}"
+        if reason:
+            problems.append((os.fsdecode(path), reason))
+        seen.add(path)
+        if kind == Kind.DIR:
+            directories.add(path)
+    return problems
+
+
+def _under(path: bytes, prefixes: set[bytes]) -> bool:
+    parts = path.split(b"/")
+    return any(b"/".join(parts[:n]) in prefixes for n in range(1, len(parts) + 1))
+
+
+def _hardlink_problem(index: Index, i: int) -> str | None:
+    leader = index.link_groups[i]
+    if not 0 <= leader < i or index.kinds[leader] != Kind.FILE or index.paths[leader] != index.links[i]:
+        return f"hard link to {os.fsdecode(index.links[i])!r}, which is not a regular file earlier in the archive"
+    return None

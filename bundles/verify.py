@@ -1,0 +1,194 @@
+"""Check a bundle against its index, and a destination tree against a bundle's index."""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from .errors import BundleError
+from .extract import RangeReader, hash_range, is_streamed
+from .index import Index, Shard, content_hash, new_hasher
+from .parallel import default_jobs, ordered_map
+from .reader import Bundle
+from .safety import safe_mode
+from .tarformat import END_OF_ARCHIVE, Kind, member_header
+
+
+@dataclass
+class VerifyReport:
+    """Problems found (empty when all is well) and how much was checked."""
+
+    problems: list[str] = field(default_factory=list)
+    shards: int = 0
+    entries: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_bundle(bundle: Bundle, jobs: int = 0) -> VerifyReport:
+    """Check every shard's bytes, headers and file hashes, and the sidecar index.
+
+    A damaged shard is reported with the files it holds that no longer match
+    (or all of its files if it cannot be decompressed).
+    """
+    index = bundle.index
+    if index is None:
+        raise BundleError("has no pallet index, so it cannot be verified", bundle.path,
+                          "verify works on bundles written by `pallet pack`; its .pidx may be missing")
+    report = VerifyReport(shards=len(index.shards), entries=len(index))
+    report.problems += _sidecar_problems(bundle)
+    jobs = min(jobs or default_jobs(), max(1, len(index.shards)))
+    for problems in ordered_map(_check_in_worker, index.shards, jobs, _init_worker, (bundle, index)):
+        report.problems += problems
+    expected_end = index.shards[-1].offset + index.shards[-1].length if index.shards else 0
+    if index.shards and expected_end > bundle.size:
+        report.problems.append(f"bundle is truncated: shards end at byte {expected_end}, file has {bundle.size}")
+    return report
+
+
+def _sidecar_problems(bundle: Bundle) -> list[str]:
+    sidecar = bundle.path + ".pidx"
+    if not os.path.exists(sidecar):
+        return []
+    if bundle.sidecar_index is None:
+        return [f"sidecar index {sidecar} is damaged"]
+    if bundle.sidecar_index.to_bytes() != bundle.index.to_bytes():
+        return [f"sidecar index {sidecar} differs from the index embedded in the bundle"]
+    return []
+
+
+_state: tuple | None = None
+
+
+def _init_worker(bundle: Bundle, index: Index) -> None:
+    global _state
+    _state = (bundle, index)
+
+
+def _check_in_worker(shard: Shard) -> list[str]:
+    bundle, index = _state
+    return check_shard(bundle, index, shard)
+
+
+def check_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
+    """Return the problems of one shard: its hash, decompression, headers and file hashes."""
+    if is_streamed(index, shard):
+        return _check_streamed_shard(bundle, index, shard)
+    try:
+        compressed = bundle.read_shard(shard)
+    except BundleError as exc:
+        return [exc.message]
+    problems = []
+    if content_hash(compressed) != shard.hash:
+        problems.append(f"shard {shard.number}: its bytes do not match the index hash")
+    try:
+        data = bundle.codec.decompress(compressed, shard.raw_size)
+    except BundleError as exc:
+        names = [index.entry(i).name for i in _entry_range(shard)]
+        return problems + [f"shard {shard.number}: {exc.message}; it holds: {', '.join(names[:20])}"
+                           + (" ..." if len(names) > 20 else "")]
+    for i in _entry_range(shard):
+        problems += _entry_problems(index, i, data)
+    if shard.number == len(index.shards) - 1 and not data.endswith(END_OF_ARCHIVE):
+        problems.append(f"shard {shard.number}: the archive's end-of-archive blocks are missing")
+    return problems
+
+
+def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
+    """Check a one-file shard without holding it in memory."""
+    entry = index.entry(shard.first_entry)
+    reader = RangeReader(bundle.fd, shard.offset, shard.length)
+    hasher, problems = new_hasher(), []
+    try:
+        stream = bundle.codec.open_stream(reader)
+        header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
+        if stream.read(len(header)) != header or entry.data_offset != len(header):
+            problems.append(f"{entry.name}: tar header does not match the index")
+        remaining = entry.size
+        while remaining:
+            chunk = stream.read(min(remaining, 8 << 20))
+            if not chunk:
+                problems.append(f"{entry.name}: data ends early")
+                break
+            hasher.update(chunk)
+            remaining -= len(chunk)
+        while stream.read(8 << 20):
+            pass
+    except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
+        problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")
+    if hash_range(bundle, shard) != shard.hash:
+        problems.insert(0, f"shard {shard.number}: its bytes do not match the index hash")
+    if not problems and hasher.digest() != entry.hash:
+        problems.append(f"{entry.name}: content does not match its hash")
+    return problems
+
+
+def _entry_range(shard: Shard) -> range:
+    return range(shard.first_entry, shard.first_entry + shard.entry_count)
+
+
+def _entry_problems(index: Index, i: int, data: bytes) -> list[str]:
+    entry = index.entry(i)
+    header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
+    problems = []
+    if data[entry.offset:entry.offset + len(header)] != header or entry.offset + len(header) != entry.data_offset:
+        problems.append(f"{entry.name}: tar header does not match the index")
+    if entry.kind == Kind.FILE:
+        content = memoryview(data)[entry.data_offset:entry.data_offset + entry.size]
+        if content_hash(content) != entry.hash:
+            problems.append(f"{entry.name}: content does not match its hash")
+    return problems
+
+
+def verify_tree(index: Index, dest: str) -> VerifyReport:
+    """Compare the tree under ``dest`` with the index: type, size, mode, mtime, content, link target."""
+    report = VerifyReport(entries=len(index))
+    root = os.fsencode(dest)
+    inodes: dict[int, int] = {}
+    for entry in index:
+        path = os.path.join(root, entry.path)
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            report.problems.append(f"{entry.name}: missing in the destination ({exc.strerror})")
+            continue
+        report.problems += [f"{entry.name}: {p}" for p in _tree_entry_problems(entry, path, st, inodes)]
+    return report
+
+
+def _tree_entry_problems(entry, path: bytes, st: os.stat_result, inodes: dict) -> list[str]:
+    expected_type = {Kind.FILE: stat.S_ISREG, Kind.DIR: stat.S_ISDIR, Kind.SYMLINK: stat.S_ISLNK,
+                     Kind.HARDLINK: stat.S_ISREG}[entry.kind]
+    if not expected_type(st.st_mode):
+        return [f"is not a {entry.kind.name.lower()}"]
+    problems = []
+    if entry.kind == Kind.SYMLINK:
+        if os.readlink(path) != entry.link:
+            problems.append("symlink target differs")
+        return problems
+    if entry.kind == Kind.HARDLINK:
+        if inodes.get(entry.link_group) != st.st_ino:
+            problems.append(f"is not a hard link of {os.fsdecode(entry.link)}")
+        return problems
+    if entry.link_group >= 0:
+        inodes[entry.number] = st.st_ino
+    if stat.S_IMODE(st.st_mode) != safe_mode(entry.mode):
+        problems.append(f"mode {stat.S_IMODE(st.st_mode):04o}, expected {safe_mode(entry.mode):04o}")
+    if st.st_mtime_ns != entry.mtime_ns:
+        problems.append("mtime differs")
+    if entry.kind == Kind.FILE:
+        if st.st_size != entry.size:
+            problems.append(f"size {st.st_size}, expected {entry.size}")
+        elif _file_hash(path) != entry.hash:
+            problems.append("content differs")
+    return problems
+
+
+def _file_hash(path: bytes) -> bytes:
+    hasher = new_hasher()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            hasher.update(chunk)
+    return hasher.digest()

@@ -1,0 +1,214 @@
+"""The `pallet` command line: pack, unpack, ls, verify and demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError, pack, unpack,
+                     verify_bundle, verify_tree)
+from bundles.plain import iter_members
+
+from . import demo
+from .display import human_bytes, make_progress, parse_size
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+_EPILOG = """\
+exit status: 0 success, 1 failure (named on stderr), 2 usage error.
+A bundle is a standard .tar.zst/.tar.gz/.tar: `tar -xf BUNDLE` extracts it too.
+See docs/bundle-format.md for the format and docs/cli.md for examples."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pallet", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
+        description="Stage datasets made of many tiny files: pack them into an indexed, sharded bundle "
+                    "that any tar can read, move it, and unpack it in parallel with every file verified.")
+    parser.add_argument("--version", action="version", version="pallet 0.1.0")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_pack(commands)
+    _add_unpack(commands)
+    _add_ls(commands)
+    _add_verify(commands)
+    demo.add_parser(commands)
+    return parser
+
+
+def _progress_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="always draw the progress bar (default: only on a terminal)")
+    group.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+
+
+def _add_pack(commands) -> None:
+    p = commands.add_parser("pack", help="pack a directory into a bundle",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Pack SRC (a directory or one file) into BUNDLE and BUNDLE.pidx.",
+                            epilog="examples:\n  pallet pack data/ data.tar.zst\n"
+                                   "  pallet pack --codec gzip --level 1 --jobs 8 data/ data.tar.gz\n"
+                                   "  pallet pack --codec none --shard-size 256M images/ images.tar")
+    p.add_argument("src", metavar="SRC", help="directory (or file) to pack; it is only read")
+    p.add_argument("bundle", metavar="BUNDLE", help="bundle to write (written to a temporary name, then renamed)")
+    p.add_argument("--codec", choices=("zstd", "gzip", "none"), default="zstd",
+                   help="shard compression: zstd (default), gzip (uses pigz when present) or none "
+                        "(for incompressible data)")
+    p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
+    p.add_argument("--shard-size", type=_size, metavar="SIZE",
+                   help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
+    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    _progress_flags(p)
+    p.set_defaults(run=_run_pack)
+
+
+def _add_unpack(commands) -> None:
+    p = commands.add_parser("unpack", help="unpack a bundle (or plain tar) into a directory",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Unpack BUNDLE into DEST with N workers, verifying every file. "
+                                        "Plain .tar/.tar.gz/.tar.zst archives without an index are "
+                                        "extracted sequentially under the same safety rules.",
+                            epilog="DEST holds .pallet-incomplete until the unpack has finished.\n"
+                                   "examples:\n  pallet unpack data.tar.zst /scratch/me/data\n"
+                                   "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("dest", metavar="DEST", help="destination directory (created if missing)")
+    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
+    _progress_flags(p)
+    p.set_defaults(run=_run_unpack)
+
+
+def _add_ls(commands) -> None:
+    p = commands.add_parser("ls", help="list a bundle's entries",
+                            description="List the entries of BUNDLE from its index (no data is read).")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--json", action="store_true", help="one JSON object per entry (JSON Lines)")
+    p.add_argument("--shards", action="store_true", help="list the shards instead of the entries")
+    p.set_defaults(run=_run_ls)
+
+
+def _add_verify(commands) -> None:
+    p = commands.add_parser("verify", help="check a bundle, or a destination against a bundle",
+                            description="Check every shard, header and file hash of BUNDLE; with DEST, "
+                                        "also check that DEST holds exactly what the bundle describes.")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("dest", metavar="DEST", nargs="?")
+    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_run_verify)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _run_pack(args) -> int:
+    if args.jobs < 0:
+        raise UsageError("--jobs must be 0 (all CPUs) or more")
+    options = PackOptions(args.codec, args.level, args.shard_size, args.jobs)
+    result = pack(args.src, args.bundle, options, make_progress(args.progress))
+    index = result.index
+    summary = {"bundle": result.bundle, "index": result.sidecar, "entries": len(index),
+               "shards": len(index.shards), "file_bytes": index.total_file_bytes,
+               "bundle_bytes": result.bundle_bytes, "codec": index.codec, "seconds": round(result.seconds, 3)}
+    _report(args, summary, f"packed {len(index)} entries ({human_bytes(index.total_file_bytes)}) into "
+                           f"{result.bundle}: {len(index.shards)} shard(s), {human_bytes(result.bundle_bytes)}, "
+                           f"{result.seconds:.2f} s")
+    return EXIT_OK
+
+
+def _run_unpack(args) -> int:
+    result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify), make_progress(args.progress))
+    checked = "verified" if result.verified else ("not verified (no index)" if not result.indexed else "not verified")
+    _report(args, {**result.__dict__, "seconds": round(result.seconds, 3)},
+            f"unpacked {result.entries} entries ({result.files} files, {human_bytes(result.file_bytes)}) "
+            f"into {result.dest} in {result.seconds:.2f} s, {checked}")
+    return EXIT_OK
+
+
+def _run_ls(args) -> int:
+    with Bundle.open(args.bundle) as bundle:
+        if bundle.index is None:
+            return _ls_plain(bundle, args.json)
+        out = sys.stdout
+        if args.shards:
+            for shard in bundle.index.shards:
+                doc = {"shard": shard.number, **shard.to_json()}
+                out.write(json.dumps(doc) + "\n" if args.json else
+                          f"{shard.number:6d} {shard.entry_count:8d} entries {shard.raw_size:14d} raw "
+                          f"{shard.length:14d} stored at {shard.offset}\n")
+            return EXIT_OK
+        for entry in bundle.index:
+            out.write(json.dumps(entry.to_json()) + "\n" if args.json else _ls_line(entry))
+    return EXIT_OK
+
+
+def _ls_line(entry) -> str:
+    kind = "-dlh"[entry.kind]
+    target = f" -> {os.fsdecode(entry.link)}" if entry.link else ""
+    return f"{kind}{entry.mode:04o} {entry.size:12d} {entry.mtime_ns // 1_000_000_000:12d} {entry.name}{target}\n"
+
+
+def _ls_plain(bundle, as_json: bool) -> int:
+    for member, _ in iter_members(bundle):
+        doc = {"path": member.name, "type": member.type.decode(errors="replace"), "mode": f"{member.mode:04o}",
+               "size": member.size, "mtime": member.mtime}
+        sys.stdout.write(json.dumps(doc) + "\n" if as_json else
+                         f"{member.type.decode(errors='replace')}{member.mode:04o} {member.size:12d} "
+                         f"{int(member.mtime):12d} {member.name}\n")
+    return EXIT_OK
+
+
+def _run_verify(args) -> int:
+    with Bundle.open(args.bundle) as bundle:
+        report = verify_bundle(bundle, args.jobs)
+        if args.dest and report.ok:
+            tree = verify_tree(bundle.index, args.dest)
+            report.problems += tree.problems
+    if args.json:
+        print(json.dumps({"ok": report.ok, "shards": report.shards, "entries": report.entries,
+                          "problems": report.problems}))
+    elif report.ok:
+        where = f" and {args.dest} matches it" if args.dest else ""
+        print(f"{args.bundle}: OK ({report.entries} entries in {report.shards} shard(s) verified){where}")
+    else:
+        print(f"{args.bundle}: {len(report.problems)} problem(s)", file=sys.stderr)
+        for problem in report.problems[:200]:
+            print(f"  - {problem}", file=sys.stderr)
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def _report(args, summary: dict, line: str) -> None:
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        parser.exit(EXIT_USAGE, f"pallet {args.command}: error: {exc}\n")
+    except PalletError as exc:
+        print(f"pallet {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"pallet {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:        # e.g. `pallet ls BUNDLE | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Terminal rendering for the CLI: a rich progress bar on a terminal, nothing otherwise."""
+from __future__ import annotations
+
+import sys
+
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
+from bundles.progress import NoProgress, Progress
+
+
+class BarProgress:
+    """A Progress drawn as a rich bar on stderr: files done of total, bytes, rate and ETA."""
+
+    def __init__(self) -> None:
+        self._bar: RichProgress | None = None
+        self._task = None
+        self._done_bytes = 0
+
+    def start(self, label: str, total_files: int, total_bytes: int) -> None:
+        self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("entries {task.fields[volume]}"), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), transient=True)
+        self._bar.start()
+        self._total = human_bytes(total_bytes)
+        self._task = self._bar.add_task(label, total=total_files or None, volume="")
+
+    def advance(self, files: int, nbytes: int) -> None:
+        if self._bar is not None:
+            self._done_bytes += nbytes
+            self._bar.update(self._task, advance=files, volume=f"{human_bytes(self._done_bytes)}/{self._total}")
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def make_progress(enabled: bool | None = None) -> Progress:
+    """A bar when stderr is a terminal (or ``enabled`` is True), else a silent Progress."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return BarProgress() if enabled else NoProgress()
+
+
+def human_bytes(n: float) -> str:
+    """Render a byte count as 1.5 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def parse_size(text: str) -> int:
+    """Parse 64M, 4MiB, 1G, 512k or plain bytes into a byte count (binary units)."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 16M, 64MiB, 1G)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value)
