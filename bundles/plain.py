@@ -51,7 +51,9 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     files: set[bytes] = set()
     symlink_names = set()
     for member, archive in iter_members(bundle):
-        name = os.fsencode(member.name).rstrip(b"/")
+        name = _normalized(os.fsencode(member.name))
+        if not name:
+            continue                      # the archive's root, "./"
         reason = _member_problem(member, name, files, symlink_names)
         if reason:
             refused.append((member.name, reason))
@@ -80,6 +82,13 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     if refused:
         raise UnsafeMemberError(refused, bundle.path)
     return stats
+
+
+def _normalized(name: bytes) -> bytes:
+    """Drop '.' and empty components (tar writes './a/b'); keep a leading '/' so it is refused."""
+    if name.startswith(b"/"):
+        return name
+    return b"/".join(p for p in name.split(b"/") if p not in (b"", b"."))
 
 
 def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: set) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .errors import SourceError
 from .index import Index
+from .parallel import ordered_map
 from .tarformat import Kind
 
 
@@ -18,13 +19,15 @@ class SourceTree:
     index: Index
 
 
-def scan(src: str | os.PathLike, codec: str, level: int) -> SourceTree:
-    """Walk ``src`` (a directory or one file) into an Index holding its entries, directories first.
+def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1) -> SourceTree:
+    """Walk ``src`` (a directory or one file) into an Index holding its entries in stream order.
 
     Only entry columns are filled (hashes, shards and offsets come from the
-    writer). Raises SourceError for a missing or unreadable source, and one
-    SourceError listing every special file (device, FIFO, socket) and every
-    symlink pointing outside the tree, since no bundle may carry those.
+    writer). Names are listed by one process, their ``lstat`` calls are
+    shared by ``jobs`` workers. Raises SourceError for a missing or
+    unreadable source, and one SourceError listing every special file
+    (device, FIFO, socket) and every symlink pointing outside the tree,
+    since no bundle may carry those.
     """
     top = os.fsencode(src)
     try:
@@ -33,81 +36,111 @@ def scan(src: str | os.PathLike, codec: str, level: int) -> SourceTree:
         raise SourceError("does not exist", src, "check the path") from None
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", src, "check its permissions") from None
-    index = Index(codec, level, 0)
     if stat.S_ISDIR(st.st_mode):
-        root, dirs, others = top, [], []
-        _walk(top, b"", dirs, others)
+        root, names = top, _walk(top)
     else:
         root, name = os.path.split(os.path.abspath(top))
-        dirs, others = [], [(name, os.lstat(top))]
+        names = [name]
+    stats = _lstat_all(root, names, jobs)
+    index = Index(codec, level, 0)
     problems: list[str] = []
-    for rel, entry_stat in dirs:
-        _append(index, rel, Kind.DIR, entry_stat, b"", -1)
     leaders: dict[tuple[int, int], int] = {}
-    for rel, entry_stat in others:
-        _append_other(index, root, rel, entry_stat, leaders, problems)
+    for rel, entry_stat in zip(names, stats):
+        _append_entry(index, root, rel, entry_stat, leaders, problems)
     if problems:
         raise SourceError("cannot be packed:\n" + "\n".join(f"  - {p}" for p in problems), src,
                           "remove or replace these entries, or pack a directory that does not hold them")
     return SourceTree(root, index)
 
 
-def _walk(root: bytes, rel: bytes, dirs: list, others: list) -> None:
-    stack = [rel]
+def _walk(root: bytes) -> list[bytes]:
+    """Relative names under ``root`` in stream order: each directory, then its files, then its subdirectories.
+
+    This is depth-first preorder with names sorted, the order tar itself
+    writes, so every directory precedes its contents and tar restores
+    directory times correctly.
+    """
+    names, stack = [], [b""]
     while stack:
         current = stack.pop()
         full = os.path.join(root, current) if current else root
+        if current:
+            names.append(current)
         try:
             with os.scandir(full) as it:
-                children = sorted(it, key=lambda e: e.name)
+                children = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
         except OSError as exc:
             raise SourceError(f"cannot list directory ({exc.strerror})", full,
                               "make it readable (chmod u+rx) or leave it out of the source") from None
-        subdirs = []
-        for child in children:
-            child_rel = current + b"/" + child.name if current else child.name
-            try:
-                child_stat = child.stat(follow_symlinks=False)
-            except OSError as exc:
-                raise SourceError(f"cannot stat ({exc.strerror})", child.path, "check its permissions") from None
-            if stat.S_ISDIR(child_stat.st_mode):
-                dirs.append((child_rel, child_stat))
-                subdirs.append(child_rel)
-            else:
-                others.append((child_rel, child_stat))
-        stack.extend(reversed(subdirs))
+        prefix = current + b"/" if current else b""
+        names.extend(prefix + name for name, is_dir in children if not is_dir)
+        stack.extend(prefix + name for name, is_dir in reversed(children) if is_dir)
+    return names
 
 
-def _append(index: Index, rel: bytes, kind: Kind, st: os.stat_result, link: bytes, group: int) -> None:
-    index.paths.append(rel)
-    index.kinds.append(int(kind))
-    index.modes.append(stat.S_IMODE(st.st_mode))
-    index.mtimes.append(st.st_mtime_ns)
-    index.sizes.append(st.st_size if kind == Kind.FILE else 0)
-    index.links.append(link)
-    index.link_groups.append(group)
+_STAT_CHUNK = 4096
+_stat_state: tuple[bytes, list[bytes]] | None = None
 
 
-def _append_other(index: Index, root: bytes, rel: bytes, st: os.stat_result,
-                  leaders: dict, problems: list[str]) -> None:
-    mode = st.st_mode
-    if stat.S_ISLNK(mode):
+def _lstat_all(root: bytes, names: list[bytes], jobs: int) -> list[tuple]:
+    chunks = range(0, len(names), _STAT_CHUNK)
+    jobs = jobs if len(names) > 4 * _STAT_CHUNK else 1
+    results: list[tuple] = []
+    for part in ordered_map(_lstat_chunk, chunks, jobs, _init_stat, (root, names)):
+        results += part
+    return results
+
+
+def _init_stat(root: bytes, names: list[bytes]) -> None:
+    global _stat_state
+    _stat_state = (root, names)
+
+
+def _lstat_chunk(start: int) -> list[tuple]:
+    root, names = _stat_state
+    out = []
+    for rel in names[start:start + _STAT_CHUNK]:
+        path = os.path.join(root, rel)
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise SourceError(f"cannot stat ({exc.strerror})", path,
+                              "check its permissions, or pack again when nothing is changing the source") from None
+        out.append((st.st_mode, st.st_mtime_ns, st.st_size, st.st_nlink, st.st_dev, st.st_ino))
+    return out
+
+
+def _append_entry(index: Index, root: bytes, rel: bytes, st: tuple, leaders: dict, problems: list[str]) -> None:
+    mode, mtime_ns, size, nlink, dev, ino = st
+    if stat.S_ISDIR(mode):
+        _append(index, rel, Kind.DIR, mode, mtime_ns, 0, b"", -1)
+    elif stat.S_ISLNK(mode):
         target = os.readlink(os.path.join(root, rel))
         if not link_stays_inside(rel, target):
             problems.append(f"{os.fsdecode(rel)!r}: symlink to {os.fsdecode(target)!r} points outside the tree")
-        _append(index, rel, Kind.SYMLINK, st, target, -1)
+        _append(index, rel, Kind.SYMLINK, mode, mtime_ns, 0, target, -1)
     elif stat.S_ISREG(mode):
-        key = (st.st_dev, st.st_ino)
-        if st.st_nlink > 1 and key in leaders:
-            leader = leaders[key]
+        if nlink > 1 and (dev, ino) in leaders:
+            leader = leaders[(dev, ino)]
             index.link_groups[leader] = leader
-            _append(index, rel, Kind.HARDLINK, st, index.paths[leader], leader)
+            _append(index, rel, Kind.HARDLINK, mode, mtime_ns, 0, index.paths[leader], leader)
         else:
-            if st.st_nlink > 1:
-                leaders[key] = len(index.paths)
-            _append(index, rel, Kind.FILE, st, b"", -1)
+            if nlink > 1:
+                leaders[(dev, ino)] = len(index.paths)
+            _append(index, rel, Kind.FILE, mode, mtime_ns, size, b"", -1)
     else:
         problems.append(f"{os.fsdecode(rel)!r}: special file (device, FIFO or socket)")
+
+
+def _append(index: Index, rel: bytes, kind: Kind, mode: int, mtime_ns: int, size: int, link: bytes,
+            group: int) -> None:
+    index.paths.append(rel)
+    index.kinds.append(kind)
+    index.modes.append(stat.S_IMODE(mode))
+    index.mtimes.append(mtime_ns)
+    index.sizes.append(size)
+    index.links.append(link)
+    index.link_groups.append(group)
 
 
 def link_stays_inside(rel: bytes, target: bytes) -> bool:

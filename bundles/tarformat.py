@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from functools import lru_cache
 
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
 _MAX_OCTAL_11 = 8**11 - 1          # largest value of a 12-byte ustar numeric field
 _PAX_NAME = b"././@PaxHeader"
+_ZEROS = bytes(BLOCK)
 _TYPEFLAG = {0: b"0", 1: b"5", 2: b"2", 3: b"1"}
 
 
@@ -22,10 +24,6 @@ class Kind(IntEnum):
 def padding(size: int) -> int:
     """Bytes of zero padding that follow ``size`` bytes of member data."""
     return -size % BLOCK
-
-
-def _octal(value: int, width: int) -> bytes:
-    return b"%0*o\0" % (width - 1, value)
 
 
 def _pax_record(key: bytes, value: bytes) -> bytes:
@@ -50,6 +48,13 @@ def _split_ustar_name(name: bytes) -> tuple[bytes, bytes] | None:
     return None
 
 
+def _mtime_record(mtime_ns: int, seconds: int, nanos: int) -> bytes:
+    if 0 <= seconds < 10**12:           # fast path: the record's length has two digits
+        body = b" mtime=%d.%09d\n" % (seconds, nanos)
+        return b"%d" % (len(body) + 2) + body
+    return _pax_record(b"mtime", _format_mtime(mtime_ns))
+
+
 def _format_mtime(mtime_ns: int) -> bytes:
     sign = b"-" if mtime_ns < 0 else b""
     seconds, nanos = divmod(abs(mtime_ns), 1_000_000_000)
@@ -64,14 +69,23 @@ def _is_utf8(raw: bytes) -> bool:
     return True
 
 
+_IDS = b"0000000\0" * 2                                  # uid and gid 0
+_BLANK_CHECKSUM = b" " * 8
+_TAIL = b"ustar\x0000" + bytes(64) + b"0000000\0" * 2    # magic, version, names, device numbers
+_CONSTANT_SUM = sum(_BLANK_CHECKSUM) + sum(_TAIL)
+
+
 def _ustar_block(name: bytes, prefix: bytes, mode: int, size: int, mtime: int,
                  typeflag: bytes, link: bytes) -> bytes:
-    head = (name.ljust(100, b"\0") + _octal(mode, 8) + _octal(0, 8) + _octal(0, 8)
-            + _octal(size, 12) + _octal(mtime, 12))
-    tail = (typeflag + link.ljust(100, b"\0") + b"ustar\x0000" + bytes(64)
-            + _octal(0, 8) + _octal(0, 8) + prefix.ljust(155, b"\0") + bytes(12))
-    checksum = sum(head) + sum(tail) + 8 * 32
-    return head + b"%06o\0 " % checksum + tail
+    numbers = b"%07o\0" % mode + _IDS + b"%011o\0%011o\0" % (size, mtime)
+    checksum = _CONSTANT_SUM + sum(name) + sum(numbers) + typeflag[0] + sum(link) + sum(prefix)
+    return b"".join((name.ljust(100, b"\0"), numbers, b"%06o\0 " % checksum, typeflag, link.ljust(100, b"\0"),
+                     _TAIL, prefix.ljust(155, b"\0"), bytes(12)))
+
+
+@lru_cache(maxsize=256)
+def _pax_block(payload_size: int) -> bytes:
+    return _ustar_block(_PAX_NAME, b"", 0o644, payload_size, 0, b"x", b"")
 
 
 def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, link: bytes) -> bytes:
@@ -83,27 +97,31 @@ def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, l
     out-of-range mtimes, sizes of 8 GiB and more, long paths and link targets.
     Data of ``size`` bytes (files only) and its padding follow the header.
     """
-    name = path + b"/" if kind == Kind.DIR else path
-    data_size = size if kind == Kind.FILE else 0
+    name = path + b"/" if kind == 1 else path       # Kind.DIR
+    data_size = size if kind == 0 else 0             # Kind.FILE
     records = []
-    split = _split_ustar_name(name)
-    if split is None:
-        records.append(_pax_record(b"path", name))
-        split = (b"", name[-100:].lstrip(b"/") if _is_utf8(name) else b"@PaxPath")
+    if len(name) <= 100:
+        prefix = b""
+    else:
+        split = _split_ustar_name(name)
+        if split is None:
+            records.append(_pax_record(b"path", name))
+            split = (b"", name[-100:].lstrip(b"/") if _is_utf8(name) else b"@PaxPath")
+        prefix, name = split
     if len(link) > 100:
         records.append(_pax_record(b"linkpath", link))
     seconds, nanos = divmod(mtime_ns, 1_000_000_000)
     if nanos or not 0 <= seconds <= _MAX_OCTAL_11:
-        records.append(_pax_record(b"mtime", _format_mtime(mtime_ns)))
+        records.append(_mtime_record(mtime_ns, seconds, nanos))
         seconds = min(max(seconds, 0), _MAX_OCTAL_11)
     if data_size > _MAX_OCTAL_11:
         records.append(_pax_record(b"size", b"%d" % data_size))
-    if any(not _is_utf8(v) for v in (name, link)) and records:
-        records.insert(0, _pax_record(b"hdrcharset", b"BINARY"))
-    ustar = _ustar_block(split[1], split[0], mode & 0o7777, 0 if data_size > _MAX_OCTAL_11 else data_size,
-                         seconds, _TYPEFLAG[kind], link if len(link) <= 100 else link[:100])
+    ustar = _ustar_block(name, prefix, mode & 0o7777, 0 if data_size > _MAX_OCTAL_11 else data_size,
+                         seconds, _TYPEFLAG[kind], link[:100])
     if not records:
         return ustar
+    if not (path.isascii() and link.isascii()) and not (_is_utf8(path) and _is_utf8(link)):
+        records.insert(0, _pax_record(b"hdrcharset", b"BINARY"))
     payload = b"".join(records)
-    pax = _ustar_block(_PAX_NAME, b"", 0o644, len(payload), 0, b"x", b"")
-    return pax + payload + bytes(padding(len(payload))) + ustar
+    return b"".join((_pax_block(len(payload)), payload, _ZEROS[:-len(payload) % BLOCK], ustar))
+

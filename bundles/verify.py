@@ -91,9 +91,17 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
                            + (" ..." if len(names) > 20 else "")]
     for i in _entry_range(shard):
         problems += _entry_problems(index, i, data)
-    if shard.number == len(index.shards) - 1 and not data.endswith(END_OF_ARCHIVE):
-        problems.append(f"shard {shard.number}: the archive's end-of-archive blocks are missing")
+    if shard.number == len(index.shards) - 1 and not _tail_matches(index, shard, data):
+        problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     return problems
+
+
+def _tail_matches(index: Index, shard: Shard, data: bytes) -> bool:
+    end = 0
+    if shard.entry_count:
+        last = shard.first_entry + shard.entry_count - 1
+        end = index.data_offsets[last] + (index.sizes[last] + -index.sizes[last] % 512 if index.kinds[last] == Kind.FILE else 0)
+    return data[end:] == END_OF_ARCHIVE
 
 
 def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
@@ -114,8 +122,10 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[st
                 break
             hasher.update(chunk)
             remaining -= len(chunk)
-        while stream.read(8 << 20):
-            pass
+        stream.read(-entry.size % 512)
+        rest = stream.read(1 << 30) if shard.number == len(index.shards) - 1 else b""
+        if rest != (END_OF_ARCHIVE if shard.number == len(index.shards) - 1 else b""):
+            problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
         problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")
     if hash_range(bundle, shard) != shard.hash:

@@ -20,6 +20,8 @@ MIN_AUTO_SHARD = 4 << 20
 MAX_AUTO_SHARD = 64 << 20
 _READ_CHUNK = 8 << 20
 _ZERO_HASH = bytes(HASH_SIZE)
+_ZERO_BLOCK = bytes(BLOCK)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     jobs = options.jobs or default_jobs()
     bundle = os.fspath(bundle)
     _check_destination(bundle)
-    tree = scan(src, codec.name, codec.level)
+    tree = scan(src, codec.name, codec.level, jobs)
     index = tree.index
     index.shard_size = options.shard_size or auto_shard_size(index)
     plans = plan_shards(index, index.shard_size)
@@ -113,7 +115,7 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     progress.start("pack", len(index), sum(index.sizes))
     tmp = _temp_name(bundle)
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "w+b") as out:     # read back to hash streamed shards
             _write_shards(tree, plans, codec, jobs, out, progress)
             out.write(container.index_section(codec.name, index.to_bytes(), out.tell()))
             size = out.tell()
@@ -166,26 +168,32 @@ def _init_worker(tree: SourceTree, codec: Codec) -> None:
 def _build_small_shard(plan: ShardPlan) -> _BuiltShard:
     tree, codec = _worker_state
     index, parts = tree.index, []
-    hashes, offsets, data_offsets = bytearray(), array("Q"), array("Q")
+    paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes,
+                                                 index.sizes, index.links)
+    root = tree.root + b"/"
+    hashes, offsets, data_offsets = [], array("Q"), array("Q")
     position = file_bytes = 0
     for i in range(plan.first, plan.first + plan.count):
-        header = _header(index, i)
+        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], sizes[i], links[i])
         offsets.append(position)
         position += len(header)
         data_offsets.append(position)
         parts.append(header)
-        if index.kinds[i] == Kind.FILE:
-            data = _read_file(tree.root, index.paths[i], index.sizes[i])
-            hashes += content_hash(data)
-            parts += (data, bytes(padding(len(data))))
-            position += len(data) + padding(len(data))
-            file_bytes += len(data)
+        if kinds[i] == Kind.FILE:
+            size = sizes[i]
+            data = _read_file(root + paths[i], size)
+            hashes.append(content_hash(data))
+            parts.append(data)
+            parts.append(_ZERO_BLOCK[:-size % BLOCK])
+            position += size + -size % BLOCK
+            file_bytes += size
         else:
-            hashes += _ZERO_HASH
+            hashes.append(_ZERO_HASH)
     if plan.last:
-        parts.append(END_OF_ARCHIVE)
-        position += len(END_OF_ARCHIVE)
-    return _BuiltShard(codec.compress(b"".join(parts)), position, file_bytes, bytes(hashes), offsets, data_offsets)
+        tail = END_OF_ARCHIVE
+        parts.append(tail)
+        position += len(tail)
+    return _BuiltShard(codec.compress(b"".join(parts)), position, file_bytes, b"".join(hashes), offsets, data_offsets)
 
 
 def _build_big_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, jobs: int, out) -> _BuiltShard:
@@ -196,14 +204,15 @@ def _build_big_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, jobs: int,
 
     def chunks() -> Iterator[bytes]:
         yield header
-        for chunk in _iter_file(tree.root, index.paths[i], size):
+        for chunk in _iter_file(os.path.join(tree.root, index.paths[i]), size):
             hasher.update(chunk)
             yield chunk
-        yield bytes(padding(size)) + (END_OF_ARCHIVE if plan.last else b"")
+        yield bytes(padding(size)) + tail
 
+    tail = END_OF_ARCHIVE if plan.last else b""
     out.flush()
     codec.compress_stream(chunks(), out, jobs)
-    raw = len(header) + size + padding(size) + (len(END_OF_ARCHIVE) if plan.last else 0)
+    raw = len(header) + size + padding(size) + len(tail)
     return _BuiltShard(b"", raw, size, hasher.digest(), array("Q", [0]), array("Q", [len(header)]))
 
 
@@ -212,27 +221,23 @@ def _header(index: Index, i: int) -> bytes:
                          index.sizes[i], index.links[i])
 
 
-def _read_file(root: bytes, rel: bytes, size: int) -> bytes:
+def _read_file(path: bytes, size: int) -> bytes:
     """Return the whole content of a file expected to hold ``size`` bytes (it fits in a shard)."""
-    if size == 0:
-        return b"".join(_iter_file(root, rel, 0))
-    path = os.path.join(root, rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _READ_FLAGS)
     except OSError:
-        return b"".join(_iter_file(root, rel, size))    # raises the explained error
+        return b"".join(_iter_file(path, size))     # raises the explained error
     try:
         data = os.read(fd, size + 1)
     finally:
         os.close(fd)
-    return data if len(data) == size else b"".join(_iter_file(root, rel, size))
+    return data if len(data) == size else b"".join(_iter_file(path, size))
 
 
-def _iter_file(root: bytes, rel: bytes, size: int) -> Iterator[bytes]:
+def _iter_file(path: bytes, size: int) -> Iterator[bytes]:
     """Yield exactly ``size`` bytes of the file, or raise SourceError if it changed or cannot be read."""
-    path = os.path.join(root, rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", path,
                           "make it readable (chmod u+r) or remove it from the source") from None
