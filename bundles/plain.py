@@ -103,7 +103,7 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: 
     if member.issym():
         return symlink_problem(name, os.fsencode(member.linkname), symlinks)
     if member.islnk():
-        if os.fsencode(member.linkname) not in files:
+        if _normalized(os.fsencode(member.linkname)) not in files:
             return f"hard link to {member.linkname!r}, which is not a file extracted earlier"
     elif not (member.isfile() or member.isdir()):
         return f"unsupported member type {member.type!r}"
@@ -133,7 +133,8 @@ def _finish_links(root: bytes, links: list, files: set, refused: list) -> None:
                 os.symlink(os.fsencode(member.linkname), path)
                 os.utime(path, ns=(int(member.mtime * 1e9),) * 2, follow_symlinks=False)
             else:
-                os.link(os.path.join(root, os.fsencode(member.linkname)), path, follow_symlinks=False)
+                os.link(os.path.join(root, _normalized(os.fsencode(member.linkname))), path,
+                        follow_symlinks=False)
         except OSError as exc:
             refused.append((member.name, f"cannot create link ({exc.strerror})"))
 
