@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import stat
+from array import array
 from dataclasses import dataclass
 
 from .errors import SourceError
@@ -41,12 +42,14 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1) -> Sourc
     else:
         root, name = os.path.split(os.path.abspath(top))
         names = [name]
-    stats = _lstat_all(root, names, jobs)
     index = Index(codec, level, 0)
+    index.paths = names
     problems: list[str] = []
-    leaders: dict[tuple[int, int], int] = {}
-    for rel, entry_stat in zip(names, stats):
-        _append_entry(index, root, rel, entry_stat, leaders, problems)
+    multi_linked: list[tuple[int, int, int]] = []
+    for chunk in ordered_map(_stat_chunk, range(0, len(names), _STAT_CHUNK),
+                             jobs if len(names) > 4 * _STAT_CHUNK else 1, _init_stat, (root, names)):
+        _add_chunk(index, chunk, multi_linked, problems)
+    _link_hard_links(index, multi_linked)
     if problems:
         raise SourceError("cannot be packed:\n" + "\n".join(f"  - {p}" for p in problems), src,
                           "remove or replace these entries, or pack a directory that does not hold them")
@@ -79,16 +82,22 @@ def _walk(root: bytes) -> list[bytes]:
 
 
 _STAT_CHUNK = 4096
+_MIN_MTIME, _MAX_MTIME = -(2**63), 2**63 - 1
 _stat_state: tuple[bytes, list[bytes]] | None = None
 
 
-def _lstat_all(root: bytes, names: list[bytes], jobs: int) -> list[tuple]:
-    chunks = range(0, len(names), _STAT_CHUNK)
-    jobs = jobs if len(names) > 4 * _STAT_CHUNK else 1
-    results: list[tuple] = []
-    for part in ordered_map(_lstat_chunk, chunks, jobs, _init_stat, (root, names)):
-        results += part
-    return results
+@dataclass
+class _ChunkStats:
+    """Columns for names[start:start+len(kinds)]; ``multi_linked`` holds (entry, dev, ino) of nlink > 1 files."""
+
+    start: int
+    kinds: array
+    modes: array
+    mtimes: array
+    sizes: array
+    links: list
+    multi_linked: list
+    problems: list
 
 
 def _init_stat(root: bytes, names: list[bytes]) -> None:
@@ -96,51 +105,65 @@ def _init_stat(root: bytes, names: list[bytes]) -> None:
     _stat_state = (root, names)
 
 
-def _lstat_chunk(start: int) -> list[tuple]:
+def _stat_chunk(start: int) -> _ChunkStats:
+    """lstat (and readlink) one chunk of names in a worker."""
     root, names = _stat_state
-    out = []
-    for rel in names[start:start + _STAT_CHUNK]:
+    out = _ChunkStats(start, array("B"), array("I"), array("q"), array("Q"), [], [], [])
+    for n, rel in enumerate(names[start:start + _STAT_CHUNK], start):
         path = os.path.join(root, rel)
         try:
             st = os.lstat(path)
         except OSError as exc:
             raise SourceError(f"cannot stat ({exc.strerror})", path,
                               "check its permissions, or pack again when nothing is changing the source") from None
-        out.append((st.st_mode, st.st_mtime_ns, st.st_size, st.st_nlink, st.st_dev, st.st_ino))
+        mode, size, link = st.st_mode, 0, b""
+        if stat.S_ISREG(mode):
+            kind, size = Kind.FILE, st.st_size
+            if st.st_nlink > 1:
+                out.multi_linked.append((n, st.st_dev, st.st_ino))
+        elif stat.S_ISDIR(mode):
+            kind = Kind.DIR
+        elif stat.S_ISLNK(mode):
+            kind, link = Kind.SYMLINK, os.readlink(path)
+            if not link_stays_inside(rel, link):
+                out.problems.append(f"{os.fsdecode(rel)!r}: symlink to {os.fsdecode(link)!r} points outside the tree")
+        else:
+            kind = Kind.FILE
+            out.problems.append(f"{os.fsdecode(rel)!r}: special file (device, FIFO or socket)")
+        mtime = st.st_mtime_ns
+        if not _MIN_MTIME <= mtime <= _MAX_MTIME:
+            out.problems.append(f"{os.fsdecode(rel)!r}: mtime is beyond the year 2262 (not representable)")
+            mtime = 0
+        out.kinds.append(kind)
+        out.modes.append(stat.S_IMODE(mode))
+        out.mtimes.append(mtime)
+        out.sizes.append(size)
+        out.links.append(link)
     return out
 
 
-def _append_entry(index: Index, root: bytes, rel: bytes, st: tuple, leaders: dict, problems: list[str]) -> None:
-    mode, mtime_ns, size, nlink, dev, ino = st
-    if stat.S_ISDIR(mode):
-        _append(index, rel, Kind.DIR, mode, mtime_ns, 0, b"", -1)
-    elif stat.S_ISLNK(mode):
-        target = os.readlink(os.path.join(root, rel))
-        if not link_stays_inside(rel, target):
-            problems.append(f"{os.fsdecode(rel)!r}: symlink to {os.fsdecode(target)!r} points outside the tree")
-        _append(index, rel, Kind.SYMLINK, mode, mtime_ns, 0, target, -1)
-    elif stat.S_ISREG(mode):
-        if nlink > 1 and (dev, ino) in leaders:
-            leader = leaders[(dev, ino)]
+def _add_chunk(index: Index, chunk: _ChunkStats, multi_linked: list, problems: list) -> None:
+    index.kinds.extend(chunk.kinds)
+    index.modes.extend(chunk.modes)
+    index.mtimes.extend(chunk.mtimes)
+    index.sizes.extend(chunk.sizes)
+    index.links.extend(chunk.links)
+    multi_linked.extend(chunk.multi_linked)
+    problems.extend(chunk.problems)
+
+
+def _link_hard_links(index: Index, multi_linked: list[tuple[int, int, int]]) -> None:
+    """Turn every later file sharing an inode into a hard link to the first one."""
+    index.link_groups = array("q", [-1]) * len(index.paths)
+    leaders: dict[tuple[int, int], int] = {}
+    for n, dev, ino in multi_linked:
+        leader = leaders.setdefault((dev, ino), n)
+        if leader != n:
             index.link_groups[leader] = leader
-            _append(index, rel, Kind.HARDLINK, mode, mtime_ns, 0, index.paths[leader], leader)
-        else:
-            if nlink > 1:
-                leaders[(dev, ino)] = len(index.paths)
-            _append(index, rel, Kind.FILE, mode, mtime_ns, size, b"", -1)
-    else:
-        problems.append(f"{os.fsdecode(rel)!r}: special file (device, FIFO or socket)")
-
-
-def _append(index: Index, rel: bytes, kind: Kind, mode: int, mtime_ns: int, size: int, link: bytes,
-            group: int) -> None:
-    index.paths.append(rel)
-    index.kinds.append(kind)
-    index.modes.append(stat.S_IMODE(mode))
-    index.mtimes.append(mtime_ns)
-    index.sizes.append(size)
-    index.links.append(link)
-    index.link_groups.append(group)
+            index.link_groups[n] = leader
+            index.kinds[n] = Kind.HARDLINK
+            index.sizes[n] = 0
+            index.links[n] = index.paths[leader]
 
 
 def link_stays_inside(rel: bytes, target: bytes) -> bool:

@@ -28,7 +28,7 @@ def trees(draw):
         kind = draw(st.sampled_from(["dir", "file", "file", "file", "symlink", "hardlink"]))
         if kind == "dir":
             dirs.append(name)
-        ops.append((kind, name, draw(st.binary(max_size=3000)), draw(MODES), draw(st.integers(0, 2**34))))
+        ops.append((kind, name, draw(st.binary(max_size=3000)), draw(MODES), draw(st.integers(0, 2**33 + 1000))))
     return ops
 
 
