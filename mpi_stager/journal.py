@@ -1,0 +1,93 @@
+"""The unpack journal: one record per finished shard, a log per run, and the completion marker."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from bundles.index import Index, content_hash
+
+STATE_DIR = ".pallet"
+
+
+def bundle_id(index: Index) -> str:
+    """A short identity of a bundle's content: the hash of its shard hashes."""
+    return content_hash(b"".join(s.hash for s in index.shards)).hex()[:24]
+
+
+@dataclass(frozen=True)
+class Journal:
+    """Files under ``root`` (default DEST/.pallet/journal-ID) recording progress of one bundle into one DEST.
+
+    ``shard-NNNNNN`` exists once shard N is completely written (its content
+    is the shard's hash, so a record from another bundle never counts);
+    ``runs/RUN.rankR`` lists the shards rank R extracted in run RUN; the
+    completion marker DEST/.pallet/complete-ID.json is written last.
+    """
+
+    root: str
+    marker: str
+
+    @classmethod
+    def for_destination(cls, dest: str, index: Index, journal_dir: str | None = None) -> "Journal":
+        ident = bundle_id(index)
+        root = journal_dir or os.path.join(dest, STATE_DIR, f"journal-{ident}")
+        return cls(root, os.path.join(dest, STATE_DIR, f"complete-{ident}.json"))
+
+    def create(self) -> None:
+        os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
+        os.makedirs(os.path.dirname(self.marker), exist_ok=True)
+
+    def finished_shards(self, index: Index) -> set[int]:
+        """Shards recorded as finished with a hash that matches ``index``."""
+        done = set()
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return done
+        for name in names:
+            if name.startswith("shard-") and name[6:].isdigit():
+                number = int(name[6:])
+                if number < len(index.shards) and _read(os.path.join(self.root, name)) == index.shards[number].hash.hex():
+                    done.add(number)
+        return done
+
+    def record_shard(self, index: Index, number: int, run: str, rank: int) -> None:
+        path = os.path.join(self.root, f"shard-{number:06d}")
+        with open(path + f".tmp{rank}", "w") as handle:
+            handle.write(index.shards[number].hash.hex())
+        os.replace(path + f".tmp{rank}", path)
+        with open(os.path.join(self.root, "runs", f"{run}.rank{rank}"), "a") as handle:
+            handle.write(f"{number}\n")
+
+    def run_log(self) -> dict[str, list[int]]:
+        """Shards extracted per run (all ranks merged), for inspection and tests."""
+        runs: dict[str, list[int]] = {}
+        directory = os.path.join(self.root, "runs")
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            run = name.rsplit(".rank", 1)[0]
+            runs.setdefault(run, []).extend(int(line) for line in _read(os.path.join(directory, name)).split())
+        return runs
+
+    def is_complete(self) -> bool:
+        return os.path.exists(self.marker)
+
+    def complete(self, summary: dict) -> None:
+        """Write the completion marker (atomically), the last thing an unpack does."""
+        with open(self.marker + ".tmp", "w") as handle:
+            json.dump({**summary, "finished_at": time.time()}, handle)
+        os.replace(self.marker + ".tmp", self.marker)
+
+
+def new_run_name() -> str:
+    """A sortable name for one unpack run."""
+    return time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,215 @@
+"""Unpack one bundle with N ranks: rank 0 plans and makes the tree, every rank extracts its shards."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from bundles.errors import CorruptBundleError, PalletError
+from bundles.extract import check_index, extract_shard, finish_tree, make_directories, prepare_destination
+from bundles.parallel import ordered_map
+from bundles.reader import Bundle
+from bundles.unpack import INCOMPLETE_MARKER
+
+from .comm import POISON, Communicator
+from .journal import Journal, new_run_name
+from .schedule import assign_shards
+
+
+@dataclass(frozen=True)
+class StagerOptions:
+    """Unpack options: hash checks, journal location (None: under DEST), worker processes per rank."""
+
+    verify: bool = True
+    journal_dir: str | None = None
+    workers: int = 1
+
+
+@dataclass
+class RankReport:
+    """What one rank did: shards extracted, files and bytes written, and errors met."""
+
+    rank: int
+    shards: list[int] = field(default_factory=list)
+    files: int = 0
+    file_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StagerSummary:
+    """The job's outcome, the same on every rank."""
+
+    dest: str
+    ranks: int
+    shards_total: int
+    shards_skipped: int
+    shards_done: int
+    files: int
+    file_bytes: int
+    seconds: float
+    errors: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class StagerError(PalletError):
+    """The unpack failed on one or more ranks; ``summary`` holds every rank's errors."""
+
+    def __init__(self, summary: StagerSummary):
+        listed = "\n".join(f"  - {e}" for e in summary.errors[:50])
+        more = f"\n  ... and {len(summary.errors) - 50} more" if len(summary.errors) > 50 else ""
+        super().__init__(f"unpack failed ({len(summary.errors)} error(s) on {summary.ranks} rank(s)):\n{listed}{more}",
+                         summary.dest, f"{INCOMPLETE_MARKER} marks it; fix the cause and rerun: "
+                         "finished shards are skipped")
+        self.summary = summary
+
+
+def unpack_parallel(comm: Communicator, bundle_path: str, dest: str, options: StagerOptions) -> StagerSummary:
+    """Run the unpack on every rank of ``comm``; all ranks return the same summary or raise StagerError."""
+    started = time.monotonic()
+    bundle = _open_everywhere(comm, bundle_path)
+    try:
+        index = bundle.index
+        journal = Journal.for_destination(dest, index, options.journal_dir)
+        prepared = comm.bcast(_prepare(bundle, dest, journal) if comm.rank == 0 else None)
+        if isinstance(prepared, str):
+            raise PalletError(prepared)
+        done_before, run = prepared
+        pending = [s for s in index.shards if s.number not in done_before]
+        report = _extract_assigned(comm, bundle, dest, journal, pending, run, options)
+        reports = comm.allgather(report)
+        errors = [e for r in reports for e in r.errors]
+        if not errors and comm.rank == 0:
+            errors = _finish(index, dest, journal)
+        errors = comm.bcast(errors)
+        summary = StagerSummary(dest, comm.size, len(index.shards), len(done_before),
+                                sum(len(r.shards) for r in reports), sum(r.files for r in reports),
+                                sum(r.file_bytes for r in reports), time.monotonic() - started, errors)
+        if errors:
+            raise StagerError(summary)
+        if comm.rank == 0:
+            journal.complete({"bundle": os.path.abspath(bundle_path), "ranks": comm.size,
+                              "shards": len(index.shards), "entries": len(index)})
+            os.unlink(os.path.join(dest, INCOMPLETE_MARKER))
+        comm.barrier()
+        return summary
+    finally:
+        bundle.close()
+
+
+def _open_everywhere(comm: Communicator, bundle_path: str) -> Bundle:
+    try:
+        bundle, error = Bundle.open(bundle_path), None
+    except PalletError as exc:
+        bundle, error = None, str(exc)
+    if bundle is not None and bundle.index is None:
+        bundle.close()
+        bundle, error = None, f"{bundle_path}: has no pallet index; use `pallet unpack` for plain archives"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise PalletError(errors[0])
+    return bundle
+
+
+def _prepare(bundle: Bundle, dest: str, journal: Journal):
+    """Rank 0: check, create DEST, the journal and the directory tree; return (done shards, run) or an error."""
+    try:
+        check_index(bundle.index, bundle.path)
+        prepare_destination(dest)
+        with open(os.path.join(dest, INCOMPLETE_MARKER), "w") as handle:
+            handle.write(f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish\n")
+        journal.create()
+        done = journal.finished_shards(bundle.index)
+        make_directories(bundle.index, dest)
+        return done, new_run_name()
+    except PalletError as exc:
+        return str(exc)
+
+
+def _extract_assigned(comm, bundle, dest, journal, pending, run, options) -> RankReport:
+    report = RankReport(comm.rank)
+    if comm.size == 1 and options.workers > 1:
+        return _extract_with_pool(bundle, dest, journal, pending, run, options, report)
+    assignment = assign_shards(pending, comm.size)
+    counter = comm.counter()
+    try:
+        for number in assignment.static[comm.rank]:
+            if counter.fetch_add(0) >= POISON:
+                break
+            if not _extract_one(bundle, dest, journal, number, run, options, report):
+                counter.poison()
+                break
+        while not report.errors:
+            ticket = counter.fetch_add(1)
+            if ticket >= POISON or ticket >= len(assignment.dynamic):
+                break
+            if not _extract_one(bundle, dest, journal, assignment.dynamic[ticket], run, options, report):
+                counter.poison()
+    finally:
+        comm.barrier()
+        counter.free()
+    return report
+
+
+def _extract_one(bundle, dest, journal, number, run, options, report: RankReport) -> bool:
+    """Extract one shard and journal it; on failure record the error and return False."""
+    try:
+        outcome = extract_shard(bundle, bundle.index, bundle.index.shards[number], dest, options.verify)
+    except CorruptBundleError as exc:
+        report.errors.append(f"rank {report.rank}, shard {number}: {exc.message}; files: "
+                             + ", ".join(exc.problems[:10]) + (" ..." if len(exc.problems) > 10 else ""))
+        return False
+    except PalletError as exc:
+        report.errors.append(f"rank {report.rank}, shard {number}: {exc}")
+        return False
+    except Exception as exc:  # a bug or an unwrapped OS error must not hang the other ranks
+        report.errors.append(f"rank {report.rank}, shard {number}: unexpected {type(exc).__name__}: {exc}")
+        return False
+    journal.record_shard(bundle.index, number, run, report.rank)
+    report.shards.append(number)
+    report.files += outcome.files
+    report.file_bytes += outcome.file_bytes
+    return True
+
+
+_pool_state: tuple | None = None
+
+
+def _init_pool(bundle, dest, verify) -> None:
+    global _pool_state
+    _pool_state = (bundle, dest, verify)
+
+
+def _pool_extract(number: int):
+    bundle, dest, verify = _pool_state
+    try:
+        return number, extract_shard(bundle, bundle.index, bundle.index.shards[number], dest, verify), None
+    except PalletError as exc:
+        return number, None, str(exc)
+
+
+def _extract_with_pool(bundle, dest, journal, pending, run, options, report: RankReport) -> RankReport:
+    """One node without MPI: the same shards, extracted by a pool of worker processes."""
+    order = assign_shards(pending, 1).static[0]
+    results = ordered_map(_pool_extract, order, options.workers, _init_pool, (bundle, dest, options.verify),
+                          window=len(order) or 1)
+    for number, outcome, error in results:
+        if error:
+            report.errors.append(f"shard {number}: {error}")
+            continue
+        journal.record_shard(bundle.index, number, run, 0)
+        report.shards.append(number)
+        report.files += outcome.files
+        report.file_bytes += outcome.file_bytes
+    return report
+
+
+def _finish(index, dest: str, journal: Journal) -> list[str]:
+    try:
+        finish_tree(index, dest)
+    except PalletError as exc:
+        return [f"rank 0, links and directory metadata: {exc}"]
+    return []
