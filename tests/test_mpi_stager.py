@@ -1,0 +1,180 @@
+"""mpi_stager with real mpirun: identical trees for several rank counts, resume after SIGKILL, clean failure."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bundles import PackOptions, pack
+from bundles.index import Index
+from mpi_stager.journal import Journal
+from mpi_stager.schedule import assign_shards
+from tests.conftest import assert_same_tree, make_nasty_tree
+
+MPIRUN = shutil.which("mpirun")
+needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="OpenMPI's mpirun is not installed (./bootstrap.sh installs it)")
+MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONPATH": os.getcwd()}
+
+
+def stager(ranks: int, *args: str, timeout: float = 120, **kwargs):
+    command = [sys.executable, "-m", "mpi_stager", "unpack", *args]
+    if ranks:
+        command = [MPIRUN, "--oversubscribe", "-np", str(ranks), *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=MPI_ENV,
+                          stdin=subprocess.DEVNULL, **kwargs)
+
+
+def make_tiny_files(root, count: int, per_dir: int = 100) -> str:
+    for n in range(count):
+        path = os.path.join(root, f"d{n // per_dir:04d}", f"f{n:06d}.csv")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(f"{n},{n * n}\n" * (1 + n % 7))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def bundles_by_shape(tmp_path_factory):
+    """Bundles with more shards than ranks, fewer shards than ranks, one huge shard and many tiny ones."""
+    base = tmp_path_factory.mktemp("shapes")
+    many = make_tiny_files(base / "many_src", 3000, per_dir=50)
+    nasty = make_nasty_tree(str(base / "nasty_src"))
+    huge = base / "huge_src"
+    huge.mkdir()
+    (huge / "huge.bin").write_bytes(os.urandom(3 << 20))
+    for n in range(40):
+        (huge / f"tiny{n}").write_bytes(b"t" * n)
+    shapes = {"many_shards": (many, 16 * 1024), "few_shards": (nasty, 1 << 30), "huge_and_tiny": (str(huge), 1 << 20)}
+    result = {}
+    for name, (src, shard_size) in shapes.items():
+        bundle = str(base / f"{name}.tar.zst")
+        pack(src, bundle, PackOptions(shard_size=shard_size, jobs=2))
+        result[name] = (src, bundle)
+    return result
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("shape", ["many_shards", "few_shards", "huge_and_tiny"])
+def test_every_rank_count_gives_the_identical_verified_tree(tmp_path, bundles_by_shape, shape, ranks):
+    src, bundle = bundles_by_shape[shape]
+    dest = tmp_path / "dest"
+    done = stager(ranks, "--json", bundle, str(dest))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("{") == 1          # one summary, from rank 0 only
+    shutil.rmtree(dest / ".pallet")
+    assert_same_tree(src, dest)
+
+
+def test_serial_fallback_without_mpi4py_gives_the_same_tree(tmp_path, bundles_by_shape):
+    src, bundle = bundles_by_shape["many_shards"]
+    blocker = "import sys; sys.modules['mpi4py'] = None; import runpy; sys.argv[0] = 'mpi_stager'; " \
+              "runpy.run_module('mpi_stager', run_name='__main__')"
+    for workers, dest in ((1, tmp_path / "one"), (3, tmp_path / "pool")):
+        done = subprocess.run([sys.executable, "-c", blocker, "unpack", "--workers", str(workers), bundle, str(dest)],
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr
+        shutil.rmtree(dest / ".pallet")
+        assert_same_tree(src, dest)
+
+
+def _journal(dest, bundle) -> Journal:
+    from bundles import Bundle
+    with Bundle.open(bundle) as opened:
+        return Journal.for_destination(str(dest), opened.index), opened.index
+
+
+@needs_mpi
+def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
+    src = make_tiny_files(tmp_path / "src", 12000, per_dir=200)
+    bundle = str(tmp_path / "b.tar.zst")
+    pack(src, bundle, PackOptions(shard_size=32 * 1024, jobs=2))
+    dest = tmp_path / "dest"
+    journal, index = _journal(dest, bundle)
+    job = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-m", "mpi_stager", "unpack",
+                            bundle, str(dest)], env=MPI_ENV, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killed = _kill_one_rank_after(job, journal, index, records=5)
+    job.communicate(timeout=60)
+    assert killed, "the unpack finished before a rank could be killed"
+    assert job.returncode != 0
+    assert (dest / ".pallet-incomplete").exists() and not journal.is_complete()
+    first = set(journal.finished_shards(index))
+    assert 0 < len(first) < len(index.shards)
+
+    rerun = stager(2, bundle, str(dest))
+    assert rerun.returncode == 0, rerun.stderr
+    runs = journal.run_log()
+    assert len(runs) == 2
+    second_run = runs[max(runs)]
+    assert not first & set(second_run), "a shard finished before the kill was extracted again"
+    assert first | set(second_run) == set(range(len(index.shards)))
+    assert journal.is_complete() and not (dest / ".pallet-incomplete").exists()
+    shutil.rmtree(dest / ".pallet")
+    assert_same_tree(src, dest)
+
+
+def _kill_one_rank_after(job, journal: Journal, index: Index, records: int) -> bool:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and job.poll() is None:
+        if len(journal.finished_shards(index)) >= records:
+            ranks = _python_descendants(job.pid)
+            if ranks:
+                os.kill(ranks[-1], signal.SIGKILL)
+                return True
+        time.sleep(0.005)
+    return False
+
+
+def _python_descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as handle:
+                children = [int(c) for c in handle.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as handle:
+                    if b"mpi_stager" in handle.read():
+                        found.append(child)
+            except OSError:
+                pass
+            stack.append(child)
+    return found
+
+
+@needs_mpi
+def test_a_corrupted_shard_fails_every_rank_cleanly_with_one_summary(tmp_path):
+    src = make_tiny_files(tmp_path / "src", 2000, per_dir=100)
+    bundle = tmp_path / "b.tar.zst"
+    result = pack(src, bundle, PackOptions(shard_size=16 * 1024, jobs=2))
+    victim = result.index.shards[len(result.index.shards) // 2]
+    data = bytearray(bundle.read_bytes())
+    data[victim.offset + victim.length // 2] ^= 0xFF
+    bundle.write_bytes(bytes(data))
+    done = stager(3, str(bundle), str(tmp_path / "dest"), timeout=90)
+    assert done.returncode == 1
+    assert done.stderr.count("mpi_stager unpack: error") == 1
+    assert f"shard {victim.number}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "dest" / ".pallet-incomplete").exists()
+
+
+def test_assignment_balances_cost_and_covers_every_shard(bundles_by_shape):
+    from bundles import Bundle
+    with Bundle.open(bundles_by_shape["many_shards"][1]) as opened:
+        shards = opened.index.shards
+    for ranks in (1, 2, 3, 5, 64):
+        plan = assign_shards(shards, ranks)
+        numbers = [n for part in plan.static for n in part] + plan.dynamic
+        assert sorted(numbers) == [s.number for s in shards]
+        assert len(plan.static) == ranks
