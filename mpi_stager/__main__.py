@@ -1,4 +1,4 @@
-"""`python -m mpi_stager`: unpack a bundle with every MPI rank (or serially), resumably."""
+"""`python -m mpi_stager`: unpack (resumably) or pack a bundle with every MPI rank, or serially."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,10 @@ import sys
 
 from bundles.errors import PalletError
 
+from bundles.writer import PackOptions
+
 from .comm import get_communicator
+from .pack import pack_parallel
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
@@ -36,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
                         help="worker processes when running as a single rank (default 1)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
+    pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
+    pack.add_argument("src", metavar="SRC")
+    pack.add_argument("bundle", metavar="BUNDLE")
+    pack.add_argument("--codec", choices=("zstd", "gzip", "none"), default="zstd")
+    pack.add_argument("--level", type=int)
+    pack.add_argument("--shard-size", type=int, metavar="BYTES", help="target uncompressed shard size")
+    pack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto")
+    pack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     return parser
 
 
@@ -47,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpi_stager: error: {exc}", file=sys.stderr)
         return exc.exit_code
     rank0 = comm.rank == 0
+    if args.command == "pack":
+        return _run_pack(comm, args)
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
                                   StagerOptions(args.verify, args.journal, max(1, args.workers)))
@@ -64,6 +77,20 @@ def main(argv: list[str] | None = None) -> int:
               f"unpacked {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} with "
               f"{summary.ranks} rank(s) in {summary.seconds:.2f} s: {summary.shards_done} shard(s) extracted, "
               f"{summary.shards_skipped} already done")
+    return 0
+
+
+def _run_pack(comm, args) -> int:
+    try:
+        summary = pack_parallel(comm, args.src, args.bundle, PackOptions(args.codec, args.level, args.shard_size, 1))
+    except PalletError as exc:
+        if comm.rank == 0:
+            print(f"mpi_stager pack: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if comm.rank == 0:
+        print(json.dumps(summary.__dict__) if args.json else
+              f"packed {summary.entries} entries into {summary.bundle} with {summary.ranks} rank(s): "
+              f"{summary.shards} shard(s), {summary.bundle_bytes} bytes, {summary.seconds:.2f} s")
     return 0
 
 

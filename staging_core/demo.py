@@ -1,7 +1,6 @@
 """`pallet demo`: build a tree of tiny files, pack it, unpack it elsewhere, verify, summarise."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random

@@ -178,3 +178,33 @@ def test_assignment_balances_cost_and_covers_every_shard(bundles_by_shape):
         numbers = [n for part in plan.static for n in part] + plan.dynamic
         assert sorted(numbers) == [s.number for s in shards]
         assert len(plan.static) == ranks
+
+
+def _mpi_pack(ranks: int, *args: str):
+    command = [sys.executable, "-m", "mpi_stager", "pack", *args]
+    if ranks:
+        command = [MPIRUN, "--oversubscribe", "-np", str(ranks), *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=MPI_ENV, stdin=subprocess.DEVNULL)
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("codec", ["zstd", "gzip"])
+def test_parallel_pack_is_byte_identical_to_serial_pack(tmp_path, bundles_by_shape, ranks, codec):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    serial = tmp_path / "serial.tar"
+    pack(src, serial, PackOptions(codec=codec, shard_size=64 * 1024, jobs=2))
+    parallel = tmp_path / "parallel.tar"
+    done = _mpi_pack(ranks, "--codec", codec, "--shard-size", str(64 * 1024), src, str(parallel))
+    assert done.returncode == 0, done.stderr
+    assert parallel.read_bytes() == serial.read_bytes()
+    assert (tmp_path / "parallel.tar.pidx").read_bytes() == (tmp_path / "serial.tar.pidx").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["parallel.tar", "parallel.tar.pidx", "serial.tar", "serial.tar.pidx", "src"]
+
+
+@needs_mpi
+def test_parallel_pack_of_a_missing_source_fails_once_and_cleanly(tmp_path):
+    done = _mpi_pack(2, str(tmp_path / "missing"), str(tmp_path / "b.tar.zst"))
+    assert done.returncode == 1
+    assert done.stderr.count("does not exist") == 1 and "Traceback" not in done.stderr
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,223 @@
+"""Shards: where the stream is cut, and how one shard is built from the source and compressed."""
+from __future__ import annotations
+
+import os
+from array import array
+from dataclasses import dataclass
+from typing import Iterator
+
+from .codecs import Codec
+from .errors import SourceError
+from .index import HASH_SIZE, Index, Shard, content_hash, new_hasher
+from .scan import SourceTree
+from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
+
+MIN_AUTO_SHARD = 4 << 20
+MAX_AUTO_SHARD = 64 << 20
+_READ_CHUNK = 8 << 20
+_ZERO_HASH = bytes(HASH_SIZE)
+_ZERO_BLOCK = bytes(BLOCK)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Entries ``first .. first+count-1`` form one shard; ``big`` shards are streamed."""
+
+    number: int
+    first: int
+    count: int
+    big: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class BuiltShard:
+    """One built shard: compressed bytes (empty if streamed to a file), sizes and per-entry columns."""
+
+    compressed: bytes
+    raw_size: int
+    file_bytes: int
+    hashes: bytes
+    offsets: array
+    data_offsets: array
+
+
+def auto_shard_size(index: Index) -> int:
+    """Target shard size: about 1/64 of the stream, between 4 and 64 MiB, in whole MiB."""
+    estimate = sum(index.sizes) + BLOCK * 2 * len(index)
+    return min(MAX_AUTO_SHARD, max(MIN_AUTO_SHARD, (estimate // 64) >> 20 << 20))
+
+
+def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
+    """Cut the entries into shards at entry boundaries; a file of ``shard_size`` or more stands alone."""
+    cuts: list[tuple[int, int, bool]] = []
+    first, filled = 0, 0
+    for i, size in enumerate(index.sizes):
+        if size >= shard_size:
+            if i > first:
+                cuts.append((first, i - first, False))
+            cuts.append((i, 1, True))
+            first, filled = i + 1, 0
+            continue
+        filled += BLOCK + size + padding(size)
+        if filled >= shard_size:
+            cuts.append((first, i + 1 - first, False))
+            first, filled = i + 1, 0
+    if first < len(index) or not cuts:
+        cuts.append((first, len(index) - first, False))
+    return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+
+
+def build_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, threads: int, out, offset: int) -> Shard:
+    """Build shard ``plan``, append its compressed bytes to ``out`` at ``offset``, record it in the index."""
+    built = build_streamed_shard(tree, plan, codec, threads, out) if plan.big else build_small_shard(tree, codec, plan)
+    return place_shard(tree.index, plan, built, out, offset)
+
+
+def place_shard(index: Index, plan: ShardPlan, built: BuiltShard, out, offset: int) -> Shard:
+    """Write a built shard (unless it was streamed there) and record it with its position and hash."""
+    if not plan.big:
+        out.write(built.compressed)
+    length = out.tell() - offset
+    digest = content_hash(built.compressed) if not plan.big else hash_region(out, offset, length)
+    shard = Shard(plan.number, offset, length, built.raw_size, plan.first, plan.count, built.file_bytes, digest)
+    record_shard(index, plan, built, shard)
+    return shard
+
+
+def reset_columns(index: Index) -> None:
+    """Size the columns the shard builder fills (hashes, shard numbers, offsets)."""
+    n = len(index)
+    index.hashes = bytearray(HASH_SIZE * n)
+    index.shard_of, index.offsets, index.data_offsets = array("I", [0]) * n, array("Q", [0]) * n, array("Q", [0]) * n
+    index.shards = []
+
+
+def record_shard(index: Index, plan: ShardPlan, built: BuiltShard, shard: Shard) -> None:
+    """Store a built shard's entry columns and its Shard record in ``index``."""
+    lo, hi = plan.first, plan.first + plan.count
+    index.hashes[lo * HASH_SIZE:hi * HASH_SIZE] = built.hashes
+    index.shard_of[lo:hi] = array("I", [plan.number]) * plan.count
+    index.offsets[lo:hi] = built.offsets
+    index.data_offsets[lo:hi] = built.data_offsets
+    index.shards.append(shard)
+
+
+_worker_state: tuple[SourceTree, Codec] | None = None
+
+
+def init_worker(tree: SourceTree, codec: Codec) -> None:
+    global _worker_state
+    _worker_state = (tree, codec)
+
+
+def build_in_worker(plan: ShardPlan) -> BuiltShard:
+    """Build a shard from the state set by init_worker (for ordered_map)."""
+    tree, codec = _worker_state
+    return build_small_shard(tree, codec, plan)
+
+
+def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltShard:
+    """Read the shard's files, write their headers and data, compress; all in memory."""
+    index, parts = tree.index, []
+    paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes,
+                                                 index.sizes, index.links)
+    root = tree.root + b"/"
+    hashes, offsets, data_offsets = [], array("Q"), array("Q")
+    position = file_bytes = 0
+    for i in range(plan.first, plan.first + plan.count):
+        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], sizes[i], links[i])
+        offsets.append(position)
+        position += len(header)
+        data_offsets.append(position)
+        parts.append(header)
+        if kinds[i] == Kind.FILE:
+            size = sizes[i]
+            data = _read_file(root + paths[i], size)
+            hashes.append(content_hash(data))
+            parts.append(data)
+            parts.append(_ZERO_BLOCK[:-size % BLOCK])
+            position += size + -size % BLOCK
+            file_bytes += size
+        else:
+            hashes.append(_ZERO_HASH)
+    if plan.last:
+        tail = END_OF_ARCHIVE
+        parts.append(tail)
+        position += len(tail)
+    return BuiltShard(codec.compress(b"".join(parts)), position, file_bytes, b"".join(hashes), offsets, data_offsets)
+
+
+def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, threads: int, out) -> BuiltShard:
+    """Stream a one-file shard, compressed with ``threads`` threads, onto ``out``."""
+    index, i = tree.index, plan.first
+    header = _header(index, i)
+    hasher = new_hasher()
+    size = index.sizes[i]
+
+    def chunks() -> Iterator[bytes]:
+        yield header
+        for chunk in _iter_file(os.path.join(tree.root, index.paths[i]), size):
+            hasher.update(chunk)
+            yield chunk
+        yield bytes(padding(size)) + tail
+
+    tail = END_OF_ARCHIVE if plan.last else b""
+    out.flush()
+    codec.compress_stream(chunks(), out, threads)
+    raw = len(header) + size + padding(size) + len(tail)
+    return BuiltShard(b"", raw, size, hasher.digest(), array("Q", [0]), array("Q", [len(header)]))
+
+
+def _header(index: Index, i: int) -> bytes:
+    return member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i],
+                         index.sizes[i], index.links[i])
+
+
+def _read_file(path: bytes, size: int) -> bytes:
+    """Return the whole content of a file expected to hold ``size`` bytes (it fits in a shard)."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return b"".join(_iter_file(path, size))     # raises the explained error
+    try:
+        data = os.read(fd, size + 1)
+    finally:
+        os.close(fd)
+    return data if len(data) == size else b"".join(_iter_file(path, size))
+
+
+def _iter_file(path: bytes, size: int) -> Iterator[bytes]:
+    """Yield exactly ``size`` bytes of the file, or raise SourceError if it changed or cannot be read."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        raise SourceError(f"cannot read ({exc.strerror})", path,
+                          "make it readable (chmod u+r) or remove it from the source") from None
+    try:
+        remaining = size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, _READ_CHUNK))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            yield chunk
+        if remaining or os.read(fd, 1):
+            raise SourceError("changed size while being packed", path,
+                              "pack again when nothing is writing to the source")
+    except OSError as exc:
+        raise SourceError(f"read failed ({exc.strerror})", path, "check the file system holding the source") from None
+    finally:
+        os.close(fd)
+
+
+def hash_region(out, offset: int, length: int) -> bytes:
+    """Content hash of ``length`` bytes of ``out`` (opened for reading too) from ``offset``."""
+    out.flush()
+    hasher, fd, done = new_hasher(), out.fileno(), 0
+    while done < length:
+        chunk = os.pread(fd, min(_READ_CHUNK, length - done), offset + done)
+        hasher.update(chunk)
+        done += len(chunk)
+    return hasher.digest()
