@@ -11,7 +11,7 @@ from .reader import Bundle
 from .safety import index_problems, safe_mode
 from .tarformat import Kind
 
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _STREAM_CHUNK = 8 << 20
 
 
@@ -112,10 +112,7 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, v
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
     _skip(reader, index.data_offsets[i])
     hasher = new_hasher()
-    try:
-        fd = os.open(path, _OPEN_FLAGS, 0o600)
-    except OSError as exc:
-        raise destination_error(exc, path) from None
+    fd = create_file(path)
     try:
         remaining = size
         while remaining:
@@ -157,15 +154,26 @@ def finish_tree(index: Index, dest: str) -> None:
         os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
 
 
-def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int) -> None:
+def create_file(path: bytes) -> int:
+    """Open a new, empty file at ``path`` for writing and return its descriptor.
+
+    Whatever is already there (a stale file, or a symlink or hard link that
+    may lead outside the destination) is unlinked first, never written through.
+    """
     try:
-        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        return os.open(path, _OPEN_FLAGS, 0o600)
+    except FileExistsError:
+        remove_stale(path)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR):
-            remove_stale(path)
-            fd = os.open(path, _OPEN_FLAGS, 0o600)
-        else:
-            raise destination_error(exc, path) from None
+        raise destination_error(exc, path) from None
+    try:
+        return os.open(path, _OPEN_FLAGS, 0o600)
+    except OSError as exc:
+        raise destination_error(exc, path) from None
+
+
+def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int) -> None:
+    fd = create_file(path)
     try:
         _write_all(fd, content, path)
         os.fchmod(fd, safe_mode(mode))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tarfile
 from dataclasses import dataclass
 from typing import Iterator
@@ -41,7 +42,9 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     """Extract every safe member; after the last one, raise UnsafeMemberError naming the refused ones.
 
     Links are created after all files (so nothing is written through them),
-    directory metadata last. Members are read in stream order only.
+    directory metadata last. Members are read in stream order only. Symlink
+    targets are checked once every symlink name is known, and any name under
+    a symlink member (refused or not) is refused.
     """
     progress.start("unpack (no index: files not verified)", 0, 0)
     root = os.fsencode(dest)
@@ -54,6 +57,8 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
         name = _normalized(os.fsencode(member.name))
         if not name:
             continue                      # the archive's root, "./"
+        if member.issym():
+            symlink_names.add(name)
         reason = _member_problem(member, name, files, symlink_names)
         if reason:
             refused.append((member.name, reason))
@@ -72,9 +77,7 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
             progress.advance(1, len(data))
         else:
             links.append((member, name))
-            if member.issym():
-                symlink_names.add(name)
-    _finish_links(root, links, files, refused)
+    _finish_links(root, links, symlink_names, refused)
     for name in sorted(directories, key=lambda n: n.count(b"/"), reverse=True):
         member = directories[name]
         os.chmod(os.path.join(root, name), safe_mode(member.mode))
@@ -100,12 +103,10 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: 
         return "written through a symlink"
     if member.isdev() or member.isfifo():
         return "device node or FIFO"
-    if member.issym():
-        return symlink_problem(name, os.fsencode(member.linkname), symlinks)
     if member.islnk():
         if _normalized(os.fsencode(member.linkname)) not in files:
             return f"hard link to {member.linkname!r}, which is not a file extracted earlier"
-    elif not (member.isfile() or member.isdir()):
+    elif not (member.isfile() or member.isdir() or member.issym()):
         return f"unsupported member type {member.type!r}"
     return None
 
@@ -124,8 +125,12 @@ def _make_parents(root: bytes, name: bytes) -> None:
             raise destination_error(exc, current) from None
 
 
-def _finish_links(root: bytes, links: list, files: set, refused: list) -> None:
+def _finish_links(root: bytes, links: list, symlinks: set, refused: list) -> None:
     for member, name in links:
+        reason = _link_problem(root, member, name, symlinks)
+        if reason:
+            refused.append((member.name, reason))
+            continue
         path = os.path.join(root, name)
         try:
             remove_stale(path)
@@ -137,6 +142,23 @@ def _finish_links(root: bytes, links: list, files: set, refused: list) -> None:
                         follow_symlinks=False)
         except OSError as exc:
             refused.append((member.name, f"cannot create link ({exc.strerror})"))
+
+
+def _link_problem(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set) -> str | None:
+    """Why link member ``name`` must not be created, checked once the whole stream is known.
+
+    A symlink is checked against every symlink of the archive; a hard link
+    against what its target is now (a later symlink member may have replaced
+    the file it named).
+    """
+    target = os.fsencode(member.linkname)
+    if member.issym():
+        return symlink_problem(name, target, symlinks)
+    try:
+        regular = stat.S_ISREG(os.lstat(os.path.join(root, _normalized(target))).st_mode)
+    except OSError:
+        regular = False
+    return None if regular else f"hard link to {member.linkname!r}, which is no longer a regular file"
 
 
 class _FdReader:

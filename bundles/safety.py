@@ -60,6 +60,7 @@ def index_problems(index: Index) -> list[tuple[str, str]]:
     directories: set[bytes] = set()
     symlinks = {index.paths[i] for i, k in enumerate(index.kinds) if k == Kind.SYMLINK}
     seen: set[bytes] = set()
+    refused: set[int] = set()
     for i, path in enumerate(index.paths):
         kind = index.kinds[i]
         reason = path_problem(path)
@@ -73,11 +74,12 @@ def index_problems(index: Index) -> list[tuple[str, str]]:
         if reason is None and kind == Kind.SYMLINK:
             reason = symlink_problem(path, index.links[i], symlinks)
         if reason is None and kind == Kind.HARDLINK:
-            reason = _hardlink_problem(index, i)
+            reason = _hardlink_problem(index, i, refused)
         if reason is None and kind not in tuple(Kind):
             reason = f"unsupported entry type {kind}"
         if reason:
             problems.append((os.fsdecode(path), reason))
+            refused.add(i)
         seen.add(path)
         if kind == Kind.DIR:
             directories.add(path)
@@ -89,8 +91,10 @@ def _under(path: bytes, prefixes: set[bytes]) -> bool:
     return any(b"/".join(parts[:n]) in prefixes for n in range(1, len(parts) + 1))
 
 
-def _hardlink_problem(index: Index, i: int) -> str | None:
-    leader = index.link_groups[i]
+def _hardlink_problem(index: Index, i: int, refused: set[int]) -> str | None:
+    leader, target = index.link_groups[i], os.fsdecode(index.links[i])
     if not 0 <= leader < i or index.kinds[leader] != Kind.FILE or index.paths[leader] != index.links[i]:
-        return f"hard link to {os.fsdecode(index.links[i])!r}, which is not a regular file earlier in the archive"
+        return f"hard link to {target!r}, which is not a regular file earlier in the archive"
+    if leader in refused:
+        return f"hard link to {target!r}, which is refused itself"
     return None

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from . import plain
-from .extract import check_index, extract_shard, finish_tree, make_directories, prepare_destination
+from .extract import check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
 from .index import Index
 from .parallel import default_jobs, ordered_map
 from .progress import NoProgress, Progress
@@ -56,7 +56,7 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
             check_index(bundle.index, bundle.path)
         prepare_destination(dest)
         marker = os.path.join(dest, INCOMPLETE_MARKER)
-        with open(marker, "w") as handle:
+        with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
             handle.write(f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
                          "if this file remains, the unpack did not finish: run it again\n")
         try:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from bundles.errors import CorruptBundleError, PalletError
-from bundles.extract import check_index, extract_shard, finish_tree, make_directories, prepare_destination
+from bundles.extract import check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
 from bundles.parallel import ordered_map
 from bundles.reader import Bundle
 from bundles.unpack import INCOMPLETE_MARKER
@@ -119,7 +119,7 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal):
     try:
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
-        with open(os.path.join(dest, INCOMPLETE_MARKER), "w") as handle:
+        with os.fdopen(create_file(os.fsencode(os.path.join(dest, INCOMPLETE_MARKER))), "w") as handle:
             handle.write(f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish\n")
         journal.create()
         done = journal.finished_shards(bundle.index)
