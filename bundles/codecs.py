@@ -1,11 +1,13 @@
 """Shard codecs: zstd (default), gzip (pigz when present) and none, one frame or member per shard."""
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import subprocess
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
 import zstandard
@@ -15,6 +17,7 @@ from .errors import BundleError, UsageError
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
+_DAMAGED_HINT = "the archive is damaged or incomplete: transfer it again, or repack the source"
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,13 @@ class Codec:
     memory; ``decompress`` inverts one frame/member and must return exactly
     ``raw_size`` bytes or raise BundleError. Output bytes depend only on the
     data, the codec and the level — never on the number of threads.
+    ``source`` names the file being decoded in those errors.
     """
 
     name: str
     level: int
     suffix: str
+    source: str | None = field(default=None, compare=False)
 
     def compress(self, data: bytes) -> bytes:
         if self.name == "zstd":
@@ -56,28 +61,35 @@ class Codec:
     def decompress(self, data: bytes, raw_size: int) -> bytes:
         try:
             if self.name == "zstd":
+                declared = zstandard.frame_content_size(data)      # -1: the header does not say
+                if declared not in (-1, raw_size):                 # it would be allocated up front
+                    raise self.damaged(f"shard frame declares {declared} bytes, index says {raw_size}")
                 result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
             elif self.name == "gzip":
                 result = zlib.decompress(data, wbits=31)
             else:
                 result = data
         except (zstandard.ZstdError, zlib.error) as exc:
-            raise BundleError(f"cannot decompress {self.name} shard: {exc}") from exc
+            raise self.damaged(f"cannot decompress {self.name} shard: {exc}") from exc
         if len(result) != raw_size:
-            raise BundleError(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
+            raise self.damaged(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
         return result
 
     def open_stream(self, raw: BinaryIO) -> BinaryIO:
         """Return a reader of the decompressed bytes of the frames in ``raw``."""
         if self.name == "zstd":
-            return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            return _ZstdReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), self)
         if self.name == "gzip":
-            return _GzipReader(raw)
+            return _GzipReader(raw, self)
         return raw
 
+    def damaged(self, message: str) -> BundleError:
+        """The error for data of ``source`` that cannot be decoded."""
+        return BundleError(message, self.source, _DAMAGED_HINT)
 
-def get_codec(name: str, level: int | None = None) -> Codec:
-    """Return the codec called ``name`` at ``level`` (None: the codec's default)."""
+
+def get_codec(name: str, level: int | None = None, source: str | None = None) -> Codec:
+    """Return the codec called ``name`` at ``level`` (None: the codec's default), decoding ``source``."""
     defaults = {"zstd": (3, ".tar.zst", 1, 19), "gzip": (6, ".tar.gz", 1, 9), "none": (0, ".tar", 0, 0)}
     if name not in defaults:
         raise UsageError(f"unknown codec {name!r}", hint="use one of: zstd, gzip, none")
@@ -85,7 +97,7 @@ def get_codec(name: str, level: int | None = None) -> Codec:
     level = default if level is None else level
     if not low <= level <= high:
         raise UsageError(f"level {level} is out of range for {name}", hint=f"use {low}..{high}")
-    return Codec(name, level, suffix)
+    return Codec(name, level, suffix, source)
 
 
 def sniff(head: bytes) -> str:
@@ -107,7 +119,7 @@ def _gzip_compress(data: bytes, level: int) -> bytes:
         done = subprocess.run([pigz, "-c", "-n", f"-{level}", "-p", "1"], input=data,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
         if done.returncode != 0:
-            raise BundleError(f"pigz failed: {done.stderr.decode(errors='replace').strip()}")
+            raise _pigz_failure(done.stderr)
         return done.stdout
     compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
     return compressor.compress(data) + compressor.flush()
@@ -127,36 +139,80 @@ def _gzip_compress_stream(chunks: Iterator[bytes], out: BinaryIO, level: int, th
     errors: list[bytes] = []
     reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
     reader.start()
+    complete = False
     try:
-        for chunk in chunks:
-            proc.stdin.write(chunk)
+        complete = _feed(proc.stdin, chunks)
     finally:
-        proc.stdin.close()
+        complete = _close_input(proc.stdin) and complete
         code = proc.wait()
         reader.join()
-    if code != 0:
-        raise BundleError(f"pigz failed: {b''.join(errors).decode(errors='replace').strip()}")
+    if code != 0 or not complete:
+        raise _pigz_failure(b"".join(errors))
+
+
+def _feed(stdin, chunks: Iterator[bytes]) -> bool:
+    """Write ``chunks`` to a compressor's input; False if it stopped reading (its exit status says why)."""
+    try:
+        for chunk in chunks:
+            stdin.write(chunk)
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _close_input(stdin) -> bool:
+    try:
+        stdin.close()
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _pigz_failure(stderr: bytes) -> Exception:
+    """OSError when pigz could not write its output (the caller names the file), else BundleError."""
+    text = stderr.decode(errors="replace").strip()
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return BundleError(f"pigz failed: {text or 'no message'}")
+
+
+class _ZstdReader:
+    """Read-only stream over zstd frames that reports damaged data as BundleError."""
+
+    def __init__(self, reader, codec: Codec):
+        self._reader, self._codec = reader, codec
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._reader.read(size)
+        except zstandard.ZstdError as exc:
+            raise self._codec.damaged(f"corrupt zstd data: {exc}") from exc
 
 
 class _GzipReader:
     """Read-only stream over concatenated gzip members."""
 
-    def __init__(self, raw: BinaryIO):
-        self._raw = raw
+    def __init__(self, raw: BinaryIO, codec: Codec):
+        self._raw, self._codec = raw, codec
         self._inflate = zlib.decompressobj(31)
         self._buffer = b""
+        self._fed = False
 
     def read(self, size: int = -1) -> bytes:
         while size < 0 or len(self._buffer) < size:
             chunk = self._inflate.unused_data or self._raw.read(_CHUNK)
             if not chunk:
+                if self._fed and not self._inflate.eof:
+                    raise self._codec.damaged("corrupt gzip data: the stream ends inside a member (truncated)")
                 break
             if self._inflate.eof:
                 self._inflate = zlib.decompressobj(31)
+            self._fed = True
             try:
                 self._buffer += self._inflate.decompress(chunk)
             except zlib.error as exc:
-                raise BundleError(f"corrupt gzip data: {exc}") from exc
+                raise self._codec.damaged(f"corrupt gzip data: {exc}") from exc
         if size < 0:
             size = len(self._buffer)
         result, self._buffer = self._buffer[:size], self._buffer[size:]

@@ -67,27 +67,61 @@ def _locator_bytes(loc: Locator) -> bytes:
 
 
 def read_locator(fd: int, file_size: int, codec_name: str) -> Locator | None:
-    """Return the locator at the end of the file, or None if there is none (a plain archive)."""
+    """Return the locator at the end of the file, or None if there is none (a plain archive).
+
+    The locator counts only inside exactly the wrapper ``index_section`` writes
+    for ``codec_name``, so a damaged wrapper byte is not silently accepted.
+    """
     tail_size = _TAIL_SIZE[codec_name]
     if file_size < tail_size:
         return None
-    tail = os.pread(fd, tail_size, file_size - tail_size)
-    raw = tail[-_LOCATOR.size:] if codec_name != "gzip" else tail[len(_GZIP_LOCATOR_HEAD):-len(_GZIP_LOCATOR_TAIL)]
-    magic, version, offset, length, digest, check = _LOCATOR.unpack(raw)
-    if magic != _LOCATOR_MAGIC:
+    raw = _unwrap_locator(codec_name, os.pread(fd, tail_size, file_size - tail_size))
+    if raw is None or not raw.startswith(_LOCATOR_MAGIC):
         return None
+    _, version, offset, length, digest, check = _LOCATOR.unpack(raw)
     if content_hash(raw[:-8])[:8] != check:
         raise CorruptBundleError("the index locator at the end of the bundle is damaged", hint=_HINT)
     if version != FORMAT_VERSION:
         raise BundleError(f"bundle format {version} is not supported (this pallet reads {FORMAT_VERSION})",
                           hint="upgrade pallet, or repack the data with this version")
     if offset + length + tail_size != file_size:
-        raise CorruptBundleError("the bundle is truncated or has bytes appended", hint=_HINT)
+        raise CorruptBundleError("the index locator does not fit the file: the bundle is truncated, has bytes "
+                                 "appended, or its end is damaged", hint=_HINT)
     return Locator(offset, length, digest)
+
+
+def find_locator(fd: int, file_size: int) -> tuple[str, Locator] | None:
+    """Return (codec name, locator) read from the shape of the file's end, or None for a plain archive.
+
+    The codec is taken from the tail rather than from the first bytes, so
+    damage at the start of the first shard is caught by that shard's hash
+    instead of making the bundle look like another format.
+    """
+    for codec_name in ("zstd", "gzip", "none"):        # "none" has no wrapper: try it last
+        locator = read_locator(fd, file_size, codec_name)
+        if locator is not None:
+            return codec_name, locator
+    return None
+
+
+def _unwrap_locator(codec_name: str, tail: bytes) -> bytes | None:
+    """The raw locator inside ``tail``, or None if the wrapper around it is not the expected one."""
+    if codec_name == "zstd":
+        head, raw = tail[:_FRAME.size], tail[_FRAME.size:]
+        return raw if head == _FRAME.pack(_SKIPPABLE_MAGIC, _LOCATOR.size) else None
+    if codec_name == "gzip":
+        head, raw = tail[:len(_GZIP_LOCATOR_HEAD)], tail[len(_GZIP_LOCATOR_HEAD):-len(_GZIP_LOCATOR_TAIL)]
+        return raw if head == _GZIP_LOCATOR_HEAD and tail.endswith(_GZIP_LOCATOR_TAIL) else None
+    return tail
 
 
 def read_index_section(fd: int, loc: Locator, codec_name: str, source: str) -> Index:
     """Read, check and decode the embedded index that ``loc`` points to."""
+    return Index.from_bytes(read_index_payload(fd, loc, codec_name, source), source)
+
+
+def read_index_payload(fd: int, loc: Locator, codec_name: str, source: str) -> bytes:
+    """Read and check the embedded index that ``loc`` points to; return its ``.pidx`` bytes."""
     stored = os.pread(fd, loc.index_length, loc.index_offset)
     if content_hash(stored) != loc.index_hash:
         raise CorruptBundleError("the embedded index is damaged (hash mismatch)", source, _HINT)
@@ -95,12 +129,10 @@ def read_index_section(fd: int, loc: Locator, codec_name: str, source: str) -> I
         magic, size = _FRAME.unpack_from(stored)
         if magic != _SKIPPABLE_MAGIC or size != len(stored) - _FRAME.size:
             raise CorruptBundleError("the embedded index frame is malformed", source, _HINT)
-        payload = stored[_FRAME.size:]
-    elif codec_name == "gzip":
-        payload = zlib.decompress(stored, wbits=31)
-    else:
-        payload = stored
-    return Index.from_bytes(payload, source)
+        return stored[_FRAME.size:]
+    if codec_name == "gzip":
+        return zlib.decompress(stored, wbits=31)
+    return stored
 
 
 def sniff_file(fd: int) -> str:

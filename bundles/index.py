@@ -170,7 +170,10 @@ class Index:
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
         """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged."""
         try:
-            blob = zstandard.ZstdDecompressor().decompress(payload, max_output_size=1 << 34)
+            declared = zstandard.frame_content_size(payload)
+            if declared > _MAX_INDEX_BYTES:
+                raise zstandard.ZstdError(f"frame claims {declared} bytes")
+            blob = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_MAX_INDEX_BYTES)
         except zstandard.ZstdError as exc:
             raise CorruptBundleError(f"index is damaged ({exc})", source, _REPACK_HINT) from exc
         if len(blob) < _HEAD.size + HASH_SIZE or content_hash(blob[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
@@ -211,6 +214,7 @@ class Index:
             setattr(self, attribute, values)
 
 
+_MAX_INDEX_BYTES = 1 << 34          # 16 GiB: far above any real index (1M entries take ~100 MB)
 _REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
 
 

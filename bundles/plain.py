@@ -34,8 +34,20 @@ def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
     try:
         for member in archive:
             yield member, archive
+        ended_on_zero_block = archive.fileobj.tell() - archive.offset == tarfile.BLOCKSIZE
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise BundleError(f"archive is damaged or truncated ({exc})", bundle.path, _TRUNCATED_HINT) from None
+    if not ended_on_zero_block:
+        raise BundleError("archive is truncated (it ends without end-of-archive blocks)", bundle.path,
+                          _TRUNCATED_HINT)
+
+
+def _member_data(archive: tarfile.TarFile, member: tarfile.TarInfo, bundle) -> bytes:
+    try:
+        return archive.extractfile(member).read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise BundleError(f"archive is damaged or truncated at {member.name!r} ({exc})", bundle.path,
+                          _TRUNCATED_HINT) from None
 
 
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
@@ -70,7 +82,7 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
             _make_parents(root, name + b"/x")
             directories[name] = member
         elif member.isfile():
-            data = archive.extractfile(member).read()
+            data = _member_data(archive, member, bundle)
             write_file(path, memoryview(data), safe_mode(member.mode), int(member.mtime * 1e9))
             files.add(name)
             stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + len(data)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 
 from . import container
@@ -17,7 +18,8 @@ class Bundle:
     """An open bundle file. ``index`` is None for a plain archive without a pallet index.
 
     ``sidecar_index`` is the ``BUNDLE.pidx`` next to it when one exists and
-    could be read (None otherwise); ``index`` prefers the embedded copy.
+    could be read (None otherwise); ``index`` prefers the embedded copy, and
+    a sidecar that differs from it in any byte counts as unreadable.
     """
 
     path: str
@@ -34,8 +36,6 @@ class Bundle:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise BundleError("does not exist", path, _NOT_FOUND_HINT) from None
-        except IsADirectoryError:
-            raise BundleError("is a directory, not a bundle", path, _NOT_FOUND_HINT) from None
         except OSError as exc:
             raise BundleError(f"cannot open ({exc.strerror})", path, "check its permissions") from None
         try:
@@ -46,21 +46,19 @@ class Bundle:
 
     @classmethod
     def _load(cls, path: str, fd: int) -> "Bundle":
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):            # opening a directory read-only succeeds on Linux
+            raise BundleError("is a directory, not a bundle", path, _NOT_FOUND_HINT)
+        size = st.st_size
         if size == 0:
             raise BundleError("is empty, not a bundle", path, "the copy is incomplete: transfer it again")
-        codec_name = container.sniff_file(fd)
-        try:
-            locator = container.read_locator(fd, size, codec_name)
-        except BundleError as exc:
-            exc.path = path
-            raise
-        index = container.read_index_section(fd, locator, codec_name, path) if locator else None
-        sidecar = _read_sidecar(path, index is None)
+        codec_name, payload = _embedded_payload(path, fd, size)
+        index = Index.from_bytes(payload, path) if payload is not None else None
+        sidecar = _read_sidecar(path, index, payload)
         index = index or sidecar
-        if index is not None and index.codec != codec_name:
-            raise CorruptBundleError(f"index says codec {index.codec}, data is {codec_name}", path)
-        codec = get_codec(index.codec, index.level) if index else get_codec(codec_name)
+        if index is not None:
+            _check_matches_data(path, index, codec_name, size)
+        codec = get_codec(index.codec, index.level, path) if index else get_codec(codec_name, source=path)
         return cls(path, fd, size, codec, index, sidecar)
 
     def read_shard(self, shard: Shard) -> bytes:
@@ -83,16 +81,39 @@ class Bundle:
         self.close()
 
 
-def _read_sidecar(path: str, needed: bool) -> Index | None:
+def _embedded_payload(path: str, fd: int, size: int) -> tuple[str, bytes | None]:
+    """The codec and the embedded index bytes (None for a plain archive); indexed, the codec comes from the tail."""
+    try:
+        found = container.find_locator(fd, size)
+    except BundleError as exc:
+        exc.path = path
+        raise
+    if found is None:
+        return container.sniff_file(fd), None
+    codec_name, locator = found
+    return codec_name, container.read_index_payload(fd, locator, codec_name, path)
+
+
+def _check_matches_data(path: str, index: Index, codec_name: str, size: int) -> None:
+    """Raise unless the data is in the index's codec and long enough for all its shards."""
+    if index.codec != codec_name:
+        raise CorruptBundleError(f"the index says codec {index.codec}, but the bundle's data is {codec_name}: "
+                                 "its first shard is damaged, or the index belongs to another bundle", path,
+                                 "fetch the bundle and its .pidx again, or repack the source")
+    data_end = max((s.offset + s.length for s in index.shards), default=0)
+    if size < data_end:
+        raise BundleError(f"is truncated: {size} bytes, but its shards end at byte {data_end}", path,
+                          "the copy is incomplete: transfer it again")
+
+
+def _read_sidecar(path: str, embedded: Index | None, payload: bytes | None) -> Index | None:
+    """The sidecar ``.pidx``: None if missing, or if not byte-identical to the embedded index ``payload``."""
     sidecar = path + container.SIDECAR_SUFFIX
     try:
         with open(sidecar, "rb") as handle:
-            payload = handle.read()
+            data = handle.read()
     except OSError:
         return None
-    try:
-        return Index.from_bytes(payload, sidecar)
-    except BundleError:
-        if needed:
-            raise
-        return None
+    if embedded is not None:
+        return embedded if data == payload else None
+    return Index.from_bytes(data, sidecar)

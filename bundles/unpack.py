@@ -54,6 +54,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
     with Bundle.open(bundle_path) as bundle:
         if bundle.index is not None:
             check_index(bundle.index, bundle.path)
+        else:
+            next(plain.iter_members(bundle), None)      # not a tar archive: fail before touching dest
         prepare_destination(dest)
         marker = os.path.join(dest, INCOMPLETE_MARKER)
         with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:

@@ -5,6 +5,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+from . import container
 from .errors import BundleError
 from .extract import RangeReader, hash_range, is_streamed
 from .index import Index, Shard, content_hash, new_hasher
@@ -12,6 +13,7 @@ from .parallel import default_jobs, ordered_map
 from .reader import Bundle
 from .safety import safe_mode
 from .tarformat import END_OF_ARCHIVE, Kind, member_header
+from .unpack import INCOMPLETE_MARKER
 
 
 @dataclass
@@ -28,17 +30,19 @@ class VerifyReport:
 
 
 def verify_bundle(bundle: Bundle, jobs: int = 0) -> VerifyReport:
-    """Check every shard's bytes, headers and file hashes, and the sidecar index.
+    """Check every shard's bytes, headers and file hashes, the index section at the end, and the sidecar.
 
-    A damaged shard is reported with the files it holds that no longer match
-    (or all of its files if it cannot be decompressed).
+    A damaged shard is reported with the files it holds, and each file that
+    no longer matches its hash is named.
     """
     index = bundle.index
     if index is None:
         raise BundleError("has no pallet index, so it cannot be verified", bundle.path,
-                          "verify works on bundles written by `pallet pack`; its .pidx may be missing")
+                          "bundles written by `pallet pack` end with their index: if this is one, its end is "
+                          "cut or damaged; fetch it again, or put its .pidx next to it")
     report = VerifyReport(shards=len(index.shards), entries=len(index))
     report.problems += _sidecar_problems(bundle)
+    report.problems += _index_section_problems(bundle, index)
     jobs = min(jobs or default_jobs(), max(1, len(index.shards)))
     for problems in ordered_map(_check_in_worker, index.shards, jobs, _init_worker, (bundle, index)):
         report.problems += problems
@@ -53,10 +57,17 @@ def _sidecar_problems(bundle: Bundle) -> list[str]:
     if not os.path.exists(sidecar):
         return []
     if bundle.sidecar_index is None:
-        return [f"sidecar index {sidecar} is damaged"]
-    if bundle.sidecar_index.to_bytes() != bundle.index.to_bytes():
-        return [f"sidecar index {sidecar} differs from the index embedded in the bundle"]
+        return [f"sidecar index {sidecar} is damaged (it differs from the index embedded in the bundle)"]
     return []
+
+
+def _index_section_problems(bundle: Bundle, index: Index) -> list[str]:
+    """The bytes after the last shard must be exactly the index section and locator pack writes."""
+    end = max((s.offset + s.length for s in index.shards), default=0)
+    expected = container.index_section(index.codec, index.to_bytes(), end)
+    if bundle.size == end + len(expected) and os.pread(bundle.fd, len(expected), end) == expected:
+        return []
+    return [f"the embedded index or its locator after byte {end} is damaged, missing or cut short"]
 
 
 _state: tuple | None = None
@@ -82,13 +93,11 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
         return [exc.message]
     problems = []
     if content_hash(compressed) != shard.hash:
-        problems.append(f"shard {shard.number}: its bytes do not match the index hash")
+        problems.append(f"shard {shard.number}: its bytes do not match the index hash; {_holds(index, shard)}")
     try:
         data = bundle.codec.decompress(compressed, shard.raw_size)
     except BundleError as exc:
-        names = [index.entry(i).name for i in _entry_range(shard)]
-        return problems + [f"shard {shard.number}: {exc.message}; it holds: {', '.join(names[:20])}"
-                           + (" ..." if len(names) > 20 else "")]
+        return problems + [f"shard {shard.number}: {exc.message}; {_holds(index, shard)}"]
     for i in _entry_range(shard):
         problems += _entry_problems(index, i, data)
     if shard.number == len(index.shards) - 1 and not _tail_matches(index, shard, data):
@@ -108,13 +117,12 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[st
     """Check a one-file shard without holding it in memory."""
     entry = index.entry(shard.first_entry)
     reader = RangeReader(bundle.fd, shard.offset, shard.length)
-    hasher, problems = new_hasher(), []
+    hasher, problems, remaining = new_hasher(), [], entry.size
     try:
         stream = bundle.codec.open_stream(reader)
         header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
         if stream.read(len(header)) != header or entry.data_offset != len(header):
             problems.append(f"{entry.name}: tar header does not match the index")
-        remaining = entry.size
         while remaining:
             chunk = stream.read(min(remaining, 8 << 20))
             if not chunk:
@@ -129,10 +137,15 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[st
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
         problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")
     if hash_range(bundle, shard) != shard.hash:
-        problems.insert(0, f"shard {shard.number}: its bytes do not match the index hash")
-    if not problems and hasher.digest() != entry.hash:
+        problems.insert(0, f"shard {shard.number}: its bytes do not match the index hash; {_holds(index, shard)}")
+    if not remaining and hasher.digest() != entry.hash:      # all of the content was read: check it
         problems.append(f"{entry.name}: content does not match its hash")
     return problems
+
+
+def _holds(index: Index, shard: Shard) -> str:
+    names = [index.entry(i).name for i in _entry_range(shard)]
+    return f"it holds: {', '.join(names[:20])}" + (" ..." if len(names) > 20 else "")
 
 
 def _entry_range(shard: Shard) -> range:
@@ -153,7 +166,11 @@ def _entry_problems(index: Index, i: int, data: bytes) -> list[str]:
 
 
 def verify_tree(index: Index, dest: str) -> VerifyReport:
-    """Compare the tree under ``dest`` with the index: type, size, mode, mtime, content, link target."""
+    """Compare the tree under ``dest`` with the index: type, size, mode, mtime, content, link target.
+
+    Anything under ``dest`` that the index does not hold is reported too,
+    the marker of an unfinished unpack included.
+    """
     report = VerifyReport(entries=len(index))
     root = os.fsencode(dest)
     inodes: dict[int, int] = {}
@@ -165,7 +182,22 @@ def verify_tree(index: Index, dest: str) -> VerifyReport:
             report.problems.append(f"{entry.name}: missing in the destination ({exc.strerror})")
             continue
         report.problems += [f"{entry.name}: {p}" for p in _tree_entry_problems(entry, path, st, inodes)]
+    report.problems += _extra_problems(index, root)
     return report
+
+
+def _extra_problems(index: Index, root: bytes) -> list[str]:
+    """Name every path under ``root`` that is not in the index (extra directories are not descended)."""
+    known, problems = set(index.paths), []
+    for current, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            rel = os.path.relpath(os.path.join(current, name), root)
+            if rel == INCOMPLETE_MARKER.encode():
+                problems.append(f"{INCOMPLETE_MARKER}: the unpack into this destination did not finish")
+            elif rel not in known:
+                problems.append(f"{os.fsdecode(rel)}: extra in the destination (not in the bundle)")
+        dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(current, d), root) in known]
+    return problems
 
 
 def _tree_entry_problems(entry, path: bytes, st: os.stat_result, inodes: dict) -> list[str]:

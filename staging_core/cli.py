@@ -59,7 +59,7 @@ def _add_pack(commands) -> None:
     p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
     p.add_argument("--shard-size", type=_size, metavar="SIZE",
                    help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
-    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
     _progress_flags(p)
     p.set_defaults(run=_run_pack)
 
@@ -75,7 +75,7 @@ def _add_unpack(commands) -> None:
                                    "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", help="destination directory (created if missing)")
-    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
     _progress_flags(p)
@@ -97,21 +97,34 @@ def _add_verify(commands) -> None:
                                         "also check that DEST holds exactly what the bundle describes.")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", nargs="?")
-    p.add_argument("--jobs", "-j", type=int, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_verify)
 
 
 def _size(text: str) -> int:
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    except OverflowError:                          # "inf", "1e400"
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 64MiB, 1G)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return size
+
+
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if jobs < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all CPUs) or more, not {jobs}")
+    return jobs
 
 
 def _run_pack(args) -> int:
-    if args.jobs < 0:
-        raise UsageError("--jobs must be 0 (all CPUs) or more")
     options = PackOptions(args.codec, args.level, args.shard_size, args.jobs)
     result = pack(args.src, args.bundle, options, make_progress(args.progress))
     index = result.index
