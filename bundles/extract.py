@@ -74,7 +74,7 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
     mismatch raises CorruptBundleError naming the files. Rerunning a shard
     rewrites the same files, so it is idempotent.
     """
-    root = os.fsencode(dest)
+    root = os.fsencode(dest) + b"/"
     if is_streamed(index, shard):
         return _extract_streamed(bundle, index, shard, root, verify)
     compressed = bundle.read_shard(shard)
@@ -91,7 +91,7 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
         if verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]:
             bad.append(os.fsdecode(index.paths[i]))
             continue
-        write_file(os.path.join(root, index.paths[i]), content, index.modes[i], index.mtimes[i])
+        write_file(root + index.paths[i], content, index.modes[i], index.mtimes[i])
         files, nbytes = files + 1, nbytes + size
     if bad:
         raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH, bad)
@@ -134,13 +134,14 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, v
 
 def finish_tree(index: Index, dest: str) -> None:
     """Create hard links and symlinks, then apply directory modes and mtimes, deepest first."""
-    root = os.fsencode(dest)
-    for i, kind in enumerate(index.kinds):
-        path = os.path.join(root, index.paths[i])
+    root = os.fsencode(dest) + b"/"
+    links = [i for i, kind in enumerate(index.kinds) if kind in (Kind.HARDLINK, Kind.SYMLINK)]
+    for i in links:
+        kind, path = index.kinds[i], root + index.paths[i]
         try:
             if kind == Kind.HARDLINK:
                 remove_stale(path)
-                os.link(os.path.join(root, index.links[i]), path, follow_symlinks=False)
+                os.link(root + index.links[i], path, follow_symlinks=False)
             elif kind == Kind.SYMLINK:
                 remove_stale(path)
                 os.symlink(index.links[i], path)
@@ -149,7 +150,7 @@ def finish_tree(index: Index, dest: str) -> None:
             raise destination_error(exc, path) from None
     directories = [i for i, kind in enumerate(index.kinds) if kind == Kind.DIR]
     for i in sorted(directories, key=lambda i: index.paths[i].count(b"/"), reverse=True):
-        path = os.path.join(root, index.paths[i])
+        path = root + index.paths[i]
         os.chmod(path, safe_mode(index.modes[i]))
         os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
 

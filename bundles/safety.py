@@ -61,22 +61,12 @@ def index_problems(index: Index) -> list[tuple[str, str]]:
     symlinks = {index.paths[i] for i, k in enumerate(index.kinds) if k == Kind.SYMLINK}
     seen: set[bytes] = set()
     refused: set[int] = set()
+    known_kinds = frozenset(int(k) for k in Kind)
     for i, path in enumerate(index.paths):
         kind = index.kinds[i]
-        reason = path_problem(path)
-        if reason is None and path in seen:
-            reason = "duplicate name"
-        if reason is None:
-            parent = path.rpartition(b"/")[0]
-            if parent and parent not in directories:
-                reason = ("written through a symlink" if _under(parent, symlinks)
-                          else "parent directory is not a directory of the archive")
-        if reason is None and kind == Kind.SYMLINK:
-            reason = symlink_problem(path, index.links[i], symlinks)
-        if reason is None and kind == Kind.HARDLINK:
-            reason = _hardlink_problem(index, i, refused)
-        if reason is None and kind not in tuple(Kind):
-            reason = f"unsupported entry type {kind}"
+        reason = _name_problem(path, seen, directories, symlinks)
+        if reason is None and kind != Kind.FILE:
+            reason = _kind_problem(index, i, kind, symlinks, refused, known_kinds)
         if reason:
             problems.append((os.fsdecode(path), reason))
             refused.add(i)
@@ -84,6 +74,30 @@ def index_problems(index: Index) -> list[tuple[str, str]]:
         if kind == Kind.DIR:
             directories.add(path)
     return problems
+
+
+def _name_problem(path: bytes, seen: set, directories: set, symlinks: set) -> str | None:
+    """Name checks, with a fast path for the common clean relative name."""
+    padded = b"/" + path + b"/"
+    if not path or path[0] == 47 or b"\0" in path or b"/../" in padded or b"/./" in padded or b"//" in padded:
+        return path_problem(path)
+    if path in seen:
+        return "duplicate name"
+    parent = path.rpartition(b"/")[0]
+    if parent and parent not in directories:
+        return ("written through a symlink" if _under(parent, symlinks)
+                else "parent directory is not a directory of the archive")
+    return None
+
+
+def _kind_problem(index: Index, i: int, kind: int, symlinks: set, refused: set, known_kinds) -> str | None:
+    if kind == Kind.SYMLINK:
+        return symlink_problem(index.paths[i], index.links[i], symlinks)
+    if kind == Kind.HARDLINK:
+        return _hardlink_problem(index, i, refused)
+    if kind not in known_kinds:
+        return f"unsupported entry type {kind}"
+    return None
 
 
 def _under(path: bytes, prefixes: set[bytes]) -> bool:
