@@ -150,12 +150,16 @@ class Index:
         parts = [_HEAD.pack(_MAGIC, FORMAT_VERSION, len(header)), header]
         for name, kind in ENTRY_COLUMNS:
             column = self._column_bytes(name, kind)
-            parts += [_LEN.pack(len(column)), column]
+            parts += [_LEN.pack(memoryview(column).nbytes), column]
+        hasher = new_hasher()
+        for part in parts:
+            hasher.update(part)
+        parts.append(hasher.digest())
         blob = b"".join(parts)
-        blob += content_hash(blob)
+        del parts
         return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob)
 
-    def _column_bytes(self, name: str, kind: str) -> bytes:
+    def _column_bytes(self, name: str, kind: str):
         values = {"path": self.paths, "kind": self.kinds, "mode": self.modes, "mtime_ns": self.mtimes,
                   "size": self.sizes, "link": self.links, "link_group": self.link_groups,
                   "hash": self.hashes, "shard": self.shard_of, "offset": self.offsets,
@@ -163,8 +167,8 @@ class Index:
         if kind == "blob":
             return b"\0".join(values)
         if kind == "hash":
-            return bytes(values)
-        return _little_endian(values).tobytes()
+            return memoryview(values)
+        return memoryview(_little_endian(values)).cast("B")
 
     @classmethod
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":

@@ -62,9 +62,10 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     try:
         with open(tmp, "w+b") as out:     # read back to hash streamed shards
             _write_shards(tree, plans, codec, jobs, out, progress)
-            out.write(container.index_section(codec.name, index.to_bytes(), out.tell()))
+            payload = index.to_bytes()
+            out.write(container.index_section(codec.name, payload, out.tell()))
             size = out.tell()
-        sidecar = write_sidecar(bundle, index)
+        sidecar = write_sidecar(bundle, payload)
         os.replace(tmp, bundle)
     except OSError as exc:
         raise write_error(exc, bundle) from exc
@@ -85,13 +86,13 @@ def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: 
         progress.advance(plan.count, built.file_bytes)
 
 
-def write_sidecar(bundle: str, index: Index) -> str:
-    """Write ``bundle.pidx`` (via a temporary name) and return its path."""
+def write_sidecar(bundle: str, payload: bytes) -> str:
+    """Write the index ``payload`` as ``bundle.pidx`` (via a temporary name) and return its path."""
     sidecar = bundle + container.SIDECAR_SUFFIX
     tmp = temp_name(sidecar)
     try:
         with open(tmp, "wb") as out:
-            out.write(index.to_bytes())
+            out.write(payload)
         os.replace(tmp, sidecar)
     finally:
         if os.path.exists(tmp):

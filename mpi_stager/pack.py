@@ -130,9 +130,10 @@ def _finish_on_root(index, codec, placed: list, final_tmp: str, bundle: str) -> 
     try:
         with open(final_tmp, "r+b") as out:
             out.seek(0, os.SEEK_END)
-            out.write(container.index_section(codec.name, index.to_bytes(), out.tell()))
+            payload = index.to_bytes()
+            out.write(container.index_section(codec.name, payload, out.tell()))
             size = out.tell()
-        write_sidecar(bundle, index)
+        write_sidecar(bundle, payload)
         os.replace(final_tmp, bundle)
     except OSError as exc:
         _remove(final_tmp)

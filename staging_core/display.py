@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
-
 from bundles.progress import NoProgress, Progress
 
 
@@ -13,11 +10,13 @@ class BarProgress:
     """A Progress drawn as a rich bar on stderr: files done of total, bytes, rate and ETA."""
 
     def __init__(self) -> None:
-        self._bar: RichProgress | None = None
+        self._bar = None
         self._task = None
         self._done_bytes = 0
 
     def start(self, label: str, total_files: int, total_bytes: int) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)     # only when a bar is drawn
         self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("entries {task.fields[volume]}"), TimeElapsedColumn(),
                                  TimeRemainingColumn(), transient=True)

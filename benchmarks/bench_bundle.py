@@ -1,0 +1,499 @@
+"""Benchmark `pallet pack`/`unpack` against tar + zstd, and the peak RSS of a 1,000,000-entry index."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))           # import this checkout's bundles/, whatever is installed
+
+KIB, MIB = 1 << 10, 1 << 20
+TIME_TARGET = 1.3           # pallet seconds / peer seconds
+RSS_TARGET_MB = 500.0       # peak RSS, MB = 10**6 bytes
+GNU_TIME = shutil.which("time", path="/usr/bin:/bin")     # reports each process's own peak RSS
+NOISE_LIMIT = 0.25          # a run during which other processes used more than this share of a CPU is rerun
+INDEX_ENTRIES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A generated source tree: ``files`` files of ``file_size`` bytes in ``dirs`` directories."""
+
+    name: str
+    files: int
+    file_size: int
+    dirs: int
+    random_bytes: bool
+
+    @property
+    def label(self) -> str:
+        size = f"{self.file_size // MIB} MiB" if self.file_size >= MIB else f"{self.file_size // KIB} KiB"
+        return f"{self.name} {self.files:,} x {size}"
+
+
+@dataclass
+class Run:
+    """One timed command or pipeline: wall/CPU seconds, max RSS, CPU the rest of the machine used, output."""
+
+    seconds: float
+    cpu_seconds: float
+    max_rss_kb: int
+    other_cpu_seconds: float
+    output: str
+
+
+@dataclass
+class Measurement:
+    """Repeated runs of one command line (``discarded``: runs redone because the machine was busy)."""
+
+    tool: str
+    argv: list[list[str]]
+    runs: list[Run] = field(default_factory=list)
+    discarded: list[Run] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(r.seconds for r in self.runs)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(r.cpu_seconds for r in self.runs)
+
+    @property
+    def noise(self) -> float:
+        return max(r.other_cpu_seconds / r.seconds for r in self.runs)
+
+
+@dataclass
+class Comparison:
+    """pallet vs the peer pipeline on one workload; ``ratio`` is pallet median / peer median."""
+
+    name: str
+    workload: str
+    pallet: Measurement
+    peer: Measurement
+    target: float = TIME_TARGET
+
+    @property
+    def ratio(self) -> float:
+        return self.pallet.median / self.peer.median
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio <= self.target
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where run outputs go, repetitions, idle wait before each run, reruns allowed for a noisy run."""
+
+    runs_dir: Path
+    repeat: int
+    idle_wait: float
+    retries: int
+
+
+@dataclass
+class RssResult:
+    """Peak RSS of one fresh subprocess working on the synthetic index."""
+
+    name: str
+    entries: int
+    seconds: float
+    max_rss_kb: int
+
+    @property
+    def max_rss_mb(self) -> float:
+        return self.max_rss_kb * 1024 / 1e6
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rss_mb < RSS_TARGET_MB
+
+
+def run(stages: list[list[str]], stdout_path: str | None = None) -> Run:
+    """Run ``stages`` as a pipeline (no shell), timed with perf_counter; CPU via wait4, peak RSS via GNU time."""
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp, "log"), "w+b") as log, \
+            open(stdout_path or os.devnull, "wb") as sink:
+        busy, started, procs = machine_busy_seconds(), time.perf_counter(), []
+        for n, argv in enumerate(stages):
+            stdin = procs[-1].stdout if procs else subprocess.DEVNULL
+            stdout = (sink if stdout_path else log) if n == len(stages) - 1 else subprocess.PIPE
+            wrap = [GNU_TIME, "-f", "%M", "-o", str(Path(tmp, f"rss{n}"))] if GNU_TIME else []
+            procs.append(subprocess.Popen(wrap + argv, stdin=stdin, stdout=stdout, stderr=log, env=child_env()))
+            if n:
+                stdin.close()
+        rss, cpu, codes = _wait_all(procs)
+        seconds = time.perf_counter() - started
+        other = max(0.0, machine_busy_seconds() - busy - cpu)
+        if GNU_TIME:    # wait4 alone would also count this process's own peak, inherited through fork and exec
+            rss = max(int(Path(tmp, f"rss{n}").read_text().split()[-1]) for n in range(len(stages)))
+        output = Path(tmp, "log").read_bytes().decode(errors="replace")
+    if any(codes):
+        raise RuntimeError(f"command failed (exit {codes}): {' | '.join(map(' '.join, stages))}\n{output}")
+    return Run(seconds, cpu, rss, other, output)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, float, list[int]]:
+    """Reap each process; its rusage covers it and its reaped workers (max RSS, user+system CPU)."""
+    rss, cpu, codes = 0, 0.0, []
+    for proc in procs:
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        codes.append(proc.returncode)
+        rss, cpu = max(rss, usage.ru_maxrss), cpu + usage.ru_utime + usage.ru_stime
+    return rss, cpu, codes
+
+
+def machine_busy_seconds() -> float:
+    """Non-idle CPU seconds of the whole machine since boot (0 where /proc/stat is missing)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split()[1:9]]
+    except OSError:
+        return 0.0
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")      # all but idle and iowait
+
+
+def child_env() -> dict[str, str]:
+    """Environment for children: this checkout first on PYTHONPATH, so it is the code under test."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def code_version() -> str:
+    """Commit of the checkout under test, ``-dirty`` if tracked files have uncommitted changes."""
+    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+def pallet_cmd() -> list[str]:
+    """The `pallet` script of this interpreter's environment (or the module, if there is none)."""
+    script = Path(sys.executable).with_name("pallet")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "staging_core.cli"]
+
+
+def wait_for_idle(limit: float, threshold: float = 0.1) -> float:
+    """Wait up to ``limit`` s for a 1-s window where the machine used < ``threshold`` CPU-s; return the wait."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit:
+        before = machine_busy_seconds()
+        time.sleep(1.0)
+        if machine_busy_seconds() - before < threshold:
+            break
+    return time.perf_counter() - started
+
+
+def timed(measurement: Measurement, tag: str, settings: Settings, stdout_path: str | None = None) -> None:
+    """Run the command once after a sync and an idle wait (both untimed); redo it if the machine was busy."""
+    for attempt in range(settings.retries + 1):
+        os.sync()
+        waited = wait_for_idle(settings.idle_wait)
+        result = run(measurement.argv, stdout_path)
+        noisy = result.other_cpu_seconds > NOISE_LIMIT * result.seconds and attempt < settings.retries
+        print(f"  {tag:<20} {measurement.tool:<8} {result.seconds:7.3f} s  cpu {result.cpu_seconds:6.2f} s  "
+              f"rss {result.max_rss_kb / 1024:6.1f} MiB  other CPU {result.other_cpu_seconds:5.2f} s  "
+              f"(idle wait {waited:.0f} s){'  DISCARDED: machine busy, running again' if noisy else ''}", flush=True)
+        for line in result.output.splitlines():
+            print(f"      | {line}", flush=True)
+        if not noisy:
+            break
+        measurement.discarded.append(result)
+    measurement.runs.append(result)
+
+
+def ensure_workload(workdir: Path, load: Workload) -> Path:
+    """Return the workload's tree, generating it unless its marker file says it is complete."""
+    slug = f"{load.name.lower()}-{load.files}x{load.file_size}-{load.dirs}d"
+    src, marker = workdir / slug, workdir / f"{slug}.ready"
+    spec = json.dumps(asdict(load), sort_keys=True)
+    if marker.exists() and marker.read_text() == spec and src.is_dir():
+        print(f"reusing {load.label} at {src}")
+        return src
+    shutil.rmtree(src, ignore_errors=True)
+    print(f"generating {load.label} at {src} ...", flush=True)
+    started = time.perf_counter()
+    (_fill_random if load.random_bytes else _fill_csv)(src, load)
+    os.sync()
+    marker.write_text(spec)
+    print(f"  generated in {time.perf_counter() - started:.1f} s")
+    return src
+
+
+def _fill_csv(src: Path, load: Workload) -> None:
+    rng = random.Random(20240611)
+    number = 0
+    for d in range(load.dirs):
+        (folder := src / f"d{d:03d}").mkdir(parents=True)
+        for _ in range(load.files // load.dirs + (d < load.files % load.dirs)):
+            (folder / f"f{number:06d}.csv").write_bytes(_csv_text(rng, load.file_size))
+            number += 1
+
+
+def _csv_text(rng: random.Random, size: int) -> bytes:
+    rows = ["id,timestamp,sensor,value,flag"]
+    total = len(rows[0]) + 1
+    while total < size:
+        row = (f"{rng.randrange(10**7)},{1_700_000_000 + rng.randrange(10**6)},"
+               f"s{rng.randrange(64):02d},{rng.uniform(-50, 150):.4f},{rng.choice('ABCD')}")
+        rows.append(row)
+        total += len(row) + 1
+    return ("\n".join(rows)[:size - 1] + "\n").encode()
+
+
+def _fill_random(src: Path, load: Workload) -> None:
+    src.mkdir(parents=True)
+    for n in range(load.files):
+        with open(src / f"blob{n:02d}.bin", "wb") as out:
+            for done in range(0, load.file_size, 8 * MIB):
+                out.write(os.urandom(min(8 * MIB, load.file_size - done)))
+
+
+def compare(name: str, load: Workload, settings: Settings, commands: Callable) -> Comparison:
+    """Time pallet and peer ``commands(rep)`` -> (pallet argv, peer argv, peer stdout), alternating order."""
+    mine, peer = Measurement("pallet", []), Measurement("tar+zstd", [])
+    for rep in range(settings.repeat):
+        mine.argv, peer.argv, peer_stdout = commands(rep)
+        for m in ((mine, peer) if rep % 2 == 0 else (peer, mine)):
+            timed(m, f"{name} {load.name} rep {rep + 1}", settings, peer_stdout if m is peer else None)
+    return Comparison(name, load.label, mine, peer)
+
+
+def compare_pack(load: Workload, src: Path, settings: Settings) -> tuple[Comparison, Path, Path]:
+    """`pallet pack` vs `tar -cf - | zstd -T2`, each rep to a new file; return the first outputs too."""
+    def out(tool: str, rep: int) -> Path:
+        return settings.runs_dir / f"pack-{load.name.lower()}-{tool}-{rep}.tar.zst"
+
+    def commands(rep: int):
+        return ([pallet_cmd() + ["pack", str(src), str(out("pallet", rep))]],
+                [["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-T2", "-q"]], str(out("peer", rep)))
+    warm_cache(src)
+    return compare("pack", load, settings, commands), out("pallet", 0), out("peer", 0)
+
+
+def compare_unpack(load: Workload, bundle: Path, tarball: Path, settings: Settings) -> Comparison:
+    """`pallet unpack` (verifying) vs `zstd -dc | tar -x`, each rep into a fresh directory."""
+    def dest(tool: str, rep: int) -> Path:
+        return settings.runs_dir / f"unpack-{load.name.lower()}-{tool}-{rep}"
+
+    def commands(rep: int):
+        dest("pallet", rep).mkdir()
+        dest("peer", rep).mkdir()
+        return ([pallet_cmd() + ["unpack", str(bundle), str(dest("pallet", rep))]],
+                [["zstd", "-dc", str(tarball)], ["tar", "-x", "-C", str(dest("peer", rep))]], None)
+    warm_cache(bundle, Path(f"{bundle}.pidx"), tarball)
+    return compare("unpack", load, settings, commands)
+
+
+def warm_cache(*paths: Path) -> None:
+    """Read the inputs once (untimed), so that no run pays alone for a cold page cache."""
+    for file in (f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()):
+        with open(file, "rb", buffering=0) as handle:
+            while handle.read(8 * MIB):
+                pass
+
+
+def build_index(entries: int):
+    """Build a synthetic Index of ``entries`` entries laid out as `pallet pack` would lay them out."""
+    from bundles.index import Index
+    from bundles.tarformat import Kind
+    try:
+        from bundles.shards import auto_shard_size, plan_shards
+    except ImportError:
+        from bundles.writer import auto_shard_size, plan_shards
+    rng = random.Random(11)
+    index = Index("zstd", 3, 0)
+    dirs = min(1_000, max(1, entries // 2))
+    files, number = entries - dirs, 0
+    for d in range(dirs):
+        _add(index, f"d{d:04d}".encode(), Kind.DIR, 0o755, 0, bytes(16), rng)
+        for _ in range(files // dirs + (d < files % dirs)):
+            _add(index, b"d%04d/f%07d.csv" % (d, number), Kind.FILE, 0o644, rng.randint(200, 4000),
+                 rng.randbytes(16), rng)
+            number += 1
+    index.shard_size = auto_shard_size(index)
+    _assign_shards(index, plan_shards(index, index.shard_size), rng)
+    return index
+
+
+def _add(index, path: bytes, kind, mode: int, size: int, digest: bytes, rng: random.Random) -> None:
+    mtime = 1_700_000_000_000_000_000 + rng.randrange(10**15)
+    for column, value in ((index.paths, path), (index.kinds, kind), (index.modes, mode), (index.mtimes, mtime),
+                          (index.sizes, size), (index.links, b""), (index.link_groups, -1)):
+        column.append(value)
+    index.hashes += digest
+
+
+def _assign_shards(index, plans, rng: random.Random) -> None:
+    """Fill shard_of/offsets/data_offsets with real tar header sizes and plausible compressed lengths."""
+    from bundles.index import Shard
+    from bundles.tarformat import member_header, padding
+    stored = 0
+    for plan in plans:
+        position = file_bytes = 0
+        for i in range(plan.first, plan.first + plan.count):
+            header = len(member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i],
+                                       index.sizes[i], index.links[i]))
+            index.shard_of.append(plan.number)
+            index.offsets.append(position)
+            index.data_offsets.append(position + header)
+            position += header + index.sizes[i] + padding(index.sizes[i])
+            file_bytes += index.sizes[i]
+        position += 1024 if plan.last else 0
+        length = position * 3 // 10
+        index.shards.append(Shard(plan.number, stored, length, position, plan.first, plan.count, file_bytes,
+                                  rng.randbytes(16)))
+        stored += length
+
+
+def child_encode(path: str, entries: str) -> None:
+    """Subprocess body: build the synthetic index, encode it, write it to ``path`` (and where its shards end)."""
+    index = build_index(int(entries))
+    Path(path).write_bytes(index.to_bytes())
+    Path(f"{path}.end").write_text(str(max(s.offset + s.length for s in index.shards)))
+
+
+def child_decode(path: str) -> None:
+    """Subprocess body: decode the index and emit every entry as `pallet ls --json` does."""
+    from bundles.index import Index
+    index = Index.from_bytes(Path(path).read_bytes(), path)
+    with open(os.devnull, "w") as out:
+        for entry in index:
+            out.write(json.dumps(entry.to_json()) + "\n")
+
+
+def index_only_bundle(pidx: Path, bundle: Path) -> None:
+    """Write a bundle laid out as pack does, but with its shards left as a hole: `pallet ls` reads only the index."""
+    from bundles import container
+    payload, end = pidx.read_bytes(), int(Path(f"{pidx}.end").read_text())
+    with open(bundle, "wb") as out:
+        out.write(b"\x28\xb5\x2f\xfd")      # zstd magic, for readers that sniff the first bytes
+        out.seek(end)
+        out.write(container.index_section("zstd", payload, end))
+    Path(f"{bundle}{container.SIDECAR_SUFFIX}").write_bytes(payload)
+
+
+def index_rss(runs_dir: Path, entries: int) -> list[RssResult]:
+    """Peak RSS of encoding, decoding+listing, and `pallet ls --json` on a bundle holding only the index."""
+    pidx, bundle = runs_dir / "index.pidx", runs_dir / "index-only.tar.zst"
+    me = [sys.executable, str(Path(__file__).resolve())]
+    results = []
+    for name, argv, sink in (("build + Index.to_bytes", me + ["_encode", str(pidx), str(entries)], None),
+                             ("Index.from_bytes + ls --json", me + ["_decode", str(pidx)], None),
+                             ("`pallet ls --json` (CLI)", pallet_cmd() + ["ls", "--json", str(bundle)], os.devnull)):
+        if sink:
+            index_only_bundle(pidx, bundle)
+        os.sync()
+        done = run([argv], sink)
+        results.append(RssResult(name, entries, done.seconds, done.max_rss_kb))
+        print(f"  {name:<32} {done.seconds:7.2f} s  peak RSS {results[-1].max_rss_mb:7.1f} MB", flush=True)
+        for line in done.output.splitlines():
+            print(f"      | {line}", flush=True)
+    print(f"  index file: {pidx.stat().st_size / 1e6:.1f} MB compressed for {entries:,} entries")
+    return results
+
+
+def print_report(comparisons: list[Comparison], rss: list[RssResult], version: str) -> None:
+    print("\n" + "=" * 110 + f"\ncode under test: {version}; medians of wall seconds (CPU: user+system, all processes)")
+    print(f"{'benchmark':<7} {'workload':<20} {'pallet s':>8} {'peer s':>7} {'ratio':>6} {'pallet CPU':>10} "
+          f"{'peer CPU':>8} {'noise':>5}  {'pallet runs':<16} peer runs")
+    for c in comparisons:
+        print(f"{c.name:<7} {c.workload:<20} {c.pallet.median:8.3f} {c.peer.median:7.3f} {c.ratio:6.2f} "
+              f"{c.pallet.cpu_median:10.2f} {c.peer.cpu_median:8.2f} {max(c.pallet.noise, c.peer.noise):5.2f}  "
+              f"{_runs(c.pallet):<16} {_runs(c.peer)}")
+    print("noise: largest share of a CPU that other processes (and kernel threads) used during any one run")
+    print(f"\n{'index (synthetic)':<32} {'entries':>10} {'seconds':>8} {'peak RSS MB':>12}")
+    for r in rss:
+        print(f"{r.name:<32} {r.entries:>10,} {r.seconds:8.2f} {r.max_rss_mb:12.1f}")
+    print()
+    for c in comparisons:
+        print(f"{'PASS' if c.passed else 'MISS'} {c.name} {c.workload}: ratio {c.ratio:.2f} (target <= {c.target})")
+    for r in rss:
+        print(f"{'PASS' if r.passed else 'MISS'} peak RSS {r.name}: {r.max_rss_mb:.1f} MB "
+              f"(target < {RSS_TARGET_MB:.0f} MB)")
+
+
+def _runs(m: Measurement) -> str:
+    return " ".join(f"{r.seconds:.2f}" for r in m.runs)
+
+
+def write_json(path: str, args: argparse.Namespace, version: str, comparisons: list[Comparison],
+               rss: list[RssResult]) -> None:
+    doc = {
+        "command": sys.argv, "code": version, "options": {k: str(v) for k, v in vars(args).items()},
+        "targets": {"ratio": TIME_TARGET, "rss_mb": RSS_TARGET_MB, "noise_limit": NOISE_LIMIT},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "comparisons": [{**asdict(c), "pallet_median": c.pallet.median, "peer_median": c.peer.median,
+                         "pallet_cpu_median": c.pallet.cpu_median, "peer_cpu_median": c.peer.cpu_median,
+                         "noise": max(c.pallet.noise, c.peer.noise),
+                         "ratio": c.ratio, "passed": c.passed} for c in comparisons],
+        "index_rss": [{**asdict(r), "max_rss_mb": r.max_rss_mb, "passed": r.passed} for r in rss],
+    }
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"raw numbers written to {path}")
+
+
+def workloads(quick: bool) -> tuple[Workload, Workload]:
+    small_files, big_size = (8_192, 32 * MIB) if quick else (65_536, 256 * MIB)
+    return Workload("W1", small_files, KIB, 256, False), Workload("W2", 4, big_size, 1, True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
+                        help="where data sets live (reused) and runs are written (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: W1 8,192 files, W2 4 x 32 MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions per command (default: 3)")
+    parser.add_argument("--index-entries", type=int, default=INDEX_ENTRIES, help="synthetic index size")
+    parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
+    parser.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
+                        help="before each timed run, wait up to S seconds for the machine to go idle (default: 0)")
+    parser.add_argument("--retries", type=int, default=2, metavar="N",
+                        help=f"rerun a timed run up to N times if other processes used > {NOISE_LIMIT} CPU meanwhile")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.index_entries < 2 or args.retries < 0:
+        parser.error("--repeat must be >= 1, --index-entries >= 2, --retries >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not (shutil.which("tar") and shutil.which("zstd")):
+        sys.exit("bench_bundle: needs `tar` and `zstd` on PATH")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    version = code_version()
+    print(f"code under test: {ROOT} at {version}; pallet command: {' '.join(pallet_cmd())}")
+    w1, w2 = workloads(args.quick)
+    sources = {w.name: ensure_workload(args.workdir, w) for w in (w1, w2)}
+    runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=args.workdir))
+    try:
+        print(f"\nruns in {runs_dir} ({args.repeat} repetitions, {os.cpu_count()} CPUs)")
+        settings = Settings(runs_dir, args.repeat, args.idle_wait, args.retries)
+        pack1, bundle1, tarball1 = compare_pack(w1, sources["W1"], settings)
+        pack2, _, _ = compare_pack(w2, sources["W2"], settings)
+        unpack1 = compare_unpack(w1, bundle1, tarball1, settings)
+        print(f"\nsynthetic index of {args.index_entries:,} entries")
+        rss = index_rss(runs_dir, args.index_entries)
+    finally:        # only after every timing: deleting big trees slows file creation for a while
+        shutil.rmtree(runs_dir, ignore_errors=True)
+    comparisons = [pack1, pack2, unpack1]
+    print_report(comparisons, rss, version)
+    if args.json:
+        write_json(args.json, args, version, comparisons, rss)
+    return 0
+
+
+if __name__ == "__main__":
+    CHILDREN = {"_encode": child_encode, "_decode": child_decode}      # subprocess bodies of index_rss
+    sys.exit(CHILDREN[sys.argv[1]](*sys.argv[2:]) if sys.argv[1:2] and sys.argv[1] in CHILDREN else main())
