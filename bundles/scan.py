@@ -108,9 +108,10 @@ def _init_stat(root: bytes, names: list[bytes]) -> None:
 def _stat_chunk(start: int) -> _ChunkStats:
     """lstat (and readlink) one chunk of names in a worker."""
     root, names = _stat_state
+    root += b"/"
     out = _ChunkStats(start, array("B"), array("I"), array("q"), array("Q"), [], [], [])
     for n, rel in enumerate(names[start:start + _STAT_CHUNK], start):
-        path = os.path.join(root, rel)
+        path = root + rel
         try:
             st = os.lstat(path)
         except OSError as exc:

@@ -88,6 +88,22 @@ def _pax_block(payload_size: int) -> bytes:
     return _ustar_block(_PAX_NAME, b"", 0o644, payload_size, 0, b"x", b"")
 
 
+_FAST_MTIME_LIMIT = (_MAX_OCTAL_11 + 1) * 1_000_000_000     # the ustar mtime field holds it
+
+
+def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int) -> bytes:
+    """The common case of member_header: a short name, a regular file, an mtime after 1970."""
+    seconds, nanos = divmod(mtime_ns, 1_000_000_000)
+    ustar = _ustar_block(path, b"", mode & 0o7777, size, seconds, b"0", b"")
+    if not nanos:
+        return ustar
+    body = b" mtime=%d.%09d\n" % (seconds, nanos)
+    record = b"%d" % (len(body) + 2) + body
+    if not path.isascii() and not _is_utf8(path):
+        record = _pax_record(b"hdrcharset", b"BINARY") + record
+    return b"".join((_pax_block(len(record)), record, _ZEROS[:-len(record) % BLOCK], ustar))
+
+
 def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, link: bytes) -> bytes:
     """Return the header bytes (pax extended header if needed, then ustar) of one member.
 
@@ -97,6 +113,8 @@ def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, l
     out-of-range mtimes, sizes of 8 GiB and more, long paths and link targets.
     Data of ``size`` bytes (files only) and its padding follow the header.
     """
+    if kind == 0 and len(path) <= 100 and size <= _MAX_OCTAL_11 and 0 <= mtime_ns < _FAST_MTIME_LIMIT:
+        return _plain_file_header(path, mode, mtime_ns, size)
     name = path + b"/" if kind == 1 else path       # Kind.DIR
     data_size = size if kind == 0 else 0             # Kind.FILE
     records = []
