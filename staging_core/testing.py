@@ -1,0 +1,230 @@
+"""Test helpers shipped with pallet: exact tree comparison, a nasty tree, and the transport conformance suite.
+
+Transport authors subclass TransportConformance in a pytest module, set
+``scheme`` and provide a ``conformance_target`` fixture; every registered
+scheme must have such a subclass (tests/test_transport_conformance.py checks).
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+
+from staging_core.transports.base import Direction, Transport
+from staging_core.transports.errors import NotSupportedError
+
+MTIME_NS = 1_700_000_000_123_456_789
+
+
+def snapshot(root: str | os.PathLike, ignore: tuple[str, ...] = (".pallet-incomplete",)) -> dict:
+    """Map each relative path under ``root`` to (type, mode, mtime_ns, content or link target, inode group)."""
+    root = os.fsencode(root)
+    result, inodes = {}, {}
+    for current, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(current, name)
+            rel = os.path.relpath(path, root)
+            if os.fsdecode(rel) in ignore:
+                continue
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                result[rel] = ("l", None, st.st_mtime_ns, os.readlink(path), None)
+            elif stat.S_ISDIR(st.st_mode):
+                result[rel] = ("d", stat.S_IMODE(st.st_mode), st.st_mtime_ns, None, None)
+            else:
+                with open(path, "rb") as handle:
+                    content = handle.read()
+                group = inodes.setdefault(st.st_ino, rel) if st.st_nlink > 1 else None
+                result[rel] = ("f", stat.S_IMODE(st.st_mode), st.st_mtime_ns, content, group)
+    return result
+
+
+def normalize_groups(snap: dict) -> dict:
+    """Replace hard-link group leaders by the sorted member set so two trees compare equal."""
+    groups: dict = {}
+    for rel, value in snap.items():
+        if value[4] is not None:
+            groups.setdefault(value[4], []).append(rel)
+    members = {rel: tuple(sorted(v)) for v in groups.values() for rel in v}
+    return {rel: value[:4] + (members.get(rel),) for rel, value in snap.items()}
+
+
+def assert_same_tree(a, b) -> None:
+    left, right = normalize_groups(snapshot(a)), normalize_groups(snapshot(b))
+    assert sorted(left) == sorted(right)
+    for rel in left:
+        assert left[rel] == right[rel], rel
+
+
+def make_nasty_tree(root: str) -> str:
+    """A fixed tree with the cases every round trip must survive."""
+    os.makedirs(root)
+    write = lambda rel, data=b"x", mode=0o644: _write(root, rel, data, mode)
+    write("empty.txt", b"")
+    os.makedirs(os.path.join(root, "empty_dir"))
+    write("with space.txt", b"spaces")
+    write("new\nline.txt", b"newline")
+    write("ünïcødé-日本.txt", "unicode".encode())
+    write("-leading-dash", b"dash")
+    write("private.key", b"secret", 0o700)
+    write("script.sh", b"#!/bin/sh\n", 0o755)
+    deep = os.path.join(*[f"level{n:02d}" for n in range(40)])
+    write(os.path.join(deep, "bottom.txt"), b"deep")
+    long_dir = os.path.join("long", "d" * 120, "e" * 120)
+    write(os.path.join(long_dir, "f" * 200 + ".txt"), b"long path")
+    write("links/target.txt", b"target")
+    os.symlink("target.txt", os.path.join(root, "links", "rel_link"))
+    os.symlink("../links/target.txt", os.path.join(root, "links", "up_and_back"))
+    os.symlink("t" * 150, os.path.join(root, "links", "long_dangling_link"))
+    write("links/hard_a", b"shared inode")
+    os.link(os.path.join(root, "links", "hard_a"), os.path.join(root, "links", "hard_b"))
+    os.makedirs(os.path.join(root, "sub", "dir"))
+    os.link(os.path.join(root, "links", "hard_a"), os.path.join(root, "sub", "dir", "hard_c"))
+    write("big.bin", os.urandom(300_000))
+    _set_times(root)
+    return root
+
+
+def _write(root: str, rel: str, data: bytes, mode: int) -> None:
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, mode)
+
+
+def _set_times(root: str) -> None:
+    for current, dirs, files in os.walk(root, topdown=False):
+        for name in files + dirs:
+            os.utime(os.path.join(current, name), ns=(MTIME_NS, MTIME_NS), follow_symlinks=False)
+    os.utime(root, ns=(MTIME_NS, MTIME_NS))
+
+
+def tree_items(root: str) -> list[str]:
+    """Relative paths of every entry under ``root`` (directories included), parents first."""
+    items = []
+    for current, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in dirs + sorted(files):
+            items.append(os.path.relpath(os.path.join(current, name), root))
+    return items
+
+
+@dataclass
+class ConformanceTarget:
+    """A transport under test and an absolute path on its far side that the test may fill."""
+
+    transport: Transport
+    remote_root: str
+
+
+class TransportConformance:
+    """The contract of staging_core.transports.base.Transport, as tests; skips follow capabilities."""
+
+    scheme: ClassVar[str] = ""
+    tested_schemes: ClassVar[set[str]] = set()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.scheme:
+            TransportConformance.tested_schemes.add(cls.scheme)
+
+    def _round_trip(self, target: ConformanceTarget, src: str, tmp_path, name: str) -> str:
+        remote = os.path.join(target.remote_root, name)
+        target.transport.mkdir(remote)
+        pushed = target.transport.transfer(Direction.PUSH, src, remote, tree_items(src))
+        assert pushed.ok, pushed.failed
+        back = str(tmp_path / f"{name}-back")
+        pulled = target.transport.transfer(Direction.PULL, back, remote, tree_items(src))
+        assert pulled.ok, pulled.failed
+        return back
+
+    def _expected(self, snap: dict, caps) -> dict:
+        result = {}
+        for rel, (kind, mode, mtime, content, group) in normalize_groups(snap).items():
+            if kind == "l" and not caps.symlinks:
+                continue
+            result[rel] = (kind, mode if caps.preserves_mode or kind == "l" else None,
+                           mtime if caps.preserves_mtime and kind == "f" else None, content,
+                           group if caps.hardlinks else None)
+        return result
+
+    def test_round_trip_of_a_nasty_tree(self, conformance_target, tmp_path):
+        src = make_nasty_tree(str(tmp_path / "src"))
+        back = self._round_trip(conformance_target, src, tmp_path, "nasty")
+        caps = conformance_target.transport.capabilities
+        assert self._expected(snapshot(back), caps) == self._expected(snapshot(src), caps)
+
+    def test_listing_sees_what_was_pushed(self, conformance_target, tmp_path):
+        src = make_nasty_tree(str(tmp_path / "src"))
+        remote = os.path.join(conformance_target.remote_root, "listed")
+        conformance_target.transport.mkdir(remote)
+        conformance_target.transport.transfer(Direction.PUSH, src, remote, tree_items(src))
+        listed = {e.path: e for e in conformance_target.transport.list(remote)}
+        assert set(listed) == set(tree_items(src))
+        big = listed["big.bin"]
+        assert big.kind == "f" and big.size == os.path.getsize(os.path.join(src, "big.bin"))
+        assert conformance_target.transport.stat(os.path.join(remote, "big.bin")).size == big.size
+        assert conformance_target.transport.stat(os.path.join(remote, "no-such-file")) is None
+
+    def test_missing_source_item_fails_alone(self, conformance_target, tmp_path):
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "present.txt").write_bytes(b"here")
+        remote = os.path.join(conformance_target.remote_root, "missing")
+        conformance_target.transport.mkdir(remote)
+        result = conformance_target.transport.transfer(Direction.PUSH, str(src), remote, ["present.txt", "absent.txt"])
+        assert result.done == ["present.txt"] and list(result.failed) == ["absent.txt"]
+        assert "absent.txt" in str(result.failed["absent.txt"]) or result.failed["absent.txt"].path
+
+    def test_existing_destination_is_replaced(self, conformance_target, tmp_path):
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "f.txt").write_bytes(b"old content, longer")
+        remote = os.path.join(conformance_target.remote_root, "replace")
+        conformance_target.transport.mkdir(remote)
+        conformance_target.transport.transfer(Direction.PUSH, str(src), remote, ["f.txt"])
+        (src / "f.txt").write_bytes(b"new")
+        os.utime(src / "f.txt", ns=(MTIME_NS + 10**9, MTIME_NS + 10**9))
+        conformance_target.transport.transfer(Direction.PUSH, str(src), remote, ["f.txt"])
+        back = tmp_path / "back"
+        conformance_target.transport.transfer(Direction.PULL, str(back), remote, ["f.txt"])
+        assert (back / "f.txt").read_bytes() == b"new"
+
+    def test_unicode_and_awkward_names(self, conformance_target, tmp_path):
+        src = tmp_path / "src"
+        names = ["ünïcødé.txt", "日本語/ファイル.csv", "-dash", "with space", "semi;colon", "quote'and\"double"]
+        for n, name in enumerate(names):
+            path = src / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"%d" % n)
+        back = self._round_trip(conformance_target, str(src), tmp_path, "unicode")
+        for n, name in enumerate(names):
+            assert (tmp_path / "unicode-back" / name).read_bytes() == b"%d" % n
+        assert os.path.isdir(back)
+
+    def test_ten_thousand_files_in_one_batch(self, conformance_target, tmp_path):
+        src = tmp_path / "src"
+        for n in range(10_000):
+            path = src / f"d{n // 500:02d}" / f"f{n:05d}"
+            if n % 500 == 0:
+                path.parent.mkdir(parents=True)
+            path.write_bytes(b"%d\n" % n)
+        remote = os.path.join(conformance_target.remote_root, "many")
+        conformance_target.transport.mkdir(remote)
+        items = tree_items(str(src))
+        result = conformance_target.transport.transfer(Direction.PUSH, str(src), remote, items)
+        assert result.ok and len(result.done) == len(items)
+        listed = [e for e in conformance_target.transport.list(remote) if e.kind == "f"]
+        assert len(listed) == 10_000
+
+    def test_capabilities_are_honest_about_remote_commands(self, conformance_target):
+        transport = conformance_target.transport
+        if transport.capabilities.remote_exec:
+            assert transport.run(["echo", "pallet"]).strip() == b"pallet"
+        else:
+            with pytest.raises(NotSupportedError):
+                transport.run(["echo", "pallet"])

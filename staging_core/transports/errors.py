@@ -1,0 +1,86 @@
+"""Transport errors: one class per cause a user can act on, all carrying the command and its stderr."""
+from __future__ import annotations
+
+from bundles.errors import PalletError
+
+
+class TransportError(PalletError):
+    """A transfer, listing or remote command failed.
+
+    ``command`` is the argument list that ran (None for library calls),
+    ``exit_code`` its status, ``stderr`` what it printed (trimmed), and
+    ``retryable`` whether running it again may succeed (network trouble,
+    not a wrong path). Subclasses name the cause.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, path=None, hint=None, command: list[str] | None = None,
+                 exit_code: int | None = None, stderr: str = "", retryable: bool | None = None):
+        super().__init__(message, path, hint)
+        self.command = command
+        self.exit_code = exit_code
+        self.stderr = stderr.strip()[-2000:]
+        if retryable is not None:
+            self.retryable = retryable
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.stderr and self.stderr not in text:
+            text += "\n  " + self.stderr.splitlines()[-1][:300]
+        return text
+
+
+class HostUnreachableError(TransportError):
+    """The host cannot be reached (DNS, refused, timeout)."""
+
+    retryable = True
+
+
+class AuthenticationError(TransportError):
+    """The host refused our credentials."""
+
+
+class RemotePathMissingError(TransportError):
+    """A path does not exist on the far side."""
+
+
+class RemotePermissionError(TransportError):
+    """The far side denies access to a path."""
+
+
+class RemoteDiskFullError(TransportError):
+    """The far side has no space left."""
+
+
+class NotSupportedError(TransportError):
+    """The transport lacks the capability asked for (see its Capabilities)."""
+
+
+class MissingDependencyError(TransportError):
+    """A transport needs a program or Python package that is not installed; the hint says how."""
+
+
+def classify(stderr: str, exit_code: int | None, command: list[str] | None, path: str | None,
+             fallback: str) -> TransportError:
+    """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError."""
+    text = stderr.lower()
+    rules = [
+        (("could not resolve hostname", "name or service not known", "connection refused", "connection timed out",
+          "no route to host", "network is unreachable", "connection closed by", "connection reset"),
+         HostUnreachableError, "host unreachable", "check the host name and port, and that you can `ssh` to it"),
+        (("permission denied (publickey", "permission denied, please try again", "authentication failed",
+          "too many authentication failures", "host key verification failed"),
+         AuthenticationError, "authentication failed", "check your keys/agent and ~/.ssh/config, or log in once by hand"),
+        (("no space left on device", "disk quota exceeded", "quota exceeded"),
+         RemoteDiskFullError, "no space left on the destination", "free space or choose another destination"),
+        (("no such file or directory", "does not exist", "file not found", "550-", "550 "),
+         RemotePathMissingError, "path does not exist", "check the remote path"),
+        (("permission denied", "operation not permitted", "access denied", "read-only file system"),
+         RemotePermissionError, "permission denied", "check the permissions of the remote path"),
+    ]
+    for needles, cls, message, hint in rules:
+        if any(n in text for n in needles):
+            return cls(message, path, hint, command, exit_code, stderr)
+    return TransportError(fallback, path, "see the command's message above", command, exit_code, stderr,
+                          retryable=exit_code in (12, 30, 35, 255))

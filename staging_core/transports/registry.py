@@ -1,0 +1,57 @@
+"""Lazy registry of transports by URL scheme: modules are imported only when a scheme is used."""
+from __future__ import annotations
+
+import importlib
+import shutil
+from dataclasses import dataclass
+
+from bundles.errors import UsageError
+
+from .base import Endpoint, Transport, parse_url
+from .errors import MissingDependencyError
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where a transport lives, and what it needs installed (programs on PATH, Python modules)."""
+
+    target: str                       # "package.module:Class"
+    programs: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    hint: str = ""
+
+
+_REGISTRY: dict[str, Registration] = {
+    "file": Registration("staging_core.transports.local:LocalTransport"),
+    "ssh": Registration("staging_core.transports.ssh:SSHTransport", ("ssh", "rsync"),
+                        hint="install openssh-client and rsync (apt-get install openssh-client rsync)"),
+}
+
+
+def register(scheme: str, registration: Registration) -> None:
+    """Add or replace the transport for ``scheme`` (plugins may register their own)."""
+    _REGISTRY[scheme] = registration
+
+
+def schemes() -> list[str]:
+    """Schemes with a registered transport."""
+    return sorted(_REGISTRY)
+
+
+def transport_class(scheme: str) -> type[Transport]:
+    """Import and return the transport class for ``scheme``; explain what is missing if it cannot."""
+    registration = _REGISTRY.get(scheme)
+    if registration is None:
+        raise UsageError(f"no transport for {scheme}:// URLs", hint=f"available: {', '.join(schemes())}")
+    missing = [p for p in registration.programs if shutil.which(p) is None]
+    missing += [m for m in registration.modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependencyError(f"the {scheme} transport needs {', '.join(missing)}", hint=registration.hint)
+    module_name, _, class_name = registration.target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def open_transport(url: str | Endpoint, **options) -> Transport:
+    """Return a transport connected to the endpoint of ``url`` (options go to its constructor)."""
+    endpoint = url if isinstance(url, Endpoint) else parse_url(url)
+    return transport_class(endpoint.scheme)(endpoint, **options)

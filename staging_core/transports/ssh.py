@@ -1,0 +1,230 @@
+"""The ssh transport: system ssh and rsync over one ControlMaster connection per host."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
+from .errors import MissingDependencyError, RemotePathMissingError, classify
+
+_FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
+_FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
+_PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
+
+
+class SSHTransport(Transport):
+    """rsync/ssh to ``[user@]host[:port]``; the user's ~/.ssh/config, keys and agent apply.
+
+    ``ssh_options`` (and ``$PALLET_SSH_OPTIONS``) are extra ssh arguments;
+    ``parallel`` > 1 splits each batch over that many rsync processes,
+    balanced by bytes and file count, sharing the one connection;
+    ``remote_pallet`` is how pallet is started on the far side.
+    """
+
+    scheme = "ssh"
+    capabilities = Capabilities(batch=True, streaming=True, remote_exec=True, parallel_streams=False,
+                                checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
+                                hardlinks=False, per_file_overhead_s=5e-5, concurrency=1)
+
+    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
+                 remote_pallet: str = "pallet"):
+        super().__init__(endpoint)
+        self.ssh_options = [*ssh_options, *shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))]
+        self.parallel = max(1, parallel)
+        self.remote_pallet = shlex.split(remote_pallet)
+        self._control_dir = tempfile.mkdtemp(prefix="pallet-ssh-")
+        self._master_started = False
+        if self.parallel > 1:
+            self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
+                                                "concurrency": self.parallel})
+
+    # ------------------------------------------------------------ connection
+
+    @property
+    def destination(self) -> str:
+        return f"{self.endpoint.user}@{self.endpoint.host}" if self.endpoint.user else self.endpoint.host
+
+    def _ssh_base(self) -> list[str]:
+        port = ["-p", str(self.endpoint.port)] if self.endpoint.port else []
+        return ["ssh", *port, "-o", f"ControlPath={self._control_dir}/cm", "-o", "ControlMaster=no",
+                *self.ssh_options]
+
+    def _connect(self) -> None:
+        if self._master_started:
+            return
+        port = ["-p", str(self.endpoint.port)] if self.endpoint.port else []
+        command = ["ssh", *port, "-o", f"ControlPath={self._control_dir}/cm", "-o", "ControlMaster=yes",
+                   "-o", "ControlPersist=yes", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N", self.destination]
+        with tempfile.TemporaryFile() as errors:
+            code = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                                  timeout=120).returncode
+            errors.seek(0)
+            stderr = errors.read().decode(errors="replace")
+        if code != 0:
+            raise classify(stderr, code, command, self.endpoint.url(), f"cannot connect to {self.destination}")
+        self._master_started = True
+
+    def close(self) -> None:
+        if self._master_started:
+            subprocess.run([*self._ssh_base(), "-O", "exit", self.destination], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+            self._master_started = False
+        shutil.rmtree(self._control_dir, ignore_errors=True)
+
+    def _ssh(self, remote_argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess:
+        self._connect()
+        command = [*self._ssh_base(), self.destination, "--", shlex.join(remote_argv)]
+        return subprocess.run(command, input=stdin, capture_output=True,
+                              stdin=None if stdin is not None else subprocess.DEVNULL)
+
+    # ------------------------------------------------------------ remote commands
+
+    def run(self, argv: list[str], stdin: bytes | None = None) -> bytes:
+        done = self._ssh(argv, stdin)
+        if done.returncode == 127 and argv and argv[0] == self.remote_pallet[0]:
+            raise MissingDependencyError(f"pallet is not installed on {self.endpoint.host} (`{argv[0]}` not found)",
+                                         self.endpoint.url(), "install pallet there, or pass --remote-pallet CMD",
+                                         argv, 127, done.stderr.decode(errors="replace"))
+        if done.returncode != 0:
+            raise classify(done.stderr.decode(errors="replace"), done.returncode, argv, self.endpoint.url(),
+                           f"remote command failed with status {done.returncode}")
+        return done.stdout
+
+    def pallet_command(self, *args: str) -> list[str]:
+        """The argument list that runs ``pallet ARGS`` on the far side."""
+        return [*self.remote_pallet, *args]
+
+    def stream_into(self, argv: list[str]) -> subprocess.Popen:
+        """Start ``argv`` on the far side reading our pipe; the caller writes to ``.stdin`` and waits."""
+        self._connect()
+        return subprocess.Popen([*self._ssh_base(), self.destination, "--", shlex.join(argv)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    # ------------------------------------------------------------ listing
+
+    def list(self, path: str) -> list[RemoteEntry]:
+        done = self._ssh(["find", path, "-mindepth", "1", "-printf", _FIND_FORMAT])
+        if done.returncode != 0:
+            raise classify(done.stderr.decode(errors="replace"), done.returncode, None,
+                           f"{self.endpoint.url()}", f"cannot list {path}")
+        return _parse_find(done.stdout)
+
+    def stat(self, path: str) -> RemoteEntry | None:
+        done = self._ssh(["find", path, "-maxdepth", "0", "-printf", _FIND_FORMAT])
+        if done.returncode != 0:
+            error = classify(done.stderr.decode(errors="replace"), done.returncode, None, path, f"cannot stat {path}")
+            if isinstance(error, RemotePathMissingError):
+                return None
+            raise error
+        entries = _parse_find(done.stdout)
+        return entries[0] if entries else None
+
+    def mkdir(self, path: str) -> None:
+        self.run(["mkdir", "-p", "--", path])
+
+    # ------------------------------------------------------------ transfers
+
+    def transfer(self, direction: Direction, local_root: str, remote_root: str,
+                 items: Sequence[str]) -> TransferResult:
+        self._connect()
+        items = list(items)
+        if self.parallel > 1 and len(items) > 1:
+            return self._transfer_parallel(direction, local_root, remote_root, items)
+        return self._rsync(direction, local_root, remote_root, items)
+
+    def _rsync(self, direction: Direction, local_root: str, remote_root: str, items: list[str]) -> TransferResult:
+        remote = f"{self.destination}:{remote_root.rstrip('/')}/"
+        local = local_root.rstrip("/") + "/"
+        if direction is Direction.PULL:
+            os.makedirs(local, exist_ok=True)
+        source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
+        with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
+            listing.write(b"\0".join(os.fsencode(i) for i in items))
+            listing.flush()
+            command = ["rsync", "-a", "-s", "--from0", f"--files-from={listing.name}",
+                       "-e", shlex.join(self._ssh_base()), source, target]
+            done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL)
+        return self._result(items, done, command, local_root if direction is Direction.PUSH else remote_root)
+
+    def _result(self, items: list[str], done, command: list[str], source_root: str) -> TransferResult:
+        stderr = done.stderr.decode(errors="replace")
+        if done.returncode == 0:
+            return TransferResult(done=items)
+        failures = _failed_items(stderr, source_root, set(items))
+        if done.returncode not in _PARTIAL or not failures:
+            raise classify(stderr, done.returncode, command, self.endpoint.url(),
+                           f"rsync failed with status {done.returncode}")
+        result = TransferResult(done=[i for i in items if i not in failures])
+        for item, reason in failures.items():
+            result.failed[item] = classify(reason, done.returncode, command, item, f"cannot transfer {item}")
+        return result
+
+    def _transfer_parallel(self, direction, local_root, remote_root, items) -> TransferResult:
+        sizes = _local_sizes(local_root, items) if direction is Direction.PUSH else [0] * len(items)
+        parts = partition(items, sizes, self.parallel)
+        with ThreadPoolExecutor(len(parts)) as pool:
+            results = list(pool.map(lambda part: self._rsync(direction, local_root, remote_root, part), parts))
+        merged = TransferResult()
+        for result in results:
+            merged.done += result.done
+            merged.failed.update(result.failed)
+        return merged
+
+
+def partition(items: list[str], sizes: list[int], parts: int, per_file_bytes: int = 64 * 1024) -> list[list[str]]:
+    """Split items into ``parts`` lists of about equal bytes + per-file cost, keeping parents first.
+
+    Directory items (size 0 and a prefix of others) go to every part that
+    needs them, so each rsync can create its own parents.
+    """
+    parts = max(1, min(parts, len(items)))
+    loads = [0] * parts
+    buckets: list[list[str]] = [[] for _ in range(parts)]
+    for item, size in sorted(zip(items, sizes), key=lambda pair: -pair[1]):
+        target = loads.index(min(loads))
+        buckets[target].append(item)
+        loads[target] += size + per_file_bytes
+    order = {item: n for n, item in enumerate(items)}
+    return [sorted(bucket, key=order.__getitem__) for bucket in buckets if bucket]
+
+
+def _local_sizes(root: str, items: list[str]) -> list[int]:
+    sizes = []
+    for item in items:
+        try:
+            sizes.append(os.lstat(os.path.join(root, item)).st_size)
+        except OSError:
+            sizes.append(0)
+    return sizes
+
+
+def _failed_items(stderr: str, source_root: str, items: set[str]) -> dict[str, str]:
+    failures = {}
+    root = source_root.rstrip("/") + "/"
+    for line in stderr.splitlines():
+        match = _FAILED_PATH.search(line)
+        if not match:
+            continue
+        path = match[1]
+        rel = path[len(root):] if path.startswith(root) else path
+        if rel in items:
+            failures[rel] = f"{match[2]} ({rel})"
+    return failures
+
+
+def _parse_find(raw: bytes) -> list[RemoteEntry]:
+    fields = raw.split(b"\0")
+    entries = []
+    for n in range(0, len(fields) - 5, 6):
+        path, kind, size, mode, mtime, link = fields[n:n + 6]
+        seconds, _, fraction = mtime.decode().partition(".")
+        mtime_ns = int(seconds) * 1_000_000_000 + int((fraction + "000000000")[:9])
+        entries.append(RemoteEntry(os.fsdecode(path), kind.decode(), int(size) if kind == b"f" else 0,
+                                   int(mode, 8), mtime_ns, os.fsdecode(link)))
+    return entries

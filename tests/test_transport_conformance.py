@@ -1,0 +1,33 @@
+"""The shipped conformance suite, run against every registered transport with its real server."""
+from __future__ import annotations
+
+import pytest
+
+from staging_core.testing import ConformanceTarget, TransportConformance
+from staging_core.transports.registry import open_transport, schemes
+
+
+class TestLocalConformance(TransportConformance):
+    scheme = "file"
+
+    @pytest.fixture
+    def conformance_target(self, tmp_path):
+        remote = tmp_path / "remote"
+        remote.mkdir()
+        return ConformanceTarget(open_transport(str(remote)), str(remote))
+
+
+class TestSSHConformance(TransportConformance):
+    scheme = "ssh"
+
+    @pytest.fixture
+    def conformance_target(self, sshd, tmp_path):
+        remote = tmp_path / "remote"
+        remote.mkdir()
+        with open_transport(sshd.url(str(remote)), ssh_options=sshd.ssh_options) as transport:
+            yield ConformanceTarget(transport, str(remote))
+
+
+def test_every_registered_transport_has_a_conformance_run():
+    assert set(schemes()) <= TransportConformance.tested_schemes, \
+        f"transports without a conformance run: {set(schemes()) - TransportConformance.tested_schemes}"
