@@ -31,3 +31,14 @@ class TestSSHConformance(TransportConformance):
 def test_every_registered_transport_has_a_conformance_run():
     assert set(schemes()) <= TransportConformance.tested_schemes, \
         f"transports without a conformance run: {set(schemes()) - TransportConformance.tested_schemes}"
+
+
+class TestParallelRsyncConformance(TransportConformance):
+    scheme = "ssh"
+
+    @pytest.fixture
+    def conformance_target(self, sshd, tmp_path):
+        remote = tmp_path / "remote"
+        remote.mkdir()
+        with open_transport(sshd.url(str(remote)), ssh_options=sshd.ssh_options, parallel=3) as transport:
+            yield ConformanceTarget(transport, str(remote))
