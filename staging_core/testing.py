@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import pytest
 
-from staging_core.transports.base import Direction, Transport
+from staging_core.transports.base import Direction, Transport, local_tree_items as tree_items
 from staging_core.transports.errors import NotSupportedError
 
 MTIME_NS = 1_700_000_000_123_456_789
@@ -101,16 +101,6 @@ def _set_times(root: str) -> None:
         for name in files + dirs:
             os.utime(os.path.join(current, name), ns=(MTIME_NS, MTIME_NS), follow_symlinks=False)
     os.utime(root, ns=(MTIME_NS, MTIME_NS))
-
-
-def tree_items(root: str) -> list[str]:
-    """Relative paths of every entry under ``root`` (directories included), parents first."""
-    items = []
-    for current, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in dirs + sorted(files):
-            items.append(os.path.relpath(os.path.join(current, name), root))
-    return items
 
 
 @dataclass
@@ -205,6 +195,16 @@ class TransportConformance:
         for n, name in enumerate(names):
             assert (tmp_path / "unicode-back" / name).read_bytes() == b"%d" % n
         assert os.path.isdir(back)
+
+    def test_whole_tree_with_items_none(self, conformance_target, tmp_path):
+        src = make_nasty_tree(str(tmp_path / "src"))
+        remote = os.path.join(conformance_target.remote_root, "whole")
+        conformance_target.transport.mkdir(remote)
+        assert conformance_target.transport.transfer(Direction.PUSH, src, remote, None).ok
+        back = tmp_path / "whole-back"
+        assert conformance_target.transport.transfer(Direction.PULL, str(back), remote, None).ok
+        caps = conformance_target.transport.capabilities
+        assert self._expected(snapshot(back), caps) == self._expected(snapshot(src), caps)
 
     def test_ten_thousand_files_in_one_batch(self, conformance_target, tmp_path):
         src = tmp_path / "src"

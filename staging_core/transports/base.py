@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import posixpath
 import re
 from abc import ABC, abstractmethod
@@ -117,7 +118,11 @@ class RemoteEntry:
 
 @dataclass
 class TransferResult:
-    """Per-item outcome of a batch: relative paths done, and failures with their error."""
+    """Per-item outcome of a batch: relative paths done, and failures with their error.
+
+    A whole-tree transfer (``items=None``) done in one native operation
+    reports ``done == ["."]``.
+    """
 
     done: list[str] = field(default_factory=list)
     failed: dict[str, TransportError] = field(default_factory=dict)
@@ -127,15 +132,27 @@ class TransferResult:
         return not self.failed
 
 
+def local_tree_items(root: str) -> list[str]:
+    """Relative paths of every entry under local ``root`` (directories included), parents first."""
+    items = []
+    for current, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in dirs + sorted(files):
+            items.append(os.path.relpath(os.path.join(current, name), root))
+    return items
+
+
 class Transport(ABC):
     """A way to move files between this host and one endpoint (the rclone ``Fs`` analogue).
 
     Contract, for every implementation:
 
     - ``transfer(direction, local_root, remote_root, items)`` copies each
-      relative path in ``items`` (files or symlinks; parent directories are
+      relative path in ``items`` (files, symlinks or directories — a
+      directory item creates the directory, not its contents; parents are
       created) from ``local_root`` to ``remote_root`` (PUSH) or back (PULL),
-      in one batch operation, never one connection per file. Existing
+      in one batch operation, never one connection per file. ``items=None``
+      means the whole tree under the source root (see ``all_items``). Existing
       destination files are replaced. It returns a TransferResult naming
       every item that failed; it raises only when the whole batch cannot
       run (unreachable host, authentication). Mode and mtime are preserved
@@ -160,7 +177,13 @@ class Transport(ABC):
 
     @abstractmethod
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str]) -> TransferResult: ...
+                 items: Sequence[str] | None = None) -> TransferResult: ...
+
+    def all_items(self, direction: Direction, local_root: str, remote_root: str) -> list[str]:
+        """Every entry under the source root, parents first: what ``items=None`` stands for."""
+        if direction is Direction.PUSH:
+            return local_tree_items(local_root)
+        return [entry.path for entry in sorted(self.list(remote_root), key=lambda e: e.path.split("/"))]
 
     @abstractmethod
     def list(self, path: str) -> list[RemoteEntry]: ...

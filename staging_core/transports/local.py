@@ -25,7 +25,9 @@ class LocalTransport(Transport):
         self.link_mode = link_mode
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str]) -> TransferResult:
+                 items: Sequence[str] | None = None) -> TransferResult:
+        if items is None:
+            items = self.all_items(direction, local_root, remote_root)
         source, target = (local_root, remote_root) if direction is Direction.PUSH else (remote_root, local_root)
         result = TransferResult()
         made: set[str] = set()

@@ -131,32 +131,39 @@ class SSHTransport(Transport):
     # ------------------------------------------------------------ transfers
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str]) -> TransferResult:
+                 items: Sequence[str] | None = None) -> TransferResult:
         self._connect()
-        items = list(items)
+        if items is None and self.parallel == 1:
+            return self._rsync(direction, local_root, remote_root, None)
+        items = list(items) if items is not None else self.all_items(direction, local_root, remote_root)
         if self.parallel > 1 and len(items) > 1:
             return self._transfer_parallel(direction, local_root, remote_root, items)
         return self._rsync(direction, local_root, remote_root, items)
 
-    def _rsync(self, direction: Direction, local_root: str, remote_root: str, items: list[str]) -> TransferResult:
+    def _rsync(self, direction: Direction, local_root: str, remote_root: str,
+               items: list[str] | None) -> TransferResult:
+        """One rsync: of the listed items (--files-from), or of the whole tree when ``items`` is None."""
         remote = f"{self.destination}:{remote_root.rstrip('/')}/"
         local = local_root.rstrip("/") + "/"
         if direction is Direction.PULL:
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
+        base = ["rsync", "-a", "-s", "-e", shlex.join(self._ssh_base())]
         with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
-            listing.write(b"\0".join(os.fsencode(i) for i in items))
-            listing.flush()
-            command = ["rsync", "-a", "-s", "--from0", f"--files-from={listing.name}",
-                       "-e", shlex.join(self._ssh_base()), source, target]
+            if items is not None:
+                listing.write(b"\0".join(os.fsencode(i) for i in items))
+                listing.flush()
+                base += ["--from0", f"--files-from={listing.name}"]
+            command = [*base, source, target]
             done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL)
-        return self._result(items, done, command, local_root if direction is Direction.PUSH else remote_root)
+        source_root = local_root if direction is Direction.PUSH else remote_root
+        return self._result(items, done, command, source_root)
 
-    def _result(self, items: list[str], done, command: list[str], source_root: str) -> TransferResult:
+    def _result(self, items: list[str] | None, done, command: list[str], source_root: str) -> TransferResult:
         stderr = done.stderr.decode(errors="replace")
         if done.returncode == 0:
-            return TransferResult(done=items)
-        failures = _failed_items(stderr, source_root, set(items))
+            return TransferResult(done=items if items is not None else ["."])
+        failures = _failed_items(stderr, source_root, set(items or ()))
         if done.returncode not in _PARTIAL or not failures:
             raise classify(stderr, done.returncode, command, self.endpoint.url(),
                            f"rsync failed with status {done.returncode}")

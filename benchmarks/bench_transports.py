@@ -1,0 +1,101 @@
+"""Benchmark transports on loopback: ssh batch vs rsync -a, parallel vs single rsync, per-file overhead."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_bundle import ROOT, ensure_workload, workloads
+
+sys.path.insert(0, str(ROOT))
+from staging_core.transports import Direction, open_transport    # noqa: E402
+from staging_core.transports.base import local_tree_items         # noqa: E402
+from tests.servers import start_sshd                             # noqa: E402
+
+
+def timed(action) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def rsync_peer(sshd, src: Path, dest: Path) -> None:
+    ssh = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options])
+    subprocess.run(["rsync", "-a", "-e", ssh, f"{src}/", f"root@127.0.0.1:{dest}/"], check=True)
+
+
+def pallet_push(sshd, src: Path, dest: Path, items: list[str] | None, parallel: int) -> None:
+    with open_transport(sshd.url(str(dest)), ssh_options=sshd.ssh_options, parallel=parallel) as transport:
+        transport.mkdir(str(dest))
+        result = transport.transfer(Direction.PUSH, str(src), str(dest), items)
+    if not result.ok:
+        raise SystemExit(f"transfer failed: {list(result.failed.items())[:3]}")
+
+
+def per_file_overhead(sshd, src: Path, work: Path, items: list[str]) -> float:
+    """Seconds one more tiny file costs in a batch: slope between 1/8 of the files and all of them."""
+    small = [i for i in items[: len(items) // 8]]
+    t_small = timed(lambda: pallet_push(sshd, src, work / "ovh-small", small, 1))
+    t_all = timed(lambda: pallet_push(sshd, src, work / "ovh-all", items, 1))
+    return (t_all - t_small) / max(1, len(items) - len(small))
+
+
+def measure(sshd, src: Path, work: Path, repeat: int) -> dict[str, list[float]]:
+    items = local_tree_items(str(src))
+    runs: dict[str, list[float]] = {"rsync -a over ssh": [], "pallet ssh whole tree": [], "pallet ssh batch": [],
+                                    "pallet parallel rsync x2": []}
+    for rep in range(repeat):
+        runs["rsync -a over ssh"].append(timed(lambda: rsync_peer(sshd, src, work / f"peer-{rep}")))
+        runs["pallet ssh whole tree"].append(timed(lambda: pallet_push(sshd, src, work / f"tree-{rep}", None, 1)))
+        runs["pallet ssh batch"].append(timed(lambda: pallet_push(sshd, src, work / f"batch-{rep}", items, 1)))
+        runs["pallet parallel rsync x2"].append(
+            timed(lambda: pallet_push(sshd, src, work / f"par-{rep}", items, 2)))
+    return runs
+
+
+def report(runs: dict[str, list[float]], overhead: float) -> dict:
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    for name, values in runs.items():
+        print(f"{name:28s} median {medians[name]:6.2f} s   runs {' '.join(f'{v:.2f}' for v in values)}")
+    peer = medians["rsync -a over ssh"]
+    ratios = {"ssh whole tree / rsync -a": medians["pallet ssh whole tree"] / peer,
+              "ssh batch / rsync -a": medians["pallet ssh batch"] / peer,
+              "parallel x2 / single rsync": medians["pallet parallel rsync x2"] / medians["pallet ssh batch"]}
+    targets = {"ssh whole tree / rsync -a": 1.1, "ssh batch / rsync -a": 1.1, "parallel x2 / single rsync": 1.0}
+    for name, value in ratios.items():
+        verdict = "PASS" if value <= targets[name] else "MISS"
+        print(f"{name:28s} {value:6.2f}  target <= {targets[name]}  {verdict}")
+    print(f"ssh per-file overhead in a batch: {overhead * 1e6:.1f} µs")
+    return {"medians": medians, "ratios": ratios, "per_file_overhead_s": {"ssh": overhead}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workdir", help="where the workload and outputs go (default: a temporary directory)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="8,192 files instead of 65,536")
+    parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pallet-bench-transports-"))
+    src = ensure_workload(workdir, workloads(args.quick)[0])
+    work = Path(tempfile.mkdtemp(prefix="transports-", dir=workdir))
+    sshd = start_sshd(work / "sshd")
+    try:
+        runs = measure(sshd, src, work, args.repeat)
+        result = report(runs, per_file_overhead(sshd, src, work, local_tree_items(str(src))))
+    finally:
+        sshd.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, **result}, indent=2))
+    print(f"outputs left in {work} (delete them when the disk is idle)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

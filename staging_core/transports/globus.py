@@ -1,0 +1,414 @@
+"""The Globus transport: one Globus Transfer task per batch between a local collection and a remote one (globus-sdk 4)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import posixpath
+import stat
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import globus_sdk
+
+from bundles.errors import UsageError
+
+from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
+from .errors import (AuthenticationError, HostUnreachableError, NotSupportedError, RemoteDiskFullError,
+                     RemotePathMissingError, RemotePermissionError, TransportError)
+
+log = logging.getLogger(__name__)
+
+LOCAL_ENDPOINT_ENV = "PALLET_GLOBUS_LOCAL_ENDPOINT"
+_LS_LIMIT = 100_000                     # the most entries one operation_ls returns
+_LOGIN = "run `pallet login globus` on this host"
+# (needles in the lower-cased, dot/underscore-free Globus code, error class, message, hint)
+_RULES = (
+    (("consentrequired",), AuthenticationError, "a consent is missing",
+     "run `pallet login globus --collection COLLECTION_UUID` for each GCS mapped collection"),
+    (("notactivated", "activationrequired", "authenticationfailed", "loginfailed", "credential", "unauthorized",
+      "authorizationrequired"), AuthenticationError, "not authorised",
+     f"{_LOGIN}, and log into the collection once in the Globus web app (https://app.globus.org)"),
+    (("quota", "nospace"), RemoteDiskFullError, "no space left (quota)", "free space or choose another destination"),
+    (("notfound", "nosuchfile"), RemotePathMissingError, "path or collection does not exist",
+     "check the path and the collection UUID"),
+    (("permissiondenied", "forbidden", "notallowed"), RemotePermissionError, "permission denied",
+     "check the collection's permissions (sharing ACLs) for your identity"),
+    (("gcdisconnected", "gcnotconnected", "connectfailed", "connectionfailed", "toobusy", "unavailable"),
+     HostUnreachableError, "collection unreachable", "check that the endpoint (e.g. Globus Connect Personal) runs"),
+)
+_FAIL_FAST = (AuthenticationError, RemotePermissionError, RemoteDiskFullError)
+
+
+def classify_globus(code: str | None, detail: str = "", path: str | None = None,
+                    status: int | None = None) -> TransportError:
+    """Turn a Globus API/task error code (``ClientError.NotFound``, ``PERMISSION_DENIED``, ...) into a TransportError."""
+    key = (code or "").lower().replace(".", "").replace("_", "")
+    text = f"{code}: {detail}".strip(": ") if code else detail
+    for needles, cls, message, hint in _RULES:
+        if any(needle in key for needle in needles):
+            return cls(message, path, hint, stderr=text)
+    retryable = status is not None and (status >= 500 or status == 429)
+    return TransportError(f"Globus error {code or status}", path, "see the Globus message above", stderr=text,
+                          retryable=retryable)
+
+
+def _from_sdk(exc: Exception, what: str, path: str | None) -> TransportError:
+    if isinstance(exc, globus_sdk.NetworkError):
+        return HostUnreachableError(f"{what}: cannot reach the Globus service", path,
+                                    "check the network; Globus needs outbound HTTPS", stderr=str(exc), retryable=True)
+    if isinstance(exc, globus_sdk.GlobusAPIError):
+        error = classify_globus(exc.code, exc.message or "", path, exc.http_status)
+        error.message = f"{what}: {error.message}"
+        return error
+    return AuthenticationError(f"{what}: no usable Globus login ({type(exc).__name__})", path, hint=_LOGIN)
+
+
+@dataclass
+class _Batch:
+    """One task in the making: item -> (source path, destination path, recursive), plus items settled early."""
+
+    source: str
+    destination: str
+    paths: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
+    implied: list[str] = field(default_factory=list)
+    failed: dict[str, TransportError] = field(default_factory=dict)
+
+
+class GlobusTransport(Transport):
+    """Globus Transfer between ``local_endpoint`` and the URL's collection (``globus://COLLECTION_UUID/path``).
+
+    ``local_endpoint`` (or $PALLET_GLOBUS_LOCAL_ENDPOINT) is the collection
+    that sees this host's files, e.g. Globus Connect Personal;
+    ``local_collection_root`` the host directory it shows as "/". ``client``
+    is a ready ``TransferClient``, else one is built from the tokens of
+    `pallet login globus`. Each batch is ONE task (``sync_level``,
+    ``verify_checksum``, timestamps preserved), submitted with one
+    submission id up to ``submit_attempts`` times and polled with backoff
+    from ``poll_interval`` to ``poll_max_interval`` until ``timeout``
+    seconds (also the task's deadline). ``fail_fast`` cancels a task that
+    reports a fault waiting cannot cure (permission, quota, credentials).
+    Symbolic links are not carried: link items fail with NotSupportedError.
+    """
+
+    scheme = "globus"
+    capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=True,
+                                checksums=("md5",), preserves_mtime=False, preserves_mode=False, symlinks=False,
+                                hardlinks=False, per_file_overhead_s=0.02, concurrency=4)
+
+    def __init__(self, endpoint: Endpoint, local_endpoint: str | None = None,
+                 client: globus_sdk.TransferClient | None = None, local_collection_root: str = "/",
+                 sync_level: str | None = None, verify_checksum: bool = True, timeout: float = 86_400.0,
+                 poll_interval: float = 2.0, poll_max_interval: float = 60.0, submit_attempts: int = 3,
+                 fail_fast: bool = True, label: str = "pallet", data_access: Sequence[str] = ()):
+        super().__init__(endpoint)
+        self.collection = _uuid(endpoint.host, "collection in the URL")
+        self.local_endpoint = _uuid(local_endpoint or os.environ.get(LOCAL_ENDPOINT_ENV, ""), "local_endpoint")
+        if sync_level not in (None, "exists", "size", "mtime", "checksum"):
+            raise UsageError(f"sync_level must be exists, size, mtime or checksum, not {sync_level!r}")
+        self.local_collection_root = os.path.abspath(local_collection_root)
+        self.sync_level, self.verify_checksum, self.label = sync_level, verify_checksum, label
+        self.timeout, self.poll_interval, self.poll_max_interval = timeout, poll_interval, poll_max_interval
+        self.submit_attempts, self.fail_fast = max(1, submit_attempts), fail_fast
+        if client is None:
+            from .globus_auth import transfer_client
+            client = transfer_client(collections=[*data_access])
+        self.client = client
+
+    # ------------------------------------------------------------ transfers
+
+    def transfer(self, direction: Direction, local_root: str, remote_root: str,
+                 items: Sequence[str]) -> TransferResult:
+        items = list(items)
+        batch = self._plan(direction, local_root, remote_root, items)
+        done: set[str] = set()
+        if batch.paths:
+            task = self._run(batch)
+            done = self._settle(task, batch)
+        _settle_implied(batch, done)
+        return TransferResult([i for i in items if i in done], {i: batch.failed[i] for i in items if i in batch.failed})
+
+    def _plan(self, direction: Direction, local_root: str, remote_root: str, items: list[str]) -> _Batch:
+        local = self._local_path(local_root)
+        push = direction is Direction.PUSH
+        ends = (self.local_endpoint, self.collection)
+        batch = _Batch(*(ends if push else ends[::-1]))
+        parents = _ancestors(items)
+        kinds = _local_kinds(local_root, items, parents) if push else self._remote_kinds(remote_root, items, parents)
+        src_root, dst_root = (local, remote_root) if push else (remote_root, local)
+        for item in items:
+            kind = kinds[item]
+            if isinstance(kind, TransportError):
+                batch.failed[item] = kind
+            elif kind == "implied":
+                batch.implied.append(item)
+            else:
+                recursive = kind == "d"
+                batch.paths[item] = (_join(src_root, item, recursive), _join(dst_root, item, recursive), recursive)
+        return batch
+
+    def _remote_kinds(self, remote_root: str, items: list[str], parents: set[str]) -> dict:
+        kinds: dict = {item: "implied" for item in items if item in parents}
+        by_parent: dict[str, list[str]] = {}
+        for item in items:
+            if item not in kinds and not isinstance(kinds.setdefault(item, _bad_item(item)), TransportError):
+                by_parent.setdefault(posixpath.dirname(item), []).append(item)
+        for parent, members in by_parent.items():
+            try:
+                listing = {doc["name"]: doc for doc in self._ls(posixpath.join(remote_root, parent))}
+            except TransportError as error:
+                kinds.update({m: type(error)(error.message, m, error.hint, stderr=error.stderr) for m in members})
+                continue
+            for member in members:
+                kinds[member] = _remote_kind(listing.get(posixpath.basename(member)), member)
+        return kinds
+
+    def _local_path(self, local_root: str) -> str:
+        rel = os.path.relpath(os.path.abspath(local_root), self.local_collection_root)
+        if rel == ".." or rel.startswith("../"):
+            raise UsageError(f"{local_root} is outside the local collection root {self.local_collection_root}",
+                             hint="pass local_collection_root=DIR, the host directory your local collection shows")
+        return "/" if rel == "." else "/" + rel
+
+    def _run(self, batch: _Batch) -> dict:
+        deadline = time.monotonic() + self.timeout
+        data = self._task_document(batch)
+        task_id = self._submit(data)
+        log.info("Globus task %s: %d item(s), submission %s", task_id, len(batch.paths), data["submission_id"])
+        return self._wait(task_id, deadline)
+
+    def _task_document(self, batch: _Batch) -> globus_sdk.TransferData:
+        submission_id = self._call("cannot get a submission id", None, self.client.get_submission_id)["value"]
+        expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.timeout)
+        data = globus_sdk.TransferData(
+            source_endpoint=batch.source, destination_endpoint=batch.destination, label=self.label,
+            submission_id=submission_id, sync_level=self.sync_level or globus_sdk.MISSING,
+            verify_checksum=self.verify_checksum, preserve_timestamp=True, skip_source_errors=True,
+            fail_on_quota_errors=True, deadline=expires.strftime("%Y-%m-%dT%H:%M:%S+00:00"))
+        for source, destination, recursive in batch.paths.values():
+            data.add_item(source, destination, recursive=True if recursive else globus_sdk.MISSING)
+        return data
+
+    def _submit(self, data: globus_sdk.TransferData) -> str:
+        """Submit ``data``; a retry resends the same document, so the same submission id: never two tasks."""
+        for attempt in range(1, self.submit_attempts + 1):
+            try:
+                return self.client.submit_transfer(data)["task_id"]
+            except globus_sdk.GlobusError as exc:
+                error = _from_sdk(exc, "cannot submit the Globus transfer", self.endpoint.url())
+                if not error.retryable or attempt == self.submit_attempts:
+                    raise error from exc
+                log.warning("submit failed (%s); resending submission %s", error.message, data["submission_id"])
+                time.sleep(min(self.poll_max_interval, self.poll_interval * 2 ** (attempt - 1)))
+        raise AssertionError("unreachable")
+
+    def _wait(self, task_id: str, deadline: float) -> dict:
+        delay = self.poll_interval
+        while True:
+            task = self._call(f"cannot read Globus task {task_id}", None, self.client.get_task, task_id).data
+            if task["status"] in ("SUCCEEDED", "FAILED"):
+                return task
+            problem = self._problem(task)
+            if problem is None and time.monotonic() + delay > deadline:
+                problem = TransportError(f"Globus task {task_id} did not finish within {self.timeout:g} s", None,
+                                         "raise the timeout, or look at the task in the Globus web app",
+                                         retryable=True)
+            if problem is not None:
+                self._cancel(task_id)
+                raise problem
+            time.sleep(delay)
+            delay = min(delay * 2, self.poll_max_interval)
+
+    def _problem(self, task: dict) -> TransportError | None:
+        nice = task.get("nice_status") or ""
+        detail = task.get("nice_status_short_description") or task.get("nice_status_details") or ""
+        error = classify_globus(nice or "INACTIVE", detail)
+        if task["status"] == "INACTIVE" and not isinstance(error, AuthenticationError):
+            error = AuthenticationError("task suspended (credentials expired or collection not activated)",
+                                        hint=_LOGIN, stderr=f"{nice}: {detail}")
+        elif task["status"] != "INACTIVE" and not (self.fail_fast and nice and isinstance(error, _FAIL_FAST)):
+            return None
+        error.message = f"Globus task {task['task_id']} cannot proceed: {error.message}"
+        return error
+
+    def _cancel(self, task_id: str) -> None:
+        try:
+            self.client.cancel_task(task_id)
+        except globus_sdk.GlobusError as exc:       # the error we raise next says more
+            log.warning("could not cancel Globus task %s: %s", task_id, type(exc).__name__)
+
+    def _settle(self, task: dict, batch: _Batch) -> set[str]:
+        """Items done; failures (skipped paths, or the task's fatal error) go to batch.failed."""
+        task_id = task["task_id"]
+        owners = {source.rstrip("/"): item for item, (source, _, _) in batch.paths.items()}
+        for doc in self._pages(task_id, "task_skipped_errors"):
+            item = _owner(doc.get("source_path", ""), owners)
+            if item is not None and item not in batch.failed:
+                batch.failed[item] = classify_globus(doc.get("error_code"), doc.get("error_details") or "", item)
+        if task["status"] == "SUCCEEDED":
+            return {item for item in batch.paths if item not in batch.failed}
+        moved = {doc.get("source_path", "") for doc in self._pages(task_id, "task_successful_transfers")}
+        fatal = task.get("fatal_error") or {}
+        done = set()
+        for item, (source, _, recursive) in batch.paths.items():
+            if source in moved and not recursive:
+                done.add(item)
+            elif item not in batch.failed:
+                error = classify_globus(fatal.get("code") or "FAILED", fatal.get("description") or "", item)
+                error.message = f"Globus task {task_id} failed: {error.message}"
+                batch.failed[item] = error
+        return done
+
+    def _pages(self, task_id: str, method: str):
+        paginated = getattr(self.client.paginated, method)
+        return self._call(f"cannot read Globus task {task_id}", None, lambda: list(paginated(task_id).items()))
+
+    # ------------------------------------------------------------ listing
+
+    def _ls(self, path: str):
+        offset = 0
+        while True:
+            page = self._call("cannot list", f"{self.endpoint.scheme}://{self.collection}{path}",
+                              self.client.operation_ls, self.collection, path=path, show_hidden=True,
+                              limit=_LS_LIMIT, offset=offset)
+            docs = page["DATA"]
+            yield from docs
+            if len(docs) < _LS_LIMIT:
+                return
+            offset += len(docs)
+
+    def list(self, path: str) -> list[RemoteEntry]:
+        entries, pending = [], [""]
+        while pending:
+            rel = pending.pop()
+            for doc in self._ls(posixpath.join(path, rel)):
+                entry = _entry(posixpath.join(rel, doc["name"]), doc)
+                entries.append(entry)
+                if entry.kind == "d":
+                    pending.append(entry.path)
+        return entries
+
+    def stat(self, path: str) -> RemoteEntry | None:
+        try:
+            doc = self._call("cannot stat", path, self.client.operation_stat, self.collection, path)
+        except RemotePathMissingError:
+            return None
+        return _entry("", doc)
+
+    def mkdir(self, path: str) -> None:
+        path = posixpath.normpath(path)
+        try:
+            self.client.operation_mkdir(self.collection, path)
+        except globus_sdk.GlobusAPIError as exc:
+            code = (exc.code or "").lower()
+            if code.endswith("exists"):
+                return
+            if "notfound" in code.replace(".", "") and path != "/":
+                self.mkdir(posixpath.dirname(path))
+                return self._call("cannot create directory", path, self.client.operation_mkdir, self.collection, path)
+            raise _from_sdk(exc, "cannot create directory", path) from exc
+        except globus_sdk.GlobusError as exc:
+            raise _from_sdk(exc, "cannot create directory", path) from exc
+
+    def _call(self, what: str, path: str | None, function, *args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except globus_sdk.GlobusError as exc:
+            raise _from_sdk(exc, what, path) from exc
+
+    def close(self) -> None:
+        closer = getattr(self.client, "close", None)
+        if closer is not None:
+            closer()
+
+
+def _uuid(text: str, what: str) -> str:
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        raise UsageError(f"the {what} must be a Globus collection UUID, not {text!r}",
+                         hint="find it with `globus endpoint search` or in the Globus web app; "
+                              f"for the local side set {LOCAL_ENDPOINT_ENV}") from None
+
+
+def _ancestors(items: list[str]) -> set[str]:
+    parents = set()
+    for item in items:
+        parent = posixpath.dirname(item)
+        while parent and parent not in parents:
+            parents.add(parent)
+            parent = posixpath.dirname(parent)
+    return parents
+
+
+def _bad_item(item: str):
+    if not item or item.startswith("/") or ".." in item.split("/"):
+        return TransportError("item must be a relative path inside the root", item)
+    return None
+
+
+def _local_kinds(local_root: str, items: list[str], parents: set[str]) -> dict:
+    kinds = {}
+    for item in items:
+        problem = _bad_item(item)
+        try:
+            mode = None if problem else os.lstat(os.path.join(local_root, item)).st_mode
+        except OSError as exc:
+            problem = RemotePathMissingError(f"source cannot be read ({exc.strerror})", item)
+        if problem is None:
+            problem = _unsupported(item, mode)
+        kinds[item] = problem or ("implied" if item in parents else "d" if stat.S_ISDIR(mode) else "f")
+    return kinds
+
+
+def _unsupported(item: str, mode: int) -> TransportError | None:
+    if stat.S_ISLNK(mode):
+        return NotSupportedError("Globus does not carry symbolic links", item,
+                                 "bundle the tree (pallet pack) so links travel inside the bundle")
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        return NotSupportedError("Globus carries only regular files and directories", item)
+    return None
+
+
+def _remote_kind(doc: dict | None, item: str):
+    if doc is None:
+        return RemotePathMissingError("source does not exist on the collection", item, "check the remote path")
+    if doc.get("link_target") or doc.get("type") == "invalid_symlink":
+        return _unsupported(item, stat.S_IFLNK)
+    return "d" if doc.get("type") == "dir" else "f"
+
+
+def _join(root: str, item: str, directory: bool) -> str:
+    path = posixpath.join(root, item)
+    return path + "/" if directory else path
+
+
+def _owner(path: str, owners: dict[str, str]) -> str | None:
+    path = path.rstrip("/")
+    while path and path not in owners:
+        parent = posixpath.dirname(path)
+        path = "" if parent == path else parent
+    return owners.get(path)
+
+
+def _settle_implied(batch: _Batch, done: set[str]) -> None:
+    """A directory implied by its entries is done when one of them is; else it fails like they did."""
+    for item in sorted(batch.implied, key=lambda i: -i.count("/")):
+        prefix = item + "/"
+        if any(other.startswith(prefix) for other in done):
+            done.add(item)
+            continue
+        cause = next((e for i, e in batch.failed.items() if i.startswith(prefix)), None)
+        batch.failed[item] = (type(cause)(cause.message, item, cause.hint, stderr=cause.stderr) if cause
+                              else TransportError("no entry under this directory was transferred", item))
+
+
+def _entry(rel: str, doc: dict) -> RemoteEntry:
+    kind = "l" if doc.get("link_target") or doc.get("type") == "invalid_symlink" else \
+        "d" if doc.get("type") == "dir" else "f"
+    modified = doc.get("last_modified") or "1970-01-01 00:00:00+00:00"
+    seconds = datetime.datetime.fromisoformat(modified).timestamp()
+    return RemoteEntry(rel, kind, int(doc.get("size") or 0) if kind == "f" else 0,
+                       int(doc.get("permissions") or "0", 8), int(seconds) * 1_000_000_000, doc.get("link_target") or "")
