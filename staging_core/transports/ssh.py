@@ -30,7 +30,7 @@ class SSHTransport(Transport):
     scheme = "ssh"
     capabilities = Capabilities(batch=True, streaming=True, remote_exec=True, parallel_streams=False,
                                 checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
-                                hardlinks=False, per_file_overhead_s=5e-5, concurrency=1)
+                                hardlinks=False, per_file_overhead_s=9e-5, concurrency=1)
 
     def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
                  remote_pallet: str = "pallet"):
