@@ -449,14 +449,20 @@ def workloads(quick: bool) -> tuple[Workload, Workload]:
     return Workload("W1", small_files, KIB, 256, False), Workload("W2", 4, big_size, 1, True)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark script shares: --workdir, --quick, --repeat, --json."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
                         help="where data sets live (reused) and runs are written (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke run: W1 8,192 files, W2 4 x 32 MiB")
     parser.add_argument("--repeat", type=int, default=3, help="repetitions per command (default: 3)")
-    parser.add_argument("--index-entries", type=int, default=INDEX_ENTRIES, help="synthetic index size")
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = common_parser(__doc__)
+    parser.add_argument("--index-entries", type=int, default=INDEX_ENTRIES, help="synthetic index size")
     parser.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
                         help="before each timed run, wait up to S seconds for the machine to go idle (default: 0)")
     parser.add_argument("--retries", type=int, default=2, metavar="N",

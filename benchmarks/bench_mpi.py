@@ -1,7 +1,6 @@
 """Benchmark mpi_stager: unpack and pack with 1 and 2 ranks, and 1 rank against zstd -dc | tar -x."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -12,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_bundle import ensure_workload, workloads
+from bench_bundle import common_parser, ensure_workload, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -100,15 +99,11 @@ def report(series: dict[str, Series]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workdir", help="where the workload and outputs go (default: a temporary directory)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="8,192 files instead of 65,536")
-    parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
+    parser = common_parser(__doc__)
     parser.add_argument("--dest-root", help="where bundles and unpacked trees go (default: under --workdir); "
                                             "e.g. /dev/shm to take the disk's create rate out of the ratios")
     args = parser.parse_args(argv)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pallet-bench-mpi-"))
+    workdir = args.workdir
     src = ensure_workload(workdir, workloads(args.quick)[0])
     work = Path(tempfile.mkdtemp(prefix="runs-", dir=args.dest_root or workdir))
     ratios = report(measure(src, work, args.repeat))

@@ -1,7 +1,6 @@
 """Benchmark transports on loopback: ssh batch vs rsync -a, parallel vs single rsync, per-file overhead."""
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import statistics
@@ -11,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_bundle import ROOT, ensure_workload, workloads
+from bench_bundle import ROOT, common_parser, ensure_workload, workloads
 
 sys.path.insert(0, str(ROOT))
 from staging_core.transports import Direction, open_transport    # noqa: E402
@@ -76,13 +75,9 @@ def report(runs: dict[str, list[float]], overhead: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workdir", help="where the workload and outputs go (default: a temporary directory)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="8,192 files instead of 65,536")
-    parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
+    parser = common_parser(__doc__)
     args = parser.parse_args(argv)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pallet-bench-transports-"))
+    workdir = args.workdir
     src = ensure_workload(workdir, workloads(args.quick)[0])
     work = Path(tempfile.mkdtemp(prefix="transports-", dir=workdir))
     sshd = start_sshd(work / "sshd")
