@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_unpack(commands)
     _add_ls(commands)
     _add_verify(commands)
+    _add_login(commands)
     demo.add_parser(commands)
     return parser
 
@@ -100,6 +101,28 @@ def _add_verify(commands) -> None:
     p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_verify)
+
+
+def _add_login(commands) -> None:
+    p = commands.add_parser("login", help="log in to a transfer service (globus)",
+                            description="Log in once per host; later transfers use the stored tokens.")
+    services = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    g = services.add_parser("globus", help="Globus Auth login for globus:// transfers",
+                            description="Print a Globus Auth URL, read the code you get there, and store the "
+                                        "tokens in $XDG_CONFIG_HOME/pallet/globus-tokens.json (mode 0600).")
+    g.add_argument("--collection", action="append", default=[], metavar="UUID",
+                   help="a GCS mapped collection that needs a data_access consent (repeatable)")
+    g.add_argument("--client-id", help="Globus native-app client id (default: $PALLET_GLOBUS_CLIENT_ID)")
+    g.set_defaults(run=_run_login_globus)
+
+
+def _run_login_globus(args) -> int:
+    from .transports.registry import transport_class
+    transport_class("globus")                          # says how to install globus-sdk if it is missing
+    from .transports.globus_auth import login
+    path = login(args.client_id, args.collection)
+    print(f"logged in to Globus; tokens stored in {path} (readable by you only)")
+    return EXIT_OK
 
 
 def _size(text: str) -> int:

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import pytest
 
-from staging_core.transports.base import Direction, Transport, local_tree_items as tree_items
+from staging_core.transports.base import Direction, Transport, local_tree_items as tree_items, name_crosses
 from staging_core.transports.errors import NotSupportedError
 
 MTIME_NS = 1_700_000_000_123_456_789
@@ -122,13 +122,27 @@ class TransportConformance:
         if cls.scheme:
             TransportConformance.tested_schemes.add(cls.scheme)
 
+    def _items(self, src: str, caps) -> list[str]:
+        """tree_items of ``src`` without the symlinks a transport that cannot carry them would refuse."""
+        return [i for i in tree_items(src) if caps.symlinks or not os.path.islink(os.path.join(src, i))]
+
+    def _nasty(self, target: ConformanceTarget, tmp_path) -> str:
+        """make_nasty_tree without the names the transport declares it cannot carry (Capabilities.names)."""
+        src = make_nasty_tree(str(tmp_path / "src"))
+        for rel in reversed(tree_items(src)):
+            path = os.path.join(src, rel)
+            if not name_crosses(rel, target.transport.capabilities.names) and os.path.lexists(path):
+                os.rmdir(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        return src
+
     def _round_trip(self, target: ConformanceTarget, src: str, tmp_path, name: str) -> str:
         remote = os.path.join(target.remote_root, name)
         target.transport.mkdir(remote)
-        pushed = target.transport.transfer(Direction.PUSH, src, remote, tree_items(src))
+        items = self._items(src, target.transport.capabilities)
+        pushed = target.transport.transfer(Direction.PUSH, src, remote, items)
         assert pushed.ok, pushed.failed
         back = str(tmp_path / f"{name}-back")
-        pulled = target.transport.transfer(Direction.PULL, back, remote, tree_items(src))
+        pulled = target.transport.transfer(Direction.PULL, back, remote, items)
         assert pulled.ok, pulled.failed
         return back
 
@@ -143,18 +157,19 @@ class TransportConformance:
         return result
 
     def test_round_trip_of_a_nasty_tree(self, conformance_target, tmp_path):
-        src = make_nasty_tree(str(tmp_path / "src"))
+        src = self._nasty(conformance_target, tmp_path)
         back = self._round_trip(conformance_target, src, tmp_path, "nasty")
         caps = conformance_target.transport.capabilities
         assert self._expected(snapshot(back), caps) == self._expected(snapshot(src), caps)
 
     def test_listing_sees_what_was_pushed(self, conformance_target, tmp_path):
-        src = make_nasty_tree(str(tmp_path / "src"))
+        src = self._nasty(conformance_target, tmp_path)
         remote = os.path.join(conformance_target.remote_root, "listed")
         conformance_target.transport.mkdir(remote)
-        conformance_target.transport.transfer(Direction.PUSH, src, remote, tree_items(src))
+        items = self._items(src, conformance_target.transport.capabilities)
+        conformance_target.transport.transfer(Direction.PUSH, src, remote, items)
         listed = {e.path: e for e in conformance_target.transport.list(remote)}
-        assert set(listed) == set(tree_items(src))
+        assert set(listed) == set(items)
         big = listed["big.bin"]
         assert big.kind == "f" and big.size == os.path.getsize(os.path.join(src, "big.bin"))
         assert conformance_target.transport.stat(os.path.join(remote, "big.bin")).size == big.size
@@ -187,17 +202,26 @@ class TransportConformance:
     def test_unicode_and_awkward_names(self, conformance_target, tmp_path):
         src = tmp_path / "src"
         names = ["ünïcødé.txt", "日本語/ファイル.csv", "-dash", "with space", "semi;colon", "quote'and\"double"]
-        for n, name in enumerate(names):
+        transport = conformance_target.transport
+        crossing = [name for name in names if name_crosses(name, transport.capabilities.names)]
+        for n, name in enumerate(crossing):
             path = src / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"%d" % n)
         back = self._round_trip(conformance_target, str(src), tmp_path, "unicode")
-        for n, name in enumerate(names):
+        for n, name in enumerate(crossing):
             assert (tmp_path / "unicode-back" / name).read_bytes() == b"%d" % n
         assert os.path.isdir(back)
+        refused = [name for name in names if name not in crossing]     # must fail, never be renamed
+        for name in refused:
+            (tmp_path / "odd" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "odd" / name).write_bytes(b"odd")
+        if refused:
+            result = transport.transfer(Direction.PUSH, str(tmp_path / "odd"), conformance_target.remote_root, refused)
+            assert result.done == [] and all(isinstance(result.failed[n], NotSupportedError) for n in refused)
 
     def test_whole_tree_with_items_none(self, conformance_target, tmp_path):
-        src = make_nasty_tree(str(tmp_path / "src"))
+        src = self._nasty(conformance_target, tmp_path)
         remote = os.path.join(conformance_target.remote_root, "whole")
         conformance_target.transport.mkdir(remote)
         assert conformance_target.transport.transfer(Direction.PUSH, src, remote, None).ok

@@ -1,7 +1,8 @@
-"""Real servers for tests: sshd on 127.0.0.1 with throw-away keys, stopped by PID."""
+"""Real servers for tests: sshd and globus-gridftp-server on 127.0.0.1, stopped by PID."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -71,3 +72,92 @@ def start_sshd(workdir: Path) -> SSHServer:
     options = ["-i", str(user_key), "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
                "-o", f"UserKnownHostsFile={workdir}/known_hosts", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes"]
     return SSHServer(port, os.environ.get("USER") or "root", user_key, process, options)
+
+
+@dataclass
+class GridFTPServer:
+    """A running globus-gridftp-server on 127.0.0.1:``port`` (anonymous clear-text FTP, mapped to root)."""
+
+    port: int
+    process: subprocess.Popen
+    scheme: str = "ftp"
+    client_env: dict = field(default_factory=dict)     # GSI trust roots and credential for globus-url-copy
+    options: list[str] = field(default_factory=list)   # -s SUBJECT: the host certificate's name
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}{path}"
+
+    def stop(self) -> None:
+        """Terminate the server by its PID (children serving closed connections exit on their own)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_gridftp(workdir: Path, gsi: bool = False, user: str = "root") -> GridFTPServer:
+    """Start globus-gridftp-server in the foreground on a free loopback port, control and data channels on
+    127.0.0.1 only. Its default mode is a daemon that does not detach (-no-detach says so) and forks one
+    child per connection; -debug would stop forking, and then a root server serves one connection only.
+    Errors go to ``workdir/gridftp.log`` (a stderr pipe nobody reads could fill and stall the server);
+    stderr keeps what it prints before logging starts, such as a bad option. Anonymous sessions run as
+    ``user``; ``gsi`` makes a throw-away CA and serves gsiftp:// to its user certificate instead."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    program = shutil.which("globus-gridftp-server") or "/usr/sbin/globus-gridftp-server"
+    server_env, client_env = make_gsi_credentials(workdir) if gsi else ({}, {})
+    access = [] if gsi else ["-aa", "-anonymous-user", user]
+    argv = [program, *access, "-allow-root", "-p", str(port),
+            "-control-interface", "127.0.0.1", "-data-interface", "127.0.0.1", "-no-detach",
+            "-log-level", "error", "-logfile", str(workdir / "gridftp.log")]
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, cwd=workdir, env={**os.environ, **server_env})
+    wait_for_port(port, process)
+    if not gsi:
+        return GridFTPServer(port, process)
+    return GridFTPServer(port, process, "gsiftp", client_env, ["-s", GSI_HOST_SUBJECT])
+
+
+GSI_HOST_SUBJECT = "/O=Pallet Test/CN=host/localhost"
+GSI_USER_SUBJECT = "/O=Pallet Test/CN=pallet user"
+_GSI_EXTENSIONS = """[ee]
+basicConstraints=critical,CA:false
+keyUsage=critical,digitalSignature,keyEncipherment,dataEncipherment
+subjectKeyIdentifier=hash
+authorityKeyIdentifier=keyid
+"""
+
+
+def make_gsi_credentials(workdir: Path) -> tuple[dict, dict]:
+    """A throw-away CA (with its signing policy), a host and a user certificate, and a grid-mapfile mapping
+    the user to root, made with the openssl command; the environments of the server and the client."""
+    gsi = workdir / "gsi"
+    (gsi / "certificates").mkdir(parents=True)
+    (gsi / "ext.cnf").write_text(_GSI_EXTENSIONS)
+    openssl = ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+    quiet = {"check": True, "capture_output": True}
+    subprocess.run([*openssl, "-x509", "-keyout", gsi / "ca.key", "-out", gsi / "ca.pem", "-subj",
+                    "/O=Pallet Test/CN=Pallet Test CA", "-addext", "basicConstraints=critical,CA:true",
+                    "-addext", "keyUsage=critical,keyCertSign,cRLSign"], **quiet)
+    for name, subject in (("host", GSI_HOST_SUBJECT), ("user", GSI_USER_SUBJECT)):
+        subprocess.run([*openssl, "-keyout", gsi / f"{name}.key", "-out", gsi / f"{name}.csr",
+                        "-subj", subject.replace("host/", "host\\/")], **quiet)
+        subprocess.run(["openssl", "x509", "-req", "-in", gsi / f"{name}.csr", "-CA", gsi / "ca.pem", "-CAkey",
+                        gsi / "ca.key", "-CAcreateserial", "-days", "2", "-out", gsi / f"{name}.pem",
+                        "-extfile", gsi / "ext.cnf", "-extensions", "ee"], **quiet)
+    digest = subprocess.run(["openssl", "x509", "-in", gsi / "ca.pem", "-noout", "-subject_hash"],
+                            **quiet, text=True).stdout.strip()
+    shutil.copy(gsi / "ca.pem", gsi / "certificates" / f"{digest}.0")
+    (gsi / "certificates" / f"{digest}.signing_policy").write_text(
+        "access_id_CA X509 '/O=Pallet Test/CN=Pallet Test CA'\npos_rights globus CA:sign\n"
+        "cond_subjects globus '\"/O=Pallet Test/*\"'\n")
+    (gsi / "grid-mapfile").write_text(f'"{GSI_USER_SUBJECT}" root\n')
+    (gsi / "usercred.pem").write_bytes((gsi / "user.pem").read_bytes() + (gsi / "user.key").read_bytes())
+    for key in ("host.key", "user.key", "usercred.pem", "ca.key"):
+        (gsi / key).chmod(0o600)
+    trust = {"X509_CERT_DIR": str(gsi / "certificates")}
+    return ({**trust, "X509_USER_CERT": str(gsi / "host.pem"), "X509_USER_KEY": str(gsi / "host.key"),
+             "GRIDMAP": str(gsi / "grid-mapfile")}, {**trust, "X509_USER_PROXY": str(gsi / "usercred.pem")})

@@ -81,7 +81,9 @@ class Capabilities:
 
     ``per_file_overhead_s`` is the typical extra seconds one more file costs
     in a batch (measured by benchmarks/bench_transports.py), ``concurrency``
-    the parallel streams/processes it uses by default.
+    the parallel streams/processes it uses by default. ``names`` says which
+    names can cross: 'any', 'no-line-breaks' or 'printable-ascii' (items
+    with other names fail with NotSupportedError, they are never renamed).
     """
 
     batch: bool = True
@@ -95,6 +97,14 @@ class Capabilities:
     hardlinks: bool = False
     per_file_overhead_s: float = 0.0
     concurrency: int = 1
+    names: str = "any"
+
+
+def name_crosses(name: str, names: str) -> bool:
+    """Whether ``name`` can cross a transport whose ``Capabilities.names`` is ``names``."""
+    if names == "printable-ascii":
+        return all(" " <= ch <= "~" for ch in name)
+    return names == "any" or "\n" not in name and "\r" not in name
 
 
 class Direction(enum.Enum):

@@ -1,6 +1,7 @@
 """The Globus transport: one Globus Transfer task per batch between a local collection and a remote one (globus-sdk 4)."""
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import os
@@ -16,63 +17,25 @@ import globus_sdk
 from bundles.errors import UsageError
 
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
-from .errors import (AuthenticationError, HostUnreachableError, NotSupportedError, RemoteDiskFullError,
-                     RemotePathMissingError, RemotePermissionError, TransportError)
+from .errors import AuthenticationError, NotSupportedError, RemotePathMissingError, TransportError, classify
+from .globus_mapping import FAIL_FAST, LOGIN_HINT, classify_globus, entry, from_sdk, remote_kind, unsupported
 
 log = logging.getLogger(__name__)
 
 LOCAL_ENDPOINT_ENV = "PALLET_GLOBUS_LOCAL_ENDPOINT"
 _LS_LIMIT = 100_000                     # the most entries one operation_ls returns
-_LOGIN = "run `pallet login globus` on this host"
-# (needles in the lower-cased, dot/underscore-free Globus code, error class, message, hint)
-_RULES = (
-    (("consentrequired",), AuthenticationError, "a consent is missing",
-     "run `pallet login globus --collection COLLECTION_UUID` for each GCS mapped collection"),
-    (("notactivated", "activationrequired", "authenticationfailed", "loginfailed", "credential", "unauthorized",
-      "authorizationrequired"), AuthenticationError, "not authorised",
-     f"{_LOGIN}, and log into the collection once in the Globus web app (https://app.globus.org)"),
-    (("quota", "nospace"), RemoteDiskFullError, "no space left (quota)", "free space or choose another destination"),
-    (("notfound", "nosuchfile"), RemotePathMissingError, "path or collection does not exist",
-     "check the path and the collection UUID"),
-    (("permissiondenied", "forbidden", "notallowed"), RemotePermissionError, "permission denied",
-     "check the collection's permissions (sharing ACLs) for your identity"),
-    (("gcdisconnected", "gcnotconnected", "connectfailed", "connectionfailed", "toobusy", "unavailable"),
-     HostUnreachableError, "collection unreachable", "check that the endpoint (e.g. Globus Connect Personal) runs"),
-)
-_FAIL_FAST = (AuthenticationError, RemotePermissionError, RemoteDiskFullError)
-
-
-def classify_globus(code: str | None, detail: str = "", path: str | None = None,
-                    status: int | None = None) -> TransportError:
-    """Turn a Globus API/task error code (``ClientError.NotFound``, ``PERMISSION_DENIED``, ...) into a TransportError."""
-    key = (code or "").lower().replace(".", "").replace("_", "")
-    text = f"{code}: {detail}".strip(": ") if code else detail
-    for needles, cls, message, hint in _RULES:
-        if any(needle in key for needle in needles):
-            return cls(message, path, hint, stderr=text)
-    retryable = status is not None and (status >= 500 or status == 429)
-    return TransportError(f"Globus error {code or status}", path, "see the Globus message above", stderr=text,
-                          retryable=retryable)
-
-
-def _from_sdk(exc: Exception, what: str, path: str | None) -> TransportError:
-    if isinstance(exc, globus_sdk.NetworkError):
-        return HostUnreachableError(f"{what}: cannot reach the Globus service", path,
-                                    "check the network; Globus needs outbound HTTPS", stderr=str(exc), retryable=True)
-    if isinstance(exc, globus_sdk.GlobusAPIError):
-        error = classify_globus(exc.code, exc.message or "", path, exc.http_status)
-        error.message = f"{what}: {error.message}"
-        return error
-    return AuthenticationError(f"{what}: no usable Globus login ({type(exc).__name__})", path, hint=_LOGIN)
 
 
 @dataclass
 class _Batch:
-    """One task in the making: item -> (source path, destination path, recursive), plus items settled early."""
+    """One task in the making: item -> (source, destination, recursive); directories made apart; early failures."""
 
     source: str
     destination: str
+    push: bool
+    whole: bool = False
     paths: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
+    dirs: dict[str, str] = field(default_factory=dict)
     implied: list[str] = field(default_factory=list)
     failed: dict[str, TransportError] = field(default_factory=dict)
 
@@ -90,10 +53,14 @@ class GlobusTransport(Transport):
     from ``poll_interval`` to ``poll_max_interval`` until ``timeout``
     seconds (also the task's deadline). ``fail_fast`` cancels a task that
     reports a fault waiting cannot cure (permission, quota, credentials).
-    Symbolic links are not carried: link items fail with NotSupportedError.
+    Symbolic links are not carried: link items fail with NotSupportedError;
+    a whole-tree transfer (``items=None``, one recursive item) skips them
+    like Globus does. Directory items are made with mkdir (remote) or
+    os.makedirs (local side), never by a recursive copy.
     """
 
     scheme = "globus"
+    # mtimes are kept to the second only; concurrency and per-file cost are the service's, estimated (no Globus here)
     capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=True,
                                 checksums=("md5",), preserves_mtime=False, preserves_mode=False, symlinks=False,
                                 hardlinks=False, per_file_overhead_s=0.02, concurrency=4)
@@ -112,6 +79,7 @@ class GlobusTransport(Transport):
         self.sync_level, self.verify_checksum, self.label = sync_level, verify_checksum, label
         self.timeout, self.poll_interval, self.poll_max_interval = timeout, poll_interval, poll_max_interval
         self.submit_attempts, self.fail_fast = max(1, submit_attempts), fail_fast
+        self._owns_client = client is None
         if client is None:
             from .globus_auth import transfer_client
             client = transfer_client(collections=[*data_access])
@@ -120,49 +88,72 @@ class GlobusTransport(Transport):
     # ------------------------------------------------------------ transfers
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str]) -> TransferResult:
-        items = list(items)
+                 items: Sequence[str] | None = None) -> TransferResult:
+        items = None if items is None else list(items)
         batch = self._plan(direction, local_root, remote_root, items)
-        done: set[str] = set()
+        done = self._make_dirs(batch)
         if batch.paths:
-            task = self._run(batch)
-            done = self._settle(task, batch)
+            done |= self._settle(self._run(batch), batch)
         _settle_implied(batch, done)
+        if items is None:
+            return TransferResult(sorted(done), batch.failed)
         return TransferResult([i for i in items if i in done], {i: batch.failed[i] for i in items if i in batch.failed})
 
-    def _plan(self, direction: Direction, local_root: str, remote_root: str, items: list[str]) -> _Batch:
-        local = self._local_path(local_root)
+    def _plan(self, direction: Direction, local_root: str, remote_root: str, items: list[str] | None) -> _Batch:
         push = direction is Direction.PUSH
         ends = (self.local_endpoint, self.collection)
-        batch = _Batch(*(ends if push else ends[::-1]))
-        parents = _ancestors(items)
-        kinds = _local_kinds(local_root, items, parents) if push else self._remote_kinds(remote_root, items, parents)
+        batch = _Batch(*(ends if push else ends[::-1]), push=push, whole=items is None)
+        local = self._local_path(local_root)
         src_root, dst_root = (local, remote_root) if push else (remote_root, local)
-        for item in items:
+        if items is None:
+            if push and not os.path.isdir(local_root):
+                batch.failed["."] = RemotePathMissingError("source directory does not exist", local_root)
+            else:
+                batch.paths["."] = (src_root.rstrip("/") + "/", dst_root.rstrip("/") + "/", True)
+            return batch
+        batch.failed = {item: error for item in items if (error := _bad_item(item))}
+        good = [item for item in items if item not in batch.failed]
+        parents = _ancestors(good)
+        kinds = _local_kinds(local_root, good, parents) if push else self._remote_kinds(remote_root, good, parents)
+        for item in good:
             kind = kinds[item]
             if isinstance(kind, TransportError):
                 batch.failed[item] = kind
             elif kind == "implied":
                 batch.implied.append(item)
+            elif kind == "d":
+                batch.dirs[item] = posixpath.join(remote_root, item) if push else os.path.join(local_root, item)
             else:
-                recursive = kind == "d"
-                batch.paths[item] = (_join(src_root, item, recursive), _join(dst_root, item, recursive), recursive)
+                batch.paths[item] = (posixpath.join(src_root, item), posixpath.join(dst_root, item), False)
         return batch
+
+    def _make_dirs(self, batch: _Batch) -> set[str]:
+        """Directory items: operation_mkdir on the collection (PUSH) or os.makedirs here (PULL)."""
+        done = set()
+        for item, path in batch.dirs.items():
+            try:
+                self.mkdir(path) if batch.push else os.makedirs(path, exist_ok=True)
+                done.add(item)
+            except TransportError as error:
+                batch.failed[item] = _retarget(error, item)
+            except OSError as exc:
+                batch.failed[item] = classify(exc.strerror or "", exc.errno, None, item, "cannot create directory")
+        return done
 
     def _remote_kinds(self, remote_root: str, items: list[str], parents: set[str]) -> dict:
         kinds: dict = {item: "implied" for item in items if item in parents}
         by_parent: dict[str, list[str]] = {}
         for item in items:
-            if item not in kinds and not isinstance(kinds.setdefault(item, _bad_item(item)), TransportError):
+            if item not in kinds:
                 by_parent.setdefault(posixpath.dirname(item), []).append(item)
         for parent, members in by_parent.items():
             try:
                 listing = {doc["name"]: doc for doc in self._ls(posixpath.join(remote_root, parent))}
             except TransportError as error:
-                kinds.update({m: type(error)(error.message, m, error.hint, stderr=error.stderr) for m in members})
+                kinds.update({member: _retarget(error, member) for member in members})
                 continue
             for member in members:
-                kinds[member] = _remote_kind(listing.get(posixpath.basename(member)), member)
+                kinds[member] = remote_kind(listing.get(posixpath.basename(member)), member)
         return kinds
 
     def _local_path(self, local_root: str) -> str:
@@ -197,7 +188,7 @@ class GlobusTransport(Transport):
             try:
                 return self.client.submit_transfer(data)["task_id"]
             except globus_sdk.GlobusError as exc:
-                error = _from_sdk(exc, "cannot submit the Globus transfer", self.endpoint.url())
+                error = from_sdk(exc, "cannot submit the Globus transfer", self.endpoint.url())
                 if not error.retryable or attempt == self.submit_attempts:
                     raise error from exc
                 log.warning("submit failed (%s); resending submission %s", error.message, data["submission_id"])
@@ -222,13 +213,14 @@ class GlobusTransport(Transport):
             delay = min(delay * 2, self.poll_max_interval)
 
     def _problem(self, task: dict) -> TransportError | None:
+        """The error for a task that will not finish by itself: INACTIVE, or (fail_fast) a fault it keeps hitting."""
         nice = task.get("nice_status") or ""
         detail = task.get("nice_status_short_description") or task.get("nice_status_details") or ""
         error = classify_globus(nice or "INACTIVE", detail)
         if task["status"] == "INACTIVE" and not isinstance(error, AuthenticationError):
             error = AuthenticationError("task suspended (credentials expired or collection not activated)",
-                                        hint=_LOGIN, stderr=f"{nice}: {detail}")
-        elif task["status"] != "INACTIVE" and not (self.fail_fast and nice and isinstance(error, _FAIL_FAST)):
+                                        hint=LOGIN_HINT, stderr=f"{nice}: {detail}")
+        elif task["status"] != "INACTIVE" and not (self.fail_fast and nice and isinstance(error, FAIL_FAST)):
             return None
         error.message = f"Globus task {task['task_id']} cannot proceed: {error.message}"
         return error
@@ -244,7 +236,7 @@ class GlobusTransport(Transport):
         task_id = task["task_id"]
         owners = {source.rstrip("/"): item for item, (source, _, _) in batch.paths.items()}
         for doc in self._pages(task_id, "task_skipped_errors"):
-            item = _owner(doc.get("source_path", ""), owners)
+            item = _owner(doc.get("source_path", ""), owners, batch.whole)
             if item is not None and item not in batch.failed:
                 batch.failed[item] = classify_globus(doc.get("error_code"), doc.get("error_details") or "", item)
         if task["status"] == "SUCCEEDED":
@@ -284,10 +276,10 @@ class GlobusTransport(Transport):
         while pending:
             rel = pending.pop()
             for doc in self._ls(posixpath.join(path, rel)):
-                entry = _entry(posixpath.join(rel, doc["name"]), doc)
-                entries.append(entry)
-                if entry.kind == "d":
-                    pending.append(entry.path)
+                found = entry(posixpath.join(rel, doc["name"]), doc)
+                entries.append(found)
+                if found.kind == "d":
+                    pending.append(found.path)
         return entries
 
     def stat(self, path: str) -> RemoteEntry | None:
@@ -295,33 +287,37 @@ class GlobusTransport(Transport):
             doc = self._call("cannot stat", path, self.client.operation_stat, self.collection, path)
         except RemotePathMissingError:
             return None
-        return _entry("", doc)
+        return entry("", doc)
 
     def mkdir(self, path: str) -> None:
         path = posixpath.normpath(path)
+        error = self._try_mkdir(path)
+        if isinstance(error, RemotePathMissingError) and path != "/":
+            self.mkdir(posixpath.dirname(path))
+            error = self._try_mkdir(path)
+        if error is not None:
+            raise error
+
+    def _try_mkdir(self, path: str) -> TransportError | None:
         try:
             self.client.operation_mkdir(self.collection, path)
-        except globus_sdk.GlobusAPIError as exc:
-            code = (exc.code or "").lower()
-            if code.endswith("exists"):
-                return
-            if "notfound" in code.replace(".", "") and path != "/":
-                self.mkdir(posixpath.dirname(path))
-                return self._call("cannot create directory", path, self.client.operation_mkdir, self.collection, path)
-            raise _from_sdk(exc, "cannot create directory", path) from exc
         except globus_sdk.GlobusError as exc:
-            raise _from_sdk(exc, "cannot create directory", path) from exc
+            if isinstance(exc, globus_sdk.GlobusAPIError) and (exc.code or "").lower().endswith("exists"):
+                return None                                  # existing is fine
+            return from_sdk(exc, "cannot create directory", path)
+        return None
 
-    def _call(self, what: str, path: str | None, function, *args, **kwargs):
+    def _call(self, what: str, where: str | None, function, /, *args, **kwargs):
+        """``function(*args, **kwargs)``, its globus-sdk errors turned into TransportErrors about ``where``."""
         try:
             return function(*args, **kwargs)
         except globus_sdk.GlobusError as exc:
-            raise _from_sdk(exc, what, path) from exc
+            raise from_sdk(exc, what, where) from exc
 
     def close(self) -> None:
-        closer = getattr(self.client, "close", None)
-        if closer is not None:
-            closer()
+        if self._owns_client:
+            self.client.close()
+            self._owns_client = False
 
 
 def _uuid(text: str, what: str) -> str:
@@ -343,50 +339,39 @@ def _ancestors(items: list[str]) -> set[str]:
     return parents
 
 
-def _bad_item(item: str):
+def _bad_item(item: str) -> TransportError | None:
     if not item or item.startswith("/") or ".." in item.split("/"):
         return TransportError("item must be a relative path inside the root", item)
+    if "\r\n" in item:
+        return NotSupportedError("Globus refuses names containing CR LF", item, "rename it, or bundle the tree")
     return None
+
+
+def _retarget(error: TransportError, path: str) -> TransportError:
+    clone = copy.copy(error)
+    clone.path = path
+    return clone
 
 
 def _local_kinds(local_root: str, items: list[str], parents: set[str]) -> dict:
     kinds = {}
     for item in items:
-        problem = _bad_item(item)
         try:
-            mode = None if problem else os.lstat(os.path.join(local_root, item)).st_mode
+            mode = os.lstat(os.path.join(local_root, item)).st_mode
         except OSError as exc:
-            problem = RemotePathMissingError(f"source cannot be read ({exc.strerror})", item)
-        if problem is None:
-            problem = _unsupported(item, mode)
+            kinds[item] = RemotePathMissingError(f"source cannot be read ({exc.strerror})", item, "check the path")
+            continue
+        problem = unsupported(item, mode)
         kinds[item] = problem or ("implied" if item in parents else "d" if stat.S_ISDIR(mode) else "f")
     return kinds
 
 
-def _unsupported(item: str, mode: int) -> TransportError | None:
-    if stat.S_ISLNK(mode):
-        return NotSupportedError("Globus does not carry symbolic links", item,
-                                 "bundle the tree (pallet pack) so links travel inside the bundle")
-    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-        return NotSupportedError("Globus carries only regular files and directories", item)
-    return None
-
-
-def _remote_kind(doc: dict | None, item: str):
-    if doc is None:
-        return RemotePathMissingError("source does not exist on the collection", item, "check the remote path")
-    if doc.get("link_target") or doc.get("type") == "invalid_symlink":
-        return _unsupported(item, stat.S_IFLNK)
-    return "d" if doc.get("type") == "dir" else "f"
-
-
-def _join(root: str, item: str, directory: bool) -> str:
-    path = posixpath.join(root, item)
-    return path + "/" if directory else path
-
-
-def _owner(path: str, owners: dict[str, str]) -> str | None:
+def _owner(path: str, owners: dict[str, str], whole: bool) -> str | None:
+    """The item a task path belongs to; for a whole-tree task, its path relative to the root."""
     path = path.rstrip("/")
+    if whole:
+        root = next(iter(owners)) or "/"
+        return posixpath.relpath(path, root) if path.startswith(root) else None
     while path and path not in owners:
         parent = posixpath.dirname(path)
         path = "" if parent == path else parent
@@ -395,20 +380,15 @@ def _owner(path: str, owners: dict[str, str]) -> str | None:
 
 def _settle_implied(batch: _Batch, done: set[str]) -> None:
     """A directory implied by its entries is done when one of them is; else it fails like they did."""
-    for item in sorted(batch.implied, key=lambda i: -i.count("/")):
-        prefix = item + "/"
-        if any(other.startswith(prefix) for other in done):
+    reached = _ancestors(list(done))
+    causes: dict[str, TransportError] = {}
+    for failed_item, error in batch.failed.items():
+        for parent in _ancestors([failed_item]):
+            causes.setdefault(parent, error)
+    for item in batch.implied:
+        if item in reached:
             done.add(item)
-            continue
-        cause = next((e for i, e in batch.failed.items() if i.startswith(prefix)), None)
-        batch.failed[item] = (type(cause)(cause.message, item, cause.hint, stderr=cause.stderr) if cause
-                              else TransportError("no entry under this directory was transferred", item))
-
-
-def _entry(rel: str, doc: dict) -> RemoteEntry:
-    kind = "l" if doc.get("link_target") or doc.get("type") == "invalid_symlink" else \
-        "d" if doc.get("type") == "dir" else "f"
-    modified = doc.get("last_modified") or "1970-01-01 00:00:00+00:00"
-    seconds = datetime.datetime.fromisoformat(modified).timestamp()
-    return RemoteEntry(rel, kind, int(doc.get("size") or 0) if kind == "f" else 0,
-                       int(doc.get("permissions") or "0", 8), int(seconds) * 1_000_000_000, doc.get("link_target") or "")
+        else:
+            cause = causes.get(item)
+            batch.failed[item] = (_retarget(cause, item) if cause
+                                  else TransportError("no entry under this directory was transferred", item))

@@ -25,6 +25,12 @@ _REGISTRY: dict[str, Registration] = {
     "file": Registration("staging_core.transports.local:LocalTransport"),
     "ssh": Registration("staging_core.transports.ssh:SSHTransport", ("ssh", "rsync"),
                         hint="install openssh-client and rsync (apt-get install openssh-client rsync)"),
+    "globus": Registration("staging_core.transports.globus:GlobusTransport", modules=("globus_sdk",),
+                           hint="pip install 'pallet[globus]'"),
+    "gsiftp": Registration("staging_core.transports.gridftp:GridFTPTransport", ("globus-url-copy",),
+                           hint="install globus-url-copy (apt-get install globus-gass-copy-progs)"),
+    "ftp": Registration("staging_core.transports.gridftp:GridFTPTransport", ("globus-url-copy",),
+                        hint="install globus-url-copy (apt-get install globus-gass-copy-progs)"),
 }
 
 
