@@ -1,4 +1,4 @@
-"""Benchmark transports on loopback: ssh batch vs rsync -a, parallel vs single rsync, per-file overhead."""
+"""Benchmark transports on loopback: ssh vs rsync -a, parallel vs single rsync, GridFTP batch vs globus-url-copy -r."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from bench_bundle import ROOT, common_parser, ensure_workload, workloads
 sys.path.insert(0, str(ROOT))
 from staging_core.transports import Direction, open_transport    # noqa: E402
 from staging_core.transports.base import local_tree_items         # noqa: E402
-from tests.servers import start_sshd                             # noqa: E402
+from tests.servers import start_gridftp, start_sshd               # noqa: E402
 
 
 def timed(action) -> float:
@@ -35,6 +35,26 @@ def pallet_push(sshd, src: Path, dest: Path, items: list[str] | None, parallel: 
         result = transport.transfer(Direction.PUSH, str(src), str(dest), items)
     if not result.ok:
         raise SystemExit(f"transfer failed: {list(result.failed.items())[:3]}")
+
+
+def gridftp_peer(server, src: Path, dest: Path) -> None:
+    subprocess.run(["globus-url-copy", "-r", "-pp", "-cc", "4", "-cd", f"file://{src}/", server.url(f"{dest}/")],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def pallet_gridftp(server, src: Path, dest: Path, concurrency: int) -> None:
+    with open_transport(server.url(str(dest)), concurrency=concurrency) as transport:
+        result = transport.transfer(Direction.PUSH, str(src), str(dest), None)
+    if not result.ok:
+        raise SystemExit(f"gridftp transfer failed: {list(result.failed.items())[:3]}")
+
+
+def measure_gridftp(server, src: Path, work: Path, repeat: int) -> dict[str, list[float]]:
+    runs: dict[str, list[float]] = {"globus-url-copy -r -pp -cc 4": [], "pallet gridftp batch": []}
+    for rep in range(repeat):
+        runs["globus-url-copy -r -pp -cc 4"].append(timed(lambda: gridftp_peer(server, src, work / f"gpeer-{rep}")))
+        runs["pallet gridftp batch"].append(timed(lambda: pallet_gridftp(server, src, work / f"gftp-{rep}", 4)))
+    return runs
 
 
 def per_file_overhead(sshd, src: Path, work: Path, items: list[str]) -> float:
@@ -60,13 +80,17 @@ def measure(sshd, src: Path, work: Path, repeat: int) -> dict[str, list[float]]:
 
 def report(runs: dict[str, list[float]], overhead: float) -> dict:
     medians = {name: statistics.median(values) for name, values in runs.items()}
+    gridftp = medians.get("pallet gridftp batch", 0) / medians.get("globus-url-copy -r -pp -cc 4", 1)
     for name, values in runs.items():
         print(f"{name:28s} median {medians[name]:6.2f} s   runs {' '.join(f'{v:.2f}' for v in values)}")
     peer = medians["rsync -a over ssh"]
     ratios = {"ssh whole tree / rsync -a": medians["pallet ssh whole tree"] / peer,
               "ssh batch / rsync -a": medians["pallet ssh batch"] / peer,
               "parallel x2 / single rsync": medians["pallet parallel rsync x2"] / medians["pallet ssh batch"]}
-    targets = {"ssh whole tree / rsync -a": 1.1, "ssh batch / rsync -a": 1.1, "parallel x2 / single rsync": 1.0}
+    targets = {"ssh whole tree / rsync -a": 1.1, "ssh batch / rsync -a": 1.1, "parallel x2 / single rsync": 1.0,
+               "gridftp batch / globus-url-copy -r": 1.0}
+    if "pallet gridftp batch" in medians:
+        ratios["gridftp batch / globus-url-copy -r"] = gridftp
     for name, value in ratios.items():
         verdict = "PASS" if value <= targets[name] else "MISS"
         print(f"{name:28s} {value:6.2f}  target <= {targets[name]}  {verdict}")
@@ -80,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir
     src = ensure_workload(workdir, workloads(args.quick)[0])
     work = Path(tempfile.mkdtemp(prefix="transports-", dir=workdir))
-    sshd = start_sshd(work / "sshd")
+    sshd, gridftp = start_sshd(work / "sshd"), start_gridftp(work / "gridftp")
     try:
         runs = measure(sshd, src, work, args.repeat)
+        runs.update(measure_gridftp(gridftp, src, work, args.repeat))
         result = report(runs, per_file_overhead(sshd, src, work, local_tree_items(str(src))))
     finally:
         sshd.stop()
+        gridftp.stop()
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, **result}, indent=2))
     print(f"outputs left in {work} (delete them when the disk is idle)")
