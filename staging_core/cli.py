@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify and demo."""
+"""The `pallet` command line: pack, unpack, ls, verify, demo and login."""
 from __future__ import annotations
 
 import argparse
