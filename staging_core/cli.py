@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify, demo and login."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, demo and login."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(commands)
     _add_login(commands)
     demo.add_parser(commands)
+    _add_plan(commands)
     return parser
 
 
@@ -122,6 +123,40 @@ def _run_login_globus(args) -> int:
     from .transports.globus_auth import login
     path = login(args.client_id, args.collection)
     print(f"logged in to Globus; tokens stored in {path} (readable by you only)")
+    return EXIT_OK
+
+
+def _add_plan(commands) -> None:
+    p = commands.add_parser("plan", help="show how pallet would move SRC to DEST, and why",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Inventory SRC (a local directory), sample how well it compresses, and "
+                                        "predict the seconds of every strategy: individual files, one bundle, or "
+                                        "a hybrid (large files individually, the rest bundled).",
+                            epilog="example:\n  pallet plan data/ ssh://login.hpc/scratch/me/data --json")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
+    p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
+    p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from .inventory import compress_ratio, local_inventory
+    from .planner import LinkProfile, plan
+    from .transports.base import parse_url
+    destination = parse_url(args.dest)
+    inventory, paths = local_inventory(args.src)
+    chosen = plan(inventory.stats, LinkProfile(), compress_ratio(args.src, paths), max(1, args.ranks),
+                  bundle_possible=destination.scheme in ("file", "ssh"))
+    if args.json:
+        print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url()}))
+        return EXIT_OK
+    print(f"{len(inventory.sizes)} files, {human_bytes(inventory.stats.bytes)} -> {destination.url()}")
+    for candidate in sorted(chosen.candidates, key=lambda c: c.predicted_seconds):
+        mark = "*" if candidate.strategy == chosen.strategy else " "
+        extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
+        print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
+    print(f"reason: {chosen.reason}")
     return EXIT_OK
 
 

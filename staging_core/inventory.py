@@ -1,0 +1,69 @@
+"""Inventories: entry sizes of a local tree or a remote listing, summarised for the planner."""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import zstandard
+
+from bundles.scan import scan
+from bundles.tarformat import Kind
+
+from .planner import LARGE_FILE_BYTES, TreeStats
+from .transports.base import Transport
+
+SAMPLE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Sizes of the regular files of a tree (columnar), with a histogram and planner statistics."""
+
+    root: str
+    sizes: list[int]
+
+    @property
+    def stats(self) -> TreeStats:
+        return TreeStats.from_sizes(self.sizes, LARGE_FILE_BYTES)
+
+    def histogram(self) -> dict[str, int]:
+        """File counts per size class (< 4 KiB, < 64 KiB, < 1 MiB, < 64 MiB, larger)."""
+        bounds = [(4 << 10, "<4KiB"), (64 << 10, "<64KiB"), (1 << 20, "<1MiB"), (64 << 20, "<64MiB")]
+        counts = {label: 0 for _, label in bounds} | {">=64MiB": 0}
+        for size in self.sizes:
+            counts[next((label for bound, label in bounds if size < bound), ">=64MiB")] += 1
+        return counts
+
+
+def local_inventory(root: str, jobs: int = 1) -> tuple[Inventory, list[bytes]]:
+    """Walk a local tree (the bundle scanner); return the inventory and the files' relative paths."""
+    index = scan(root, "none", 0, jobs).index
+    files = [i for i, kind in enumerate(index.kinds) if kind == Kind.FILE]
+    return Inventory(root, [index.sizes[i] for i in files]), [index.paths[i] for i in files]
+
+
+def remote_inventory(transport: Transport, root: str) -> Inventory:
+    """One recursive listing through the transport (one `find` over ssh, Globus ls pages, ...)."""
+    return Inventory(root, [e.size for e in transport.list(root) if e.kind == "f"])
+
+
+def compress_ratio(root: str, paths: list[bytes], budget: int = SAMPLE_BYTES, seed: int = 0) -> float:
+    """zstd-compressed / original size of a random sample of files, read up to ``budget`` bytes."""
+    rng = random.Random(seed)
+    sample = rng.sample(paths, min(len(paths), 2000))
+    chunks, total = [], 0
+    for rel in sample:
+        try:
+            with open(os.path.join(os.fsencode(root), rel), "rb") as handle:
+                chunk = handle.read(max(0, min(budget - total, 1 << 20)))
+        except OSError:
+            continue
+        chunks.append(chunk)
+        total += len(chunk)
+        if total >= budget:
+            break
+    data = b"".join(chunks)
+    if not data:
+        return 1.0
+    return len(zstandard.ZstdCompressor(level=3).compress(data)) / len(data)

@@ -1,0 +1,148 @@
+"""The cost model: from tree statistics and a link profile to a plan with predicted seconds per strategy."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LARGE_FILE_BYTES = 64 << 20       # hybrid: files at least this big travel individually
+SIMPLER_WINS_WITHIN = 0.05        # individual is chosen unless another strategy is >5 % faster
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """What the planner needs to know about a tree: file count, total bytes, and bytes in large files."""
+
+    files: int
+    bytes: int
+    large_files: int = 0
+    large_bytes: int = 0
+
+    @classmethod
+    def from_sizes(cls, sizes, large_file_bytes: int = LARGE_FILE_BYTES) -> "TreeStats":
+        large = [s for s in sizes if s >= large_file_bytes]
+        return cls(len(sizes), sum(sizes), len(large), sum(large))
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A measured (or default) description of one source → destination route.
+
+    Rates are bytes/s per process; ``per_file_s`` is what one more file
+    costs the individual transport in a batch; ``create_rate`` is files/s
+    one writer creates at the destination.
+    """
+
+    name: str = "default"
+    rtt_s: float = 0.04
+    bandwidth: float = 100e6
+    per_file_s: float = 1e-3
+    create_rate: float = 5_000.0
+    compress_rate: float = 300e6
+    decompress_rate: float = 1_000e6
+    pack_per_file_s: float = 15e-6
+    stream_cap: float = 0.0          # bytes/s one stream reaches (0: the full bandwidth)
+    concurrency: int = 4             # streams the individual transport runs at once
+    cores: int = 2
+    is_default: bool = True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy with its settings and predicted seconds."""
+
+    strategy: str
+    predicted_seconds: float
+    codec: str = ""
+    ranks: int = 1
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The chosen candidate, every candidate considered, and why."""
+
+    strategy: str
+    candidates: list[Candidate]
+    reason: str
+    details: dict = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.strategy == self.strategy)
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "reason": self.reason, "details": self.details,
+                "candidates": [c.__dict__ for c in self.candidates]}
+
+
+def stream_rate(profile: LinkProfile, streams: int) -> float:
+    """Bytes/s that ``streams`` parallel streams reach on the link."""
+    cap = profile.stream_cap or profile.bandwidth
+    return min(profile.bandwidth, cap * max(1, streams))
+
+
+def individual_seconds(files: int, nbytes: int, profile: LinkProfile) -> float:
+    """Per-file transfer: every file pays the per-file cost and a create at the far side."""
+    if files == 0:
+        return 0.0
+    return (profile.rtt_s + files * profile.per_file_s + nbytes / stream_rate(profile, profile.concurrency)
+            + files / profile.create_rate)
+
+
+def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, compress: bool, ranks: int) -> float:
+    """Pack, send and unpack overlapped as a stream: the slowest stage sets the pace."""
+    if files == 0:
+        return 0.0
+    workers = max(1, profile.cores)
+    pack = files * profile.pack_per_file_s / workers + (nbytes / (profile.compress_rate * workers) if compress else 0)
+    wire = (nbytes * (ratio if compress else 1.0)) / stream_rate(profile, 1)
+    unpack = files / (profile.create_rate * max(1, ranks)) + (nbytes / (profile.decompress_rate * ranks) if compress else 0)
+    return profile.rtt_s * 2 + max(pack, wire, unpack)
+
+
+def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ranks: int = 1,
+         bundle_possible: bool = True) -> Plan:
+    """Choose how to move a tree. Pure: the same inputs always give the same plan.
+
+    ``compress_ratio`` is compressed/original size measured on a sample
+    (1.0 = incompressible); ``bundle_possible`` is False when no route can
+    unpack at the destination, which leaves only individual transfer.
+    """
+    compress = _compression_pays(profile, compress_ratio)
+    candidates = [Candidate("individual", individual_seconds(stats.files, stats.bytes, profile))]
+    if bundle_possible:
+        codec = "zstd" if compress else "none"
+        candidates.append(Candidate("bundle", bundle_seconds(stats.files, stats.bytes, profile, compress_ratio,
+                                                             compress, ranks), codec, ranks))
+        if 0 < stats.large_files < stats.files:
+            small_files, small_bytes = stats.files - stats.large_files, stats.bytes - stats.large_bytes
+            hybrid = max(individual_seconds(stats.large_files, stats.large_bytes, profile),
+                         bundle_seconds(small_files, small_bytes, profile, compress_ratio, compress, ranks),
+                         stats.bytes / stream_rate(profile, profile.concurrency + 1))
+            candidates.append(Candidate("hybrid", hybrid, codec, ranks,
+                                        f"{stats.large_files} large file(s) individually"))
+    best = min(candidates, key=lambda c: c.predicted_seconds)
+    if candidates[0].predicted_seconds <= best.predicted_seconds * (1 + SIMPLER_WINS_WITHIN):
+        best = candidates[0]          # bundling must pay for its extra machinery
+    return Plan(best.strategy, candidates, _reason(best, candidates, stats, profile, compress, compress_ratio),
+                {"compress": compress, "compress_ratio": compress_ratio, "profile": profile.name,
+                 "default_profile": profile.is_default})
+
+
+def _compression_pays(profile: LinkProfile, ratio: float) -> bool:
+    """Compress only when both compressing and decompressing outrun the link, and the data shrinks."""
+    workers = max(1, profile.cores)
+    return ratio < 0.9 and min(profile.compress_rate * workers, profile.decompress_rate) > profile.bandwidth
+
+
+def _reason(best: Candidate, candidates: list[Candidate], stats: TreeStats, profile: LinkProfile,
+            compress: bool, ratio: float) -> str:
+    per_file_total = stats.files * profile.per_file_s
+    others = ", ".join(f"{c.strategy} {c.predicted_seconds:.2f} s" for c in candidates if c is not best) \
+        or "nothing else (no route to unpack a bundle at the destination)"
+    why = {"individual": f"{stats.files} files cost only {per_file_total:.2f} s in per-file overhead",
+           "bundle": f"{stats.files} files would cost {per_file_total:.2f} s in per-file overhead alone",
+           "hybrid": "large files stream well alone while the small ones need a bundle"}[best.strategy]
+    codec = (f"; compress (ratio {ratio:.2f}): compression and decompression both outrun the link"
+             if compress else "; no compression: it would not outrun the link or the data does not shrink")
+    default = " (default link profile: generic figures, not measured on this route)" if profile.is_default else ""
+    return f"{best.strategy} ({best.predicted_seconds:.2f} s): {why}; vs {others}{codec if best.strategy != 'individual' else ''}{default}"

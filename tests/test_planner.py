@@ -1,0 +1,75 @@
+"""Planner decisions on tables of cases: bundle many tiny files on slow links, individual for a few big files."""
+from __future__ import annotations
+
+import pytest
+
+from staging_core.planner import LinkProfile, TreeStats, plan
+
+LOOPBACK = LinkProfile("loopback", rtt_s=0.0001, bandwidth=1e9, per_file_s=9e-5, create_rate=30_000, is_default=False)
+WAN_40MS = LinkProfile("wan-40ms", rtt_s=0.04, bandwidth=100e6, per_file_s=2e-3, create_rate=30_000,
+                       stream_cap=30e6, is_default=False)
+GBIT_40MS = LinkProfile("gbit-40ms", rtt_s=0.04, bandwidth=125e6, per_file_s=1e-3, create_rate=30_000,
+                        is_default=False)
+W1 = TreeStats.from_sizes([1024] * 65_536)
+W2 = TreeStats.from_sizes([256 << 20] * 4)
+MIXED = TreeStats.from_sizes([1024] * 20_000 + [512 << 20] * 2)
+
+
+@pytest.mark.parametrize("stats,profile,ratio,expected", [
+    (W1, WAN_40MS, 0.3, "bundle"),
+    (W1, GBIT_40MS, 0.3, "bundle"),
+    (W1, LOOPBACK, 0.3, "bundle"),
+    (W2, WAN_40MS, 1.0, "individual"),
+    (W2, LOOPBACK, 1.0, "individual"),
+    (MIXED, WAN_40MS, 1.0, "hybrid"),
+    (TreeStats.from_sizes([4096] * 3), WAN_40MS, 0.5, "individual"),
+])
+def test_strategy_table(stats, profile, ratio, expected):
+    result = plan(stats, profile, compress_ratio=ratio, ranks=2)
+    assert result.strategy == expected, result.reason
+    assert result.chosen.strategy == expected
+    assert {c.strategy for c in result.candidates} >= {"individual"}
+
+
+@pytest.mark.parametrize("bandwidth,ratio,compress", [
+    (100e6, 0.3, True),      # compression and decompression outrun 100 MB/s
+    (10e9, 0.3, False),      # a 10 GB/s link outruns the compressor
+    (100e6, 0.98, False),    # incompressible data
+])
+def test_compress_only_when_both_rates_outrun_the_link(bandwidth, ratio, compress):
+    profile = LinkProfile(bandwidth=bandwidth, per_file_s=1e-3, is_default=False)
+    result = plan(W1, profile, compress_ratio=ratio)
+    assert result.details["compress"] is compress
+    assert (result.chosen.codec == "zstd") is compress
+
+
+def test_no_unpack_route_leaves_individual_only():
+    result = plan(W1, WAN_40MS, compress_ratio=0.3, bundle_possible=False)
+    assert result.strategy == "individual" and [c.strategy for c in result.candidates] == ["individual"]
+
+
+def test_plan_explains_itself_and_mentions_the_default_profile():
+    result = plan(W1, LinkProfile(), compress_ratio=0.3)
+    assert "per-file overhead" in result.reason and "default link profile" in result.reason
+    doc = result.to_json()
+    assert doc["strategy"] == "bundle" and all("predicted_seconds" in c for c in doc["candidates"])
+
+
+def test_more_ranks_never_predict_a_slower_bundle():
+    times = [plan(W1, LOOPBACK, 0.3, ranks).chosen.predicted_seconds for ranks in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_pallet_plan_command(tmp_path):
+    import json
+    from tests.conftest import run_pallet
+    src = tmp_path / "src"
+    for n in range(300):
+        (src / f"d{n % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{n % 3}" / f"f{n}.csv").write_text(f"{n},{n * 2},{n * 3}\n" * 20)
+    done = run_pallet("plan", "--json", str(src), "ssh://example.org/scratch/data", check=True)
+    doc = json.loads(done.stdout)
+    assert doc["strategy"] in ("individual", "bundle", "hybrid")
+    assert {c["strategy"] for c in doc["candidates"]} >= {"individual", "bundle"}
+    assert doc["histogram"]["<4KiB"] == 300 and doc["details"]["compress_ratio"] < 0.5
+    assert run_pallet("plan", str(src), "nope://x/y").returncode == 2
