@@ -1,9 +1,10 @@
-"""The `pallet` command line: pack, unpack, ls, verify, plan, demo and login."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, push, demo and login."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError, pack, unpack,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_login(commands)
     demo.add_parser(commands)
     _add_plan(commands)
+    _add_push(commands)
     return parser
 
 
@@ -157,6 +159,43 @@ def _run_plan(args) -> int:
         extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
         print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
     print(f"reason: {chosen.reason}")
+    return EXIT_OK
+
+
+def _add_push(commands) -> None:
+    p = commands.add_parser("push", help="move a local directory to a destination URL, planned and verified",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Plan the transfer of SRC to DEST_URL (see `pallet plan`), then send the "
+                                        "files individually (one batch) or as one bundle unpacked at the far side "
+                                        "by `python -m mpi_stager`. Rerun after an interruption: finished shards "
+                                        "are not unpacked again.",
+                            epilog="examples:\n  pallet push data/ /scratch/me/data\n"
+                                   "  pallet push --remote-python /opt/pallet/bin/python data/ ssh://login.hpc/scratch/me/data")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dest", metavar="DEST_URL", help="/abs/path, file://, ssh://[user@]host[:port]/abs or host:/abs")
+    p.add_argument("--strategy", choices=("auto", "individual", "bundle"), default="auto",
+                   help="override the planner (default: auto)")
+    p.add_argument("--codec", choices=("zstd", "gzip", "none"), help="bundle codec (default: the plan's)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="local workers (default: all CPUs)")
+    p.add_argument("--remote-python", default="python3", metavar="CMD",
+                   help="Python with pallet installed on the far side (default: python3)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
+                   help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    p.add_argument("--json", action="store_true", help="print a summary as JSON")
+    p.set_defaults(run=_run_push)
+
+
+def _run_push(args) -> int:
+    from .operations import PushOptions, push
+    options = PushOptions(args.strategy, args.codec, args.jobs, 1, args.remote_python,
+                          tuple(o for opt in args.ssh_option for o in shlex.split(opt)), args.verify)
+    result = push(args.src, args.dest, options)
+    summary = {"dest": result.dest, "strategy": result.strategy, "planned": result.plan.strategy,
+               "files": result.files, "file_bytes": result.file_bytes, "transfers": result.transfers,
+               "seconds": round(result.seconds, 3)}
+    _report(args, summary, f"pushed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
+                           f"as {result.strategy} in {result.seconds:.2f} s ({result.transfers} transfer)")
     return EXIT_OK
 
 

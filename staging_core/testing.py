@@ -152,7 +152,7 @@ class TransportConformance:
             if kind == "l" and not caps.symlinks:
                 continue
             result[rel] = (kind, mode if caps.preserves_mode or kind == "l" else None,
-                           mtime if caps.preserves_mtime and kind == "f" else None, content,
+                           mtime if caps.preserves_mtime and kind in "fd" else None, content,
                            group if caps.hardlinks else None)
         return result
 

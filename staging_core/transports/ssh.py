@@ -148,7 +148,7 @@ class SSHTransport(Transport):
         if direction is Direction.PULL:
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
-        base = ["rsync", "-a", "-s", "-e", shlex.join(self._ssh_base())]
+        base = ["rsync", "-a", "-s", "--modify-window=-1", "-e", shlex.join(self._ssh_base())]
         with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
             if items is not None:
                 listing.write(b"\0".join(os.fsencode(i) for i in items))

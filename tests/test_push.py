@@ -1,0 +1,69 @@
+"""pallet push to local and ssh destinations, individually and as a bundle, with real sshd and mpi_stager."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from staging_core.operations import PushOptions, push
+from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
+
+
+def tiny_tree(root, count: int = 2000) -> str:
+    for n in range(count):
+        path = root / f"d{n % 40:02d}" / f"f{n:05d}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{n},{n * 7}\n" * 5)
+    return str(root)
+
+
+def strip_state(dest) -> None:
+    shutil.rmtree(dest / ".pallet", ignore_errors=True)
+
+
+@pytest.mark.parametrize("strategy", ["individual", "bundle"])
+def test_push_to_a_local_destination(tmp_path, strategy):
+    # hard links survive bundles only (the local transport copies files, as its capabilities say)
+    src = make_nasty_tree(str(tmp_path / "src")) if strategy == "bundle" else tiny_tree(tmp_path / "src")
+    result = push(src, str(tmp_path / "dest"), PushOptions(strategy=strategy, jobs=2))
+    assert result.strategy == strategy and result.transfers == 1
+    strip_state(tmp_path / "dest")
+    assert_same_tree(src, tmp_path / "dest")
+
+
+@pytest.mark.parametrize("strategy", ["individual", "bundle"])
+def test_push_over_ssh(sshd, tmp_path, strategy):
+    src = tiny_tree(tmp_path / "src")
+    options = PushOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    result = push(src, sshd.url(str(tmp_path / "dest")), options)
+    assert result.files == 2000 and result.transfers == 1
+    strip_state(tmp_path / "dest")
+    assert_same_tree(src, tmp_path / "dest")
+
+
+def test_auto_bundles_many_tiny_files_and_a_rerun_converges(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src")
+    options = PushOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    first = push(src, sshd.url(str(tmp_path / "dest")), options)
+    assert first.plan.strategy == "bundle" and first.strategy == "bundle"
+    push(src, sshd.url(str(tmp_path / "dest")), options)
+    assert list((tmp_path / "dest" / ".pallet" / "incoming").iterdir()) == []
+    strip_state(tmp_path / "dest")
+    assert_same_tree(src, tmp_path / "dest")
+
+
+def test_cli_push_and_clear_errors(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src", 50)
+    ssh_opts = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    done = run_pallet("push", "--json", "--remote-python", sys.executable, *ssh_opts, src,
+                      sshd.url(str(tmp_path / "dest")), check=True)
+    assert json.loads(done.stdout)["files"] == 50
+    missing = run_pallet("push", str(tmp_path / "nowhere"), str(tmp_path / "d2"))
+    assert missing.returncode == 1 and "nowhere" in missing.stderr and "hint:" in missing.stderr
+    unknown = run_pallet("push", src, "nope://host/x")
+    assert unknown.returncode == 2 and "nope" in unknown.stderr
+    globus = run_pallet("push", "--strategy", "bundle", src, "globus://abc/x")
+    assert globus.returncode == 2 and "unpack" in globus.stderr
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == [f"d{n:02d}" for n in range(40)]
