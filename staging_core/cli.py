@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify, plan, push, demo and login."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, demo and login."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     _add_plan(commands)
     _add_push(commands)
+    _add_pull(commands)
     return parser
 
 
@@ -187,16 +188,38 @@ def _add_push(commands) -> None:
 
 
 def _run_push(args) -> int:
-    from .operations import PushOptions, push
+    """Run push or pull (the same options and summary)."""
+    from .operations import PushOptions, pull, push
     options = PushOptions(args.strategy, args.codec, args.jobs, 1, args.remote_python,
                           tuple(o for opt in args.ssh_option for o in shlex.split(opt)), args.verify)
-    result = push(args.src, args.dest, options)
+    result = (push if args.command == "push" else pull)(args.src, args.dest, options)
     summary = {"dest": result.dest, "strategy": result.strategy, "planned": result.plan.strategy,
                "files": result.files, "file_bytes": result.file_bytes, "transfers": result.transfers,
                "seconds": round(result.seconds, 3)}
-    _report(args, summary, f"pushed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
+    _report(args, summary, f"{args.command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
                            f"as {result.strategy} in {result.seconds:.2f} s ({result.transfers} transfer)")
     return EXIT_OK
+
+
+def _add_pull(commands) -> None:
+    p = commands.add_parser("pull", help="move a remote directory here, planned and verified",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="The mirror of push: plan from one remote listing, then fetch the files "
+                                        "in one batch, or have the far side pack them (`python -m mpi_stager pack`) "
+                                        "and unpack the bundle here.",
+                            epilog="example:\n  pallet pull --remote-python /opt/pallet/bin/python "
+                                   "ssh://login.hpc/project/data data/")
+    p.add_argument("src", metavar="SRC_URL")
+    p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
+    p.add_argument("--strategy", choices=("auto", "individual", "bundle"), default="auto")
+    p.add_argument("--codec", choices=("zstd", "gzip", "none"), help="bundle codec (default zstd)")
+    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="local workers (default: all CPUs)")
+    p.add_argument("--remote-python", default="python3", metavar="CMD",
+                   help="Python with pallet installed on the far side (default: python3)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    p.add_argument("--json", action="store_true", help="print a summary as JSON")
+    p.set_defaults(run=_run_push)
 
 
 def _size(text: str) -> int:

@@ -13,7 +13,7 @@ from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
-from .inventory import compress_ratio, local_inventory
+from .inventory import compress_ratio, local_inventory, remote_inventory
 from .planner import LinkProfile, Plan, plan
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import TransportError
@@ -133,3 +133,75 @@ def _remove_incoming(transport: Transport, endpoint: Endpoint, incoming: str, na
     else:
         transport.run(["rm", "-f", "--", *(os.path.join(incoming, n) for n in names)])
 
+
+
+def pull(src_url: str, dest: str, options: PushOptions = PushOptions()) -> PushResult:
+    """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
+
+    Individual: one batch transfer of the whole tree. Bundle (ssh sources
+    only): the far side packs with ``remote_python -m mpi_stager pack`` into
+    ``SRC/.pallet/outgoing/`` (the bytes are deterministic, so a rerun
+    re-sends identical data), the bundle and its index come back in one
+    transfer, and mpi_stager unpacks them here, resumably. The planner sees
+    the remote listing; without a local sample it assumes the data
+    compresses to half.
+    """
+    started = time.monotonic()
+    if options.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
+    endpoint = parse_url(src_url)
+    can_pack = endpoint.scheme in ("file", "ssh")
+    if options.strategy == "bundle" and not can_pack:
+        raise UsageError(f"--strategy bundle needs a way to pack at {endpoint.url()}",
+                         hint="use an ssh:// or local source, or --strategy individual")
+    with _open(endpoint, options) as transport:
+        inventory = remote_inventory(transport, endpoint.path)
+        chosen = plan(inventory.stats, LinkProfile(), 0.5, options.ranks, can_pack)
+        strategy = chosen.strategy if options.strategy == "auto" else options.strategy
+        strategy = "bundle" if strategy == "hybrid" else strategy
+        os.makedirs(dest, exist_ok=True)
+        if strategy == "individual":
+            _pull_individual(transport, endpoint, dest)
+        else:
+            _pull_bundle(transport, endpoint, dest, options)
+    return PushResult(os.path.abspath(dest), chosen, strategy, len(inventory.sizes), inventory.stats.bytes, 1,
+                      time.monotonic() - started)
+
+
+def _pull_individual(transport: Transport, endpoint: Endpoint, dest: str) -> None:
+    result = transport.transfer(Direction.PULL, dest, endpoint.path, None)
+    if not result.ok:
+        names = ", ".join(sorted(result.failed)[:10])
+        raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
+                             "see the first error above; rerun to fetch the rest")
+
+
+def _pull_bundle(transport: Transport, endpoint: Endpoint, dest: str, options: PushOptions) -> None:
+    codec = options.codec or "zstd"
+    name = "bundle.tar" + {"zstd": ".zst", "gzip": ".gz"}.get(codec, "")
+    outgoing = (tempfile.mkdtemp(prefix="pallet-outgoing-") if endpoint.is_local
+                else transport.run(["mktemp", "-d", "-t", "pallet-outgoing-XXXXXX"]).decode().strip())
+    staging = os.path.join(dest, INCOMING)
+    try:
+        _pack_there(transport, endpoint, os.path.join(outgoing, name), codec, options)
+        os.makedirs(staging, exist_ok=True)
+        fetched = transport.transfer(Direction.PULL, staging, outgoing, [name, name + ".pidx"])
+        if not fetched.ok:
+            raise next(iter(fetched.failed.values()))
+        stager = StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1))
+        unpack_parallel(SerialComm(), os.path.join(staging, name), dest, stager)
+        for leftover in (name, name + ".pidx"):
+            os.unlink(os.path.join(staging, leftover))
+    finally:
+        if endpoint.is_local:
+            shutil.rmtree(outgoing, ignore_errors=True)
+        else:
+            transport.run(["rm", "-rf", "--", outgoing])
+
+
+def _pack_there(transport: Transport, endpoint: Endpoint, bundle: str, codec: str, options: PushOptions) -> None:
+    if endpoint.is_local:
+        pack(endpoint.path, bundle, PackOptions(codec=codec, jobs=options.jobs))
+        return
+    transport.run([*shlex.split(options.remote_python), "-m", "mpi_stager", "pack", "--comm", "serial",
+                   "--codec", codec, endpoint.path, bundle])

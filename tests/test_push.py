@@ -67,3 +67,23 @@ def test_cli_push_and_clear_errors(sshd, tmp_path):
     globus = run_pallet("push", "--strategy", "bundle", src, "globus://abc/x")
     assert globus.returncode == 2 and "unpack" in globus.stderr
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == [f"d{n:02d}" for n in range(40)]
+
+
+@pytest.mark.parametrize("strategy", ["individual", "bundle"])
+def test_pull_over_ssh(sshd, tmp_path, strategy):
+    from staging_core.operations import pull
+    src = tiny_tree(tmp_path / "remote_src", 1500)
+    options = PushOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    result = pull(sshd.url(src), str(tmp_path / "here"), options)
+    assert result.strategy == strategy and result.files == 1500
+    strip_state(tmp_path / "here")
+    assert_same_tree(src, tmp_path / "here")
+    assert sorted(p.name for p in (tmp_path / "remote_src").iterdir()) == [f"d{n:02d}" for n in range(40)]
+
+
+def test_cli_pull_of_a_local_source(tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    done = run_pallet("pull", "--json", "--strategy", "bundle", src, str(tmp_path / "copy"), check=True)
+    assert json.loads(done.stdout)["strategy"] == "bundle"
+    strip_state(tmp_path / "copy")
+    assert_same_tree(src, tmp_path / "copy")
