@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_bundle import common_parser, ensure_workload, workloads
+from workloads import common_parser, ensure_workload, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

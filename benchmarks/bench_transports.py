@@ -10,7 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_bundle import ROOT, common_parser, ensure_workload, workloads
+from bench_bundle import ROOT
+from workloads import common_parser, ensure_workload, workloads
 
 sys.path.insert(0, str(ROOT))
 from staging_core.transports import Direction, open_transport    # noqa: E402

@@ -1,0 +1,93 @@
+"""Benchmark workloads W1/W2 (generated once, reused) and the options every benchmark script shares."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A generated source tree: ``files`` files of ``file_size`` bytes in ``dirs`` directories."""
+
+    name: str
+    files: int
+    file_size: int
+    dirs: int
+    random_bytes: bool
+
+    @property
+    def label(self) -> str:
+        size = f"{self.file_size // MIB} MiB" if self.file_size >= MIB else f"{self.file_size // KIB} KiB"
+        return f"{self.name} {self.files:,} x {size}"
+
+
+def ensure_workload(workdir: Path, load: Workload) -> Path:
+    """Return the workload's tree, generating it unless its marker file says it is complete."""
+    slug = f"{load.name.lower()}-{load.files}x{load.file_size}-{load.dirs}d"
+    src, marker = workdir / slug, workdir / f"{slug}.ready"
+    spec = json.dumps(asdict(load), sort_keys=True)
+    if marker.exists() and marker.read_text() == spec and src.is_dir():
+        print(f"reusing {load.label} at {src}")
+        return src
+    shutil.rmtree(src, ignore_errors=True)
+    print(f"generating {load.label} at {src} ...", flush=True)
+    started = time.perf_counter()
+    (_fill_random if load.random_bytes else _fill_csv)(src, load)
+    os.sync()
+    marker.write_text(spec)
+    print(f"  generated in {time.perf_counter() - started:.1f} s")
+    return src
+
+
+def _fill_csv(src: Path, load: Workload) -> None:
+    rng = random.Random(20240611)
+    number = 0
+    for d in range(load.dirs):
+        (folder := src / f"d{d:03d}").mkdir(parents=True)
+        for _ in range(load.files // load.dirs + (d < load.files % load.dirs)):
+            (folder / f"f{number:06d}.csv").write_bytes(_csv_text(rng, load.file_size))
+            number += 1
+
+
+def _csv_text(rng: random.Random, size: int) -> bytes:
+    rows = ["id,timestamp,sensor,value,flag"]
+    total = len(rows[0]) + 1
+    while total < size:
+        row = (f"{rng.randrange(10**7)},{1_700_000_000 + rng.randrange(10**6)},"
+               f"s{rng.randrange(64):02d},{rng.uniform(-50, 150):.4f},{rng.choice('ABCD')}")
+        rows.append(row)
+        total += len(row) + 1
+    return ("\n".join(rows)[:size - 1] + "\n").encode()
+
+
+def _fill_random(src: Path, load: Workload) -> None:
+    src.mkdir(parents=True)
+    for n in range(load.files):
+        with open(src / f"blob{n:02d}.bin", "wb") as out:
+            for done in range(0, load.file_size, 8 * MIB):
+                out.write(os.urandom(min(8 * MIB, load.file_size - done)))
+
+
+def workloads(quick: bool) -> tuple[Workload, Workload]:
+    small_files, big_size = (8_192, 32 * MIB) if quick else (65_536, 256 * MIB)
+    return Workload("W1", small_files, KIB, 256, False), Workload("W2", 4, big_size, 1, True)
+
+
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark script shares: --workdir, --quick, --repeat, --json."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
+                        help="where data sets live (reused) and runs are written (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: W1 8,192 files, W2 4 x 32 MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions per command (default: 3)")
+    parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
+    return parser
