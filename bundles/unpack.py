@@ -13,6 +13,7 @@ from .progress import NoProgress, Progress
 from .reader import Bundle
 
 INCOMPLETE_MARKER = ".pallet-incomplete"
+STATE_DIR = ".pallet"         # journals and completion markers of resumable unpacks (mpi_stager)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from .parallel import default_jobs, ordered_map
 from .reader import Bundle
 from .safety import safe_mode
 from .tarformat import END_OF_ARCHIVE, Kind, member_header
-from .unpack import INCOMPLETE_MARKER
+from .unpack import INCOMPLETE_MARKER, STATE_DIR
 
 
 @dataclass
@@ -187,14 +187,18 @@ def verify_tree(index: Index, dest: str) -> VerifyReport:
 
 
 def _extra_problems(index: Index, root: bytes) -> list[str]:
-    """Name every path under ``root`` that is not in the index (extra directories are not descended)."""
+    """Name every path under ``root`` that is not in the index (extra directories are not descended).
+
+    pallet's own state directory (journal, completion marker) is not an extra.
+    """
     known, problems = set(index.paths), []
+    state = STATE_DIR.encode()
     for current, dirs, files in os.walk(root):
         for name in sorted(dirs + files):
             rel = os.path.relpath(os.path.join(current, name), root)
             if rel == INCOMPLETE_MARKER.encode():
                 problems.append(f"{INCOMPLETE_MARKER}: the unpack into this destination did not finish")
-            elif rel not in known:
+            elif rel not in known and rel != state:
                 problems.append(f"{os.fsdecode(rel)}: extra in the destination (not in the bundle)")
         dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(current, d), root) in known]
     return problems

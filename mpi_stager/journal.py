@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 
 from bundles.index import Index, content_hash
+from bundles.unpack import STATE_DIR
 
-STATE_DIR = ".pallet"
 
 
 def bundle_id(index: Index) -> str:

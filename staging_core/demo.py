@@ -1,4 +1,4 @@
-"""`pallet demo`: build a tree of tiny files, pack it, unpack it elsewhere, verify, summarise."""
+"""`pallet demo`: build a tree of tiny files, pack, unpack, push it through the planner, verify, summarise."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import time
 from bundles import Bundle, PackOptions, UnpackOptions, pack, unpack, verify_bundle, verify_tree
 
 from .display import human_bytes, make_progress
+from .operations import PushOptions, push
 
 DEFAULT_FILES = 20_000
 
@@ -18,7 +19,8 @@ DEFAULT_FILES = 20_000
 def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="run the whole job on a generated tree (no cluster needed)",
                             description="Generate a tree of tiny CSV-like files, pack it into a bundle, "
-                                        "unpack it into a second directory, verify both and print a summary.")
+                                        "unpack it into a second directory, push it to a third through the "
+                                        "planner (pallet push), verify all and print a summary.")
     p.add_argument("--files", type=int, default=DEFAULT_FILES, help=f"files to generate (default {DEFAULT_FILES})")
     p.add_argument("--workdir", help="where to work (default: a temporary directory, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the generated tree, bundle and copy")
@@ -59,13 +61,17 @@ def run(args) -> int:
         timings["pack"] = packed.seconds
         unpacked = unpack(bundle_path, dest, UnpackOptions(jobs=args.jobs), make_progress())
         timings["unpack"] = unpacked.seconds
+        pushed = push(src, os.path.join(workdir, "pushed"), PushOptions(jobs=args.jobs))
+        timings["push"] = pushed.seconds
         started = time.monotonic()
         with Bundle.open(bundle_path) as bundle:
             problems = verify_bundle(bundle, args.jobs).problems + verify_tree(bundle.index, dest).problems
+            problems += verify_tree(bundle.index, os.path.join(workdir, "pushed")).problems
         timings["verify"] = time.monotonic() - started
         summary = {"workdir": workdir, "files": args.files, "data_bytes": data_bytes,
                    "bundle_bytes": packed.bundle_bytes, "shards": len(packed.index.shards),
-                   "seconds": {k: round(v, 3) for k, v in timings.items()}, "problems": problems}
+                   "seconds": {k: round(v, 3) for k, v in timings.items()}, "problems": problems,
+                   "push": {"strategy": pushed.strategy, "reason": pushed.plan.reason}}
         _print_summary(summary, args.json)
         return 0 if not problems else 1
     finally:
@@ -84,7 +90,8 @@ def _print_summary(summary: dict, as_json: bool) -> None:
     print(f"  pack      {t['pack']:7.2f} s  -> {human_bytes(summary['bundle_bytes'])} in {summary['shards']} "
           f"shard(s), {ratio:.1f}x smaller")
     print(f"  unpack    {t['unpack']:7.2f} s  ({summary['files'] / max(t['unpack'], 1e-9):,.0f} files/s, every file verified)")
-    print(f"  verify    {t['verify']:7.2f} s  (bundle and copy checked against the index)")
+    print(f"  push      {t['push']:7.2f} s  (planned: {summary['push']['strategy']}; {summary['push']['reason']})")
+    print(f"  verify    {t['verify']:7.2f} s  (bundle and both copies checked against the index)")
     if summary["problems"]:
         print(f"  PROBLEMS: {len(summary['problems'])}")
         for problem in summary["problems"][:20]:

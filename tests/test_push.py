@@ -87,3 +87,10 @@ def test_cli_pull_of_a_local_source(tmp_path):
     assert json.loads(done.stdout)["strategy"] == "bundle"
     strip_state(tmp_path / "copy")
     assert_same_tree(src, tmp_path / "copy")
+
+
+def test_demo_runs_the_whole_job_and_reports_no_problem(tmp_path):
+    done = run_pallet("demo", "--files", "600", "--json", "--workdir", str(tmp_path / "demo"), check=True)
+    summary = json.loads(done.stdout)
+    assert summary["problems"] == [] and summary["files"] == 600
+    assert summary["push"]["strategy"] in ("bundle", "individual") and summary["push"]["reason"]
