@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, demo and login."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, calibrate, demo and login."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     _add_push(commands)
     _add_pull(commands)
+    _add_calibrate(commands)
     return parser
 
 
@@ -139,17 +140,19 @@ def _add_plan(commands) -> None:
     p.add_argument("src", metavar="SRC")
     p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
     p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
+    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
     p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
     p.set_defaults(run=_run_plan)
 
 
 def _run_plan(args) -> int:
     from .inventory import compress_ratio, local_inventory
-    from .planner import LinkProfile, plan
+    from .planner import plan
+    from .profiles import load_profile
     from .transports.base import parse_url
     destination = parse_url(args.dest)
     inventory, paths = local_inventory(args.src)
-    chosen = plan(inventory.stats, LinkProfile(), compress_ratio(args.src, paths), max(1, args.ranks),
+    chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
                   bundle_possible=destination.scheme in ("file", "ssh"))
     if args.json:
         print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url()}))
@@ -183,6 +186,7 @@ def _add_push(commands) -> None:
     p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
                    help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
     p.add_argument("--json", action="store_true", help="print a summary as JSON")
     p.set_defaults(run=_run_push)
 
@@ -191,7 +195,7 @@ def _run_push(args) -> int:
     """Run push or pull (the same options and summary)."""
     from .operations import PushOptions, pull, push
     options = PushOptions(args.strategy, args.codec, args.jobs, 1, args.remote_python,
-                          tuple(o for opt in args.ssh_option for o in shlex.split(opt)), args.verify)
+                          tuple(o for opt in args.ssh_option for o in shlex.split(opt)), args.verify, args.profile)
     result = (push if args.command == "push" else pull)(args.src, args.dest, options)
     summary = {"dest": result.dest, "strategy": result.strategy, "planned": result.plan.strategy,
                "files": result.files, "file_bytes": result.file_bytes, "transfers": result.transfers,
@@ -218,8 +222,40 @@ def _add_pull(commands) -> None:
                    help="Python with pallet installed on the far side (default: python3)")
     p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
     p.add_argument("--json", action="store_true", help="print a summary as JSON")
     p.set_defaults(run=_run_push)
+
+
+def _add_calibrate(commands) -> None:
+    p = commands.add_parser("calibrate", help="measure a route and store it as a named link profile",
+                            description="Measure round-trip time, bandwidth (32 MiB probe), per-file cost (a batch "
+                                        "of 400 tiny files) and zstd rates, and store them as a profile that "
+                                        "`pallet plan/push/pull --profile NAME` use.",
+                            epilog="example: pallet calibrate --name hpc ssh://login.hpc/scratch/me")
+    p.add_argument("url", metavar="URL", help="a directory on the far side; a scratch subdirectory is used there")
+    p.add_argument("--name", required=True, help="profile name (letters, digits, - _ .)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    from .profiles import calibrate, save_profile
+    from .transports.base import parse_url
+    from .transports.registry import open_transport
+    endpoint = parse_url(args.url)
+    options = {"ssh_options": [o for opt in args.ssh_option for o in shlex.split(opt)]} \
+        if endpoint.scheme == "ssh" else {}
+    with open_transport(endpoint, **options) as transport:
+        profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name)
+    path = save_profile(profile)
+    doc = {k: v for k, v in profile.__dict__.items() if k != "is_default"}
+    _report(args, {**doc, "path": path},
+            f"profile {profile.name} saved to {path}: rtt {profile.rtt_s * 1e3:.1f} ms, "
+            f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, zstd "
+            f"{human_bytes(profile.compress_rate)}/s compress, {human_bytes(profile.decompress_rate)}/s decompress")
+    return EXIT_OK
 
 
 def _size(text: str) -> int:

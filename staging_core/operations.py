@@ -14,7 +14,8 @@ from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
 from .inventory import compress_ratio, local_inventory, remote_inventory
-from .planner import LinkProfile, Plan, plan
+from .planner import Plan, plan
+from .profiles import load_profile
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_transport
@@ -25,7 +26,8 @@ INCOMING = ".pallet/incoming"
 
 @dataclass(frozen=True)
 class PushOptions:
-    """How to push: strategy ('auto' asks the planner), codec, local workers, unpack ranks, remote Python."""
+    """How to push: strategy ('auto' asks the planner), codec, local workers, unpack ranks, remote Python,
+    extra ssh options, verification, and the link profile the planner uses (None: the generic default)."""
 
     strategy: str = "auto"
     codec: str | None = None
@@ -34,6 +36,7 @@ class PushOptions:
     remote_python: str = "python3"
     ssh_options: tuple[str, ...] = ()
     verify: bool = True
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def push(src: str, dest_url: str, options: PushOptions = PushOptions()) -> PushR
     if options.strategy == "bundle" and not can_unpack:
         raise UsageError(f"--strategy bundle needs a way to unpack at {endpoint.url()}",
                          hint="use an ssh:// or local destination, or --strategy individual")
-    chosen = plan(inventory.stats, LinkProfile(), compress_ratio(src, paths), options.ranks, can_unpack)
+    chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths), options.ranks, can_unpack)
     strategy = chosen.strategy if options.strategy == "auto" else options.strategy
     strategy = "bundle" if strategy == "hybrid" else strategy
     with _open(endpoint, options) as transport:
@@ -156,7 +159,7 @@ def pull(src_url: str, dest: str, options: PushOptions = PushOptions()) -> PushR
                          hint="use an ssh:// or local source, or --strategy individual")
     with _open(endpoint, options) as transport:
         inventory = remote_inventory(transport, endpoint.path)
-        chosen = plan(inventory.stats, LinkProfile(), 0.5, options.ranks, can_pack)
+        chosen = plan(inventory.stats, load_profile(options.profile), 0.5, options.ranks, can_pack)
         strategy = chosen.strategy if options.strategy == "auto" else options.strategy
         strategy = "bundle" if strategy == "hybrid" else strategy
         os.makedirs(dest, exist_ok=True)

@@ -73,3 +73,23 @@ def test_pallet_plan_command(tmp_path):
     assert {c["strategy"] for c in doc["candidates"]} >= {"individual", "bundle"}
     assert doc["histogram"]["<4KiB"] == 300 and doc["details"]["compress_ratio"] < 0.5
     assert run_pallet("plan", str(src), "nope://x/y").returncode == 2
+
+
+def test_calibrate_over_ssh_stores_a_profile_that_plan_uses(sshd, tmp_path, monkeypatch):
+    import json
+    from tests.conftest import run_pallet
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    options = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    done = run_pallet("calibrate", "--json", "--name", "loop", *options, sshd.url(str(tmp_path / "remote")),
+                      check=True)
+    measured = json.loads(done.stdout)
+    assert measured["rtt_s"] > 0 and measured["bandwidth"] > 1e6 and measured["per_file_s"] >= 0
+    assert (tmp_path / "config" / "pallet" / "profiles" / "loop.toml").exists()
+    assert list((tmp_path / "remote").iterdir()) == []          # scratch removed
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    planned = json.loads(run_pallet("plan", "--json", "--profile", "loop", str(src), "/tmp/x", check=True).stdout)
+    assert planned["details"]["profile"] == "loop" and planned["details"]["default_profile"] is False
+    missing = run_pallet("plan", "--profile", "nope", str(src), "/tmp/x")
+    assert missing.returncode == 2 and "pallet calibrate --name nope" in missing.stderr

@@ -1,0 +1,122 @@
+"""Link profiles: measure a route (`pallet calibrate`) and store it as TOML under the XDG config dir."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from dataclasses import asdict, fields, replace
+
+import zstandard
+
+from bundles.errors import UsageError
+
+from .planner import LinkProfile
+from .transports.base import Direction, Transport
+
+PROBE_FILES = 400
+PROBE_BYTES = 32 << 20
+
+
+def profile_dir() -> str:
+    """Where profiles live: $XDG_CONFIG_HOME/pallet/profiles (default ~/.config/pallet/profiles)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "pallet", "profiles")
+
+
+def save_profile(profile: LinkProfile) -> str:
+    """Write ``profile`` as NAME.toml (atomically) and return the path."""
+    os.makedirs(profile_dir(), exist_ok=True)
+    path = os.path.join(profile_dir(), f"{profile.name}.toml")
+    lines = ["# pallet link profile, measured by `pallet calibrate`"]
+    lines += [f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}"
+              for key, value in asdict(profile).items() if key != "is_default"]
+    with open(path + ".tmp", "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_profile(name: str | None) -> LinkProfile:
+    """The named profile, or the documented default (``is_default`` True) when ``name`` is None."""
+    if name is None:
+        return LinkProfile()
+    path = os.path.join(profile_dir(), f"{name}.toml")
+    try:
+        with open(path, "rb") as handle:
+            values = tomllib.load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"no link profile named {name!r}", path, f"measure one: pallet calibrate --name {name} URL") \
+            from None
+    known = {f.name for f in fields(LinkProfile)}
+    return replace(LinkProfile(), **{k: v for k, v in values.items() if k in known}, is_default=False)
+
+
+def calibrate(transport: Transport, remote_dir: str, name: str) -> LinkProfile:
+    """Measure round trip, bandwidth, per-file cost and codec rates on a route.
+
+    ``remote_dir`` is a scratch directory on the far side, created and, where
+    the transport can (local, remote exec), removed again.
+    """
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"profile name {name!r} may hold only letters, digits, '-', '_' and '.'")
+    local = tempfile.mkdtemp(prefix="pallet-calibrate-")
+    try:
+        transport.mkdir(remote_dir)
+        rtt = _round_trip(transport, remote_dir)
+        bandwidth = _bandwidth(transport, local, remote_dir)
+        per_file = _per_file(transport, local, remote_dir, bandwidth)
+        compress, decompress = _codec_rates()
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        _remove_scratch(transport, remote_dir)
+    return LinkProfile(name=name, rtt_s=rtt, bandwidth=bandwidth, per_file_s=per_file, compress_rate=compress,
+                       decompress_rate=decompress, concurrency=transport.capabilities.concurrency,
+                       cores=len(os.sched_getaffinity(0)), is_default=False)
+
+
+def _remove_scratch(transport: Transport, remote_dir: str) -> None:
+    if transport.endpoint.is_local:
+        shutil.rmtree(remote_dir, ignore_errors=True)
+    elif transport.capabilities.remote_exec:
+        transport.run(["rm", "-rf", "--", remote_dir])
+
+
+def _round_trip(transport: Transport, remote_dir: str) -> float:
+    samples = []
+    for _ in range(5):
+        started = time.perf_counter()
+        transport.stat(remote_dir)
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]
+
+
+def _bandwidth(transport: Transport, local: str, remote_dir: str) -> float:
+    with open(os.path.join(local, "probe.bin"), "wb") as handle:
+        handle.write(os.urandom(PROBE_BYTES))
+    started = time.perf_counter()
+    transport.transfer(Direction.PUSH, local, remote_dir, ["probe.bin"])
+    return PROBE_BYTES / max(time.perf_counter() - started, 1e-6)
+
+
+def _per_file(transport: Transport, local: str, remote_dir: str, bandwidth: float) -> float:
+    tiny = os.path.join(local, "tiny")
+    os.makedirs(tiny)
+    for n in range(PROBE_FILES):
+        with open(os.path.join(tiny, f"f{n:04d}"), "wb") as handle:
+            handle.write(b"x" * 1024)
+    started = time.perf_counter()
+    transport.transfer(Direction.PUSH, local, remote_dir, ["tiny", *(f"tiny/f{n:04d}" for n in range(PROBE_FILES))])
+    elapsed = time.perf_counter() - started - PROBE_FILES * 1024 / bandwidth
+    return max(elapsed, 0.0) / PROBE_FILES
+
+
+def _codec_rates() -> tuple[float, float]:
+    sample = b"".join(b"%d,%d,%.6f\n" % (n, n * n, n / 7) for n in range(400_000))
+    started = time.perf_counter()
+    packed = zstandard.ZstdCompressor(level=3).compress(sample)
+    compress = len(sample) / max(time.perf_counter() - started, 1e-6)
+    started = time.perf_counter()
+    zstandard.ZstdDecompressor().decompress(packed)
+    return compress, len(sample) / max(time.perf_counter() - started, 1e-6)
