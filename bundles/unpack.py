@@ -91,9 +91,13 @@ def _unpack_indexed(bundle: Bundle, dest: str, options: UnpackOptions, progress:
     return UnpackResult(dest, len(index), files, nbytes, len(index.shards), True, options.verify, 0.0)
 
 
+SECONDS_PER_FILE = 50e-6        # a: create + write + close + utime of one small file
+SECONDS_PER_BYTE = 1 / 500e6    # b: decompress + write of one byte
+
+
 def shard_cost(shard) -> float:
-    """Estimated extraction cost of a shard: files dominate small shards, bytes large ones."""
-    return 50e-6 * shard.entry_count + shard.raw_size / 500e6
+    """Estimated seconds to extract a shard: a·files + b·bytes (files dominate small shards)."""
+    return SECONDS_PER_FILE * shard.entry_count + SECONDS_PER_BYTE * shard.raw_size
 
 
 _worker_args: tuple | None = None

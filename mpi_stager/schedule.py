@@ -5,14 +5,7 @@ import heapq
 from dataclasses import dataclass
 
 from bundles.index import Shard
-
-SECONDS_PER_FILE = 50e-6        # a: create + write + close + utime of one small file
-SECONDS_PER_BYTE = 1 / 500e6    # b: decompress + write of one byte
-
-
-def shard_cost(shard: Shard) -> float:
-    """Estimated seconds to extract ``shard``: a·files + b·bytes."""
-    return SECONDS_PER_FILE * shard.entry_count + SECONDS_PER_BYTE * shard.raw_size
+from bundles.unpack import shard_cost
 
 
 @dataclass(frozen=True)
