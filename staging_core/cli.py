@@ -177,9 +177,15 @@ def _add_push(commands) -> None:
                                    "  pallet push --remote-python /opt/pallet/bin/python data/ ssh://login.hpc/scratch/me/data")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dest", metavar="DEST_URL", help="/abs/path, file://, ssh://[user@]host[:port]/abs or host:/abs")
+    _staging_options(p)
+
+
+def _staging_options(p: argparse.ArgumentParser) -> None:
+    """Options push and pull share."""
     p.add_argument("--strategy", choices=("auto", "individual", "bundle"), default="auto",
                    help="override the planner (default: auto)")
-    p.add_argument("--codec", choices=("zstd", "gzip", "none"), help="bundle codec (default: the plan's)")
+    p.add_argument("--codec", choices=("zstd", "gzip", "none"),
+                   help="bundle codec (default: the plan's for push, zstd for pull)")
     p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="local workers (default: all CPUs)")
     p.add_argument("--remote-python", default="python3", metavar="CMD",
                    help="Python with pallet installed on the far side (default: python3)")
@@ -215,16 +221,7 @@ def _add_pull(commands) -> None:
                                    "ssh://login.hpc/project/data data/")
     p.add_argument("src", metavar="SRC_URL")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
-    p.add_argument("--strategy", choices=("auto", "individual", "bundle"), default="auto")
-    p.add_argument("--codec", choices=("zstd", "gzip", "none"), help="bundle codec (default zstd)")
-    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="local workers (default: all CPUs)")
-    p.add_argument("--remote-python", default="python3", metavar="CMD",
-                   help="Python with pallet installed on the far side (default: python3)")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
-    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    p.add_argument("--json", action="store_true", help="print a summary as JSON")
-    p.set_defaults(run=_run_push)
+    _staging_options(p)
 
 
 def _add_calibrate(commands) -> None:
