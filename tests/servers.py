@@ -16,6 +16,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """Terminate a server we started, by its PID; kill it if it does not exit within 10 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -42,13 +53,7 @@ class SSHServer:
         return f"ssh://{self.user}@127.0.0.1:{self.port}{path}"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def start_sshd(workdir: Path) -> SSHServer:
@@ -89,13 +94,7 @@ class GridFTPServer:
 
     def stop(self) -> None:
         """Terminate the server by its PID (children serving closed connections exit on their own)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def start_gridftp(workdir: Path, gsi: bool = False, user: str = "root") -> GridFTPServer:
