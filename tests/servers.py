@@ -160,3 +160,14 @@ def make_gsi_credentials(workdir: Path) -> tuple[dict, dict]:
     trust = {"X509_CERT_DIR": str(gsi / "certificates")}
     return ({**trust, "X509_USER_CERT": str(gsi / "host.pem"), "X509_USER_KEY": str(gsi / "host.key"),
              "GRIDMAP": str(gsi / "grid-mapfile")}, {**trust, "X509_USER_PROXY": str(gsi / "usercred.pem")})
+
+
+def count_invocations(shim_dir: Path, program: str, monkeypatch):
+    """Put a shim for ``program`` first on PATH that logs each call's arguments; return a reader of the log."""
+    real, log = shutil.which(program), shim_dir / f"{program}.calls"
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    shim = shim_dir / program
+    shim.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec {real} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+    return lambda: log.read_text().splitlines() if log.exists() else []

@@ -11,7 +11,7 @@ from staging_core.transports.base import Direction
 from staging_core.transports.errors import (AuthenticationError, HostUnreachableError, NotSupportedError,
                                            RemotePathMissingError, RemotePermissionError)
 from staging_core.transports.registry import open_transport
-from tests.servers import free_port, start_gridftp
+from tests.servers import count_invocations, free_port, start_gridftp
 
 pytestmark = pytest.mark.skipif(shutil.which("globus-url-copy") is None or not (
     shutil.which("globus-gridftp-server") or os.path.exists("/usr/sbin/globus-gridftp-server")),
@@ -74,14 +74,8 @@ def write_files(root, count: int) -> list[str]:
 
 @pytest.fixture
 def counted(tmp_path, monkeypatch):
-    """A PATH shim that logs every globus-url-copy invocation before running the real one."""
-    shim, log = tmp_path / "shim", tmp_path / "invocations.log"
-    shim.mkdir()
-    program = shim / "globus-url-copy"
-    program.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec {shutil.which("globus-url-copy")} "$@"\n')
-    program.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
-    return lambda: log.read_text().splitlines() if log.exists() else []
+    """Every globus-url-copy invocation, logged by a PATH shim before the real one runs."""
+    return count_invocations(tmp_path / "shim", "globus-url-copy", monkeypatch)
 
 
 def test_a_batch_runs_globus_url_copy_once_with_a_list_file(gridftp, remote, tmp_path, counted):

@@ -11,7 +11,7 @@ from staging_core.transports import Direction, open_transport
 from staging_core.transports.errors import (AuthenticationError, HostUnreachableError, MissingDependencyError,
                                             RemoteDiskFullError, RemotePathMissingError, RemotePermissionError)
 from staging_core.transports.ssh import partition
-from tests.servers import free_port
+from tests.servers import count_invocations, free_port
 
 
 @pytest.fixture
@@ -23,13 +23,8 @@ def transport(sshd, tmp_path):
 @pytest.fixture
 def rsync_calls(tmp_path, monkeypatch):
     """Count rsync invocations through a shim first on PATH."""
-    shim_dir, log = tmp_path / "shim", tmp_path / "rsync-calls"
-    shim_dir.mkdir()
-    shim = shim_dir / "rsync"
-    shim.write_text(f"#!/bin/sh\necho call >> '{log}'\nexec /usr/bin/rsync \"$@\"\n")
-    shim.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim_dir}:{os.environ['PATH']}")
-    return lambda: len(log.read_text().splitlines()) if log.exists() else 0
+    calls = count_invocations(tmp_path / "shim", "rsync", monkeypatch)
+    return lambda: len(calls())
 
 
 def make_files(root, count: int) -> list[str]:
