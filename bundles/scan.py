@@ -20,7 +20,8 @@ class SourceTree:
     index: Index
 
 
-def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1) -> SourceTree:
+def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
+         exclude: frozenset[bytes] = frozenset()) -> SourceTree:
     """Walk ``src`` (a directory or one file) into an Index holding its entries in stream order.
 
     Only entry columns are filled (hashes, shards and offsets come from the
@@ -28,7 +29,9 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1) -> Sourc
     shared by ``jobs`` workers. Raises SourceError for a missing or
     unreadable source, and one SourceError listing every special file
     (device, FIFO, socket) and every symlink pointing outside the tree,
-    since no bundle may carry those.
+    since no bundle may carry those. ``exclude`` holds relative names
+    (bytes, as the index stores them) of non-directories to leave out —
+    e.g. the large files a hybrid push sends individually.
     """
     top = os.fsencode(src)
     try:
@@ -39,6 +42,8 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1) -> Sourc
         raise SourceError(f"cannot read ({exc.strerror})", src, "check its permissions") from None
     if stat.S_ISDIR(st.st_mode):
         root, names = top, _walk(top)
+        if exclude:
+            names = [name for name in names if name not in exclude]
     else:
         root, name = os.path.split(os.path.abspath(top))
         names = [name]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from bundles.errors import PalletError
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto",
                         help="communicator: mpi when started by mpirun/srun (auto), or serial")
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="worker processes when running as a single rank (default 1)")
+                        help="worker processes when running as a single rank (default 1; 0: one per CPU)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_pack(comm, args)
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
-                                  StagerOptions(args.verify, args.journal, max(1, args.workers)))
+                                  StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1)))
     except StagerError as exc:
         if rank0:
             print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)

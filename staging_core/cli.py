@@ -4,20 +4,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 
 from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError, pack, unpack,
                      verify_bundle, verify_tree)
 from bundles.plain import iter_members
 
-from . import demo
-from .display import human_bytes, make_progress, parse_size
+from . import cli_staging, demo
+from .display import human_bytes, jobs_arg, make_progress, parse_size, report
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 _EPILOG = """\
-exit status: 0 success, 1 failure (named on stderr), 2 usage error.
+exit status: 0 success, 1 failure (named on stderr), 2 usage error, 3 transport failure
+(network, authentication, remote path), 4 destination locked by another push/pull, 130 interrupted.
 A bundle is a standard .tar.zst/.tar.gz/.tar: `tar -xf BUNDLE` extracts it too.
 See docs/bundle-format.md for the format and docs/cli.md for examples."""
 
@@ -35,10 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(commands)
     _add_login(commands)
     demo.add_parser(commands)
-    _add_plan(commands)
-    _add_push(commands)
-    _add_pull(commands)
-    _add_calibrate(commands)
+    cli_staging.add_parsers(commands)
     return parser
 
 
@@ -65,7 +62,7 @@ def _add_pack(commands) -> None:
     p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
     p.add_argument("--shard-size", type=_size, metavar="SIZE",
                    help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
-    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
     _progress_flags(p)
     p.set_defaults(run=_run_pack)
 
@@ -81,7 +78,7 @@ def _add_unpack(commands) -> None:
                                    "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", help="destination directory (created if missing)")
-    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
     _progress_flags(p)
@@ -103,7 +100,7 @@ def _add_verify(commands) -> None:
                                         "also check that DEST holds exactly what the bundle describes.")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", nargs="?")
-    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_verify)
 
@@ -130,131 +127,6 @@ def _run_login_globus(args) -> int:
     return EXIT_OK
 
 
-def _add_plan(commands) -> None:
-    p = commands.add_parser("plan", help="show how pallet would move SRC to DEST, and why",
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            description="Inventory SRC (a local directory), sample how well it compresses, and "
-                                        "predict the seconds of every strategy: individual files, one bundle, or "
-                                        "a hybrid (large files individually, the rest bundled).",
-                            epilog="example:\n  pallet plan data/ ssh://login.hpc/scratch/me/data --json")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
-    p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
-    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
-    p.set_defaults(run=_run_plan)
-
-
-def _run_plan(args) -> int:
-    from .inventory import compress_ratio, local_inventory
-    from .planner import plan
-    from .profiles import load_profile
-    from .transports.base import parse_url
-    destination = parse_url(args.dest)
-    inventory, paths = local_inventory(args.src)
-    chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
-                  bundle_possible=destination.scheme in ("file", "ssh"))
-    if args.json:
-        print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url()}))
-        return EXIT_OK
-    print(f"{len(inventory.sizes)} files, {human_bytes(inventory.stats.bytes)} -> {destination.url()}")
-    for candidate in sorted(chosen.candidates, key=lambda c: c.predicted_seconds):
-        mark = "*" if candidate.strategy == chosen.strategy else " "
-        extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
-        print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
-    print(f"reason: {chosen.reason}")
-    return EXIT_OK
-
-
-def _add_push(commands) -> None:
-    p = commands.add_parser("push", help="move a local directory to a destination URL, planned and verified",
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            description="Plan the transfer of SRC to DEST_URL (see `pallet plan`), then send the "
-                                        "files individually (one batch) or as one bundle unpacked at the far side "
-                                        "by `python -m mpi_stager`. Rerun after an interruption: finished shards "
-                                        "are not unpacked again.",
-                            epilog="examples:\n  pallet push data/ /scratch/me/data\n"
-                                   "  pallet push --remote-python /opt/pallet/bin/python data/ ssh://login.hpc/scratch/me/data")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dest", metavar="DEST_URL", help="/abs/path, file://, ssh://[user@]host[:port]/abs or host:/abs")
-    _staging_options(p)
-
-
-def _staging_options(p: argparse.ArgumentParser) -> None:
-    """Options push and pull share."""
-    p.add_argument("--strategy", choices=("auto", "individual", "bundle"), default="auto",
-                   help="override the planner (default: auto)")
-    p.add_argument("--codec", choices=("zstd", "gzip", "none"),
-                   help="bundle codec (default: the plan's for push, zstd for pull)")
-    p.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N", help="local workers (default: all CPUs)")
-    p.add_argument("--remote-python", default="python3", metavar="CMD",
-                   help="Python with pallet installed on the far side (default: python3)")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
-                   help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
-    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    p.add_argument("--json", action="store_true", help="print a summary as JSON")
-    p.set_defaults(run=_run_push)
-
-
-def _run_push(args) -> int:
-    """Run push or pull (the same options and summary)."""
-    from .operations import PushOptions, pull, push
-    options = PushOptions(args.strategy, args.codec, args.jobs, 1, args.remote_python,
-                          tuple(o for opt in args.ssh_option for o in shlex.split(opt)), args.verify, args.profile)
-    result = (push if args.command == "push" else pull)(args.src, args.dest, options)
-    summary = {"dest": result.dest, "strategy": result.strategy, "planned": result.plan.strategy,
-               "files": result.files, "file_bytes": result.file_bytes, "transfers": result.transfers,
-               "seconds": round(result.seconds, 3)}
-    _report(args, summary, f"{args.command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
-                           f"as {result.strategy} in {result.seconds:.2f} s ({result.transfers} transfer)")
-    return EXIT_OK
-
-
-def _add_pull(commands) -> None:
-    p = commands.add_parser("pull", help="move a remote directory here, planned and verified",
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            description="The mirror of push: plan from one remote listing, then fetch the files "
-                                        "in one batch, or have the far side pack them (`python -m mpi_stager pack`) "
-                                        "and unpack the bundle here.",
-                            epilog="example:\n  pallet pull --remote-python /opt/pallet/bin/python "
-                                   "ssh://login.hpc/project/data data/")
-    p.add_argument("src", metavar="SRC_URL")
-    p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
-    _staging_options(p)
-
-
-def _add_calibrate(commands) -> None:
-    p = commands.add_parser("calibrate", help="measure a route and store it as a named link profile",
-                            description="Measure round-trip time, bandwidth (32 MiB probe), per-file cost (a batch "
-                                        "of 400 tiny files) and zstd rates, and store them as a profile that "
-                                        "`pallet plan/push/pull --profile NAME` use.",
-                            epilog="example: pallet calibrate --name hpc ssh://login.hpc/scratch/me")
-    p.add_argument("url", metavar="URL", help="a directory on the far side; a scratch subdirectory is used there")
-    p.add_argument("--name", required=True, help="profile name (letters, digits, - _ .)")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
-    p.add_argument("--json", action="store_true", help="print the profile as JSON")
-    p.set_defaults(run=_run_calibrate)
-
-
-def _run_calibrate(args) -> int:
-    from .profiles import calibrate, save_profile
-    from .transports.base import parse_url
-    from .transports.registry import open_transport
-    endpoint = parse_url(args.url)
-    options = {"ssh_options": [o for opt in args.ssh_option for o in shlex.split(opt)]} \
-        if endpoint.scheme == "ssh" else {}
-    with open_transport(endpoint, **options) as transport:
-        profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name)
-    path = save_profile(profile)
-    doc = {k: v for k, v in profile.__dict__.items() if k != "is_default"}
-    _report(args, {**doc, "path": path},
-            f"profile {profile.name} saved to {path}: rtt {profile.rtt_s * 1e3:.1f} ms, "
-            f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, zstd "
-            f"{human_bytes(profile.compress_rate)}/s compress, {human_bytes(profile.decompress_rate)}/s decompress")
-    return EXIT_OK
-
-
 def _size(text: str) -> int:
     try:
         size = parse_size(text)
@@ -267,16 +139,6 @@ def _size(text: str) -> int:
     return size
 
 
-def _jobs(text: str) -> int:
-    try:
-        jobs = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if jobs < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (all CPUs) or more, not {jobs}")
-    return jobs
-
-
 def _run_pack(args) -> int:
     options = PackOptions(args.codec, args.level, args.shard_size, args.jobs)
     result = pack(args.src, args.bundle, options, make_progress(args.progress))
@@ -284,7 +146,7 @@ def _run_pack(args) -> int:
     summary = {"bundle": result.bundle, "index": result.sidecar, "entries": len(index),
                "shards": len(index.shards), "file_bytes": index.total_file_bytes,
                "bundle_bytes": result.bundle_bytes, "codec": index.codec, "seconds": round(result.seconds, 3)}
-    _report(args, summary, f"packed {len(index)} entries ({human_bytes(index.total_file_bytes)}) into "
+    report(args.json, summary, f"packed {len(index)} entries ({human_bytes(index.total_file_bytes)}) into "
                            f"{result.bundle}: {len(index.shards)} shard(s), {human_bytes(result.bundle_bytes)}, "
                            f"{result.seconds:.2f} s")
     return EXIT_OK
@@ -293,7 +155,7 @@ def _run_pack(args) -> int:
 def _run_unpack(args) -> int:
     result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify), make_progress(args.progress))
     checked = "verified" if result.verified else ("not verified (no index)" if not result.indexed else "not verified")
-    _report(args, {**result.__dict__, "seconds": round(result.seconds, 3)},
+    report(args.json, {**result.__dict__, "seconds": round(result.seconds, 3)},
             f"unpacked {result.entries} entries ({result.files} files, {human_bytes(result.file_bytes)}) "
             f"into {result.dest} in {result.seconds:.2f} s, {checked}")
     return EXIT_OK
@@ -349,13 +211,6 @@ def _run_verify(args) -> int:
         for problem in report.problems[:200]:
             print(f"  - {problem}", file=sys.stderr)
     return EXIT_OK if report.ok else EXIT_FAILURE
-
-
-def _report(args, summary: dict, line: str) -> None:
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:

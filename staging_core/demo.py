@@ -11,7 +11,8 @@ import time
 from bundles import Bundle, PackOptions, UnpackOptions, pack, unpack, verify_bundle, verify_tree
 
 from .display import human_bytes, make_progress
-from .operations import PushOptions, push
+from .operations import push
+from .options import StagingOptions
 
 DEFAULT_FILES = 20_000
 
@@ -61,7 +62,7 @@ def run(args) -> int:
         timings["pack"] = packed.seconds
         unpacked = unpack(bundle_path, dest, UnpackOptions(jobs=args.jobs), make_progress())
         timings["unpack"] = unpacked.seconds
-        pushed = push(src, os.path.join(workdir, "pushed"), PushOptions(jobs=args.jobs))
+        pushed = push(src, os.path.join(workdir, "pushed"), StagingOptions(jobs=args.jobs))
         timings["push"] = pushed.seconds
         started = time.monotonic()
         with Bundle.open(bundle_path) as bundle:

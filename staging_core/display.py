@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from bundles.progress import NoProgress, Progress
 
@@ -21,18 +22,23 @@ class BarProgress:
                                  TextColumn("entries {task.fields[volume]}"), TimeElapsedColumn(),
                                  TimeRemainingColumn(), transient=True)
         self._bar.start()
+        self._label, self._files, self._done_bytes, self._started = label, 0, 0, time.monotonic()
         self._total = human_bytes(total_bytes)
         self._task = self._bar.add_task(label, total=total_files or None, volume="")
 
     def advance(self, files: int, nbytes: int) -> None:
         if self._bar is not None:
             self._done_bytes += nbytes
+            self._files += files
             self._bar.update(self._task, advance=files, volume=f"{human_bytes(self._done_bytes)}/{self._total}")
 
     def finish(self) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+            seconds = time.monotonic() - self._started
+            done = f"{self._files} entries, {human_bytes(self._done_bytes)}, " if self._files else ""
+            print(f"{self._label}: {done}{seconds:.1f} s", file=sys.stderr)
 
 
 def make_progress(enabled: bool | None = None) -> Progress:
@@ -63,3 +69,21 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return int(value)
+
+
+def jobs_arg(text: str) -> int:
+    """argparse type for worker counts: 0 (all CPUs) or more."""
+    import argparse
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if jobs < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all CPUs) or more, not {jobs}")
+    return jobs
+
+
+def report(as_json: bool, summary: dict, line: str) -> None:
+    """Print the command's summary: ``summary`` as one JSON object, or the human ``line``."""
+    import json
+    print(json.dumps(summary) if as_json else line)

@@ -1,210 +1,284 @@
-"""Push orchestration above the transports: plan, then move files individually or as a bundle, verified."""
+"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes — policy in one place."""
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from bundles.errors import PalletError, UsageError
+from bundles.errors import PalletError, SourceError, UsageError
+from bundles.progress import NoProgress, Progress
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
-from .inventory import compress_ratio, local_inventory, remote_inventory
-from .planner import Plan, plan
+from .inventory import Inventory, compress_ratio, local_inventory, remote_inventory
+from .locking import DestinationLock
+from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from .planner import LARGE_FILE_BYTES, Plan, plan
 from .profiles import load_profile
+from .routes import INCOMING, PackRoute, UnpackRoute, bundle_name, pack_route, unpack_route
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_transport
 
-STRATEGIES = ("auto", "individual", "bundle")
-INCOMING = ".pallet/incoming"
+
+@dataclass
+class _Run:
+    """What one attempt did: transfers, seconds per stage, shards skipped, the route used."""
+
+    route: str = "in place"
+    transfers: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    skipped_shards: int = 0
 
 
-@dataclass(frozen=True)
-class PushOptions:
-    """How to push: strategy ('auto' asks the planner), codec, local workers, unpack ranks, remote Python,
-    extra ssh options, verification, and the link profile the planner uses (None: the generic default)."""
-
-    strategy: str = "auto"
-    codec: str | None = None
-    jobs: int = 0
-    ranks: int = 1
-    remote_python: str = "python3"
-    ssh_options: tuple[str, ...] = ()
-    verify: bool = True
-    profile: str | None = None
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What a push did: the plan, the strategy run, files and bytes, transfers made, seconds."""
-
-    dest: str
-    plan: Plan
-    strategy: str
-    files: int
-    file_bytes: int
-    transfers: int
-    seconds: float
-
-
-def push(src: str, dest_url: str, options: PushOptions = PushOptions()) -> PushResult:
+def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
+         progress: Progress | None = None) -> StagingResult:
     """Move the tree under local ``src`` to ``dest_url`` and return what was done.
 
-    The planner picks individual or bundle unless ``options.strategy`` says;
-    a bundle is packed locally, sent with its index in one transfer and
-    unpacked at the destination by mpi_stager (locally, or over ssh with
-    ``remote_python -m mpi_stager``), so a rerun after an interruption
-    re-sends the deterministic bundle and unpacks only unfinished shards.
-    The source is only read. Raises UsageError for a strategy the
-    destination cannot run, TransportError/PalletError naming the cause.
+    The planner picks individual, bundle or hybrid unless
+    ``options.strategy`` says; bundles stream into the far-side unpacker
+    when the transport can (ssh), else they are packed, sent with their
+    index in one transfer and unpacked by the destination's route. The
+    destination is locked for the whole push; errors marked retryable are
+    retried ``options.retries`` times, each attempt resuming (rsync skips
+    files already there, the unpack journal skips finished shards). The
+    source is only read. Raises UsageError for options the destination
+    cannot honour, DestinationLocked, TransportError or PalletError naming
+    the cause.
     """
     started = time.monotonic()
-    if options.strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
+    _check_options(options)
     if not os.path.isdir(src):
-        raise PalletError("source is not a directory", src, "push a directory (pallet push DIR URL)")
+        raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
+                          "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
     inventory, paths = local_inventory(src)
-    can_unpack = endpoint.scheme in ("file", "ssh")
-    if options.strategy == "bundle" and not can_unpack:
-        raise UsageError(f"--strategy bundle needs a way to unpack at {endpoint.url()}",
-                         hint="use an ssh:// or local destination, or --strategy individual")
-    chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths), options.ranks, can_unpack)
-    strategy = chosen.strategy if options.strategy == "auto" else options.strategy
-    strategy = "bundle" if strategy == "hybrid" else strategy
+    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport):
+        route = unpack_route(endpoint, transport, options)
+        chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
+                      max(1, options.ranks), route is not None)
+        strategy = _strategy(chosen, options, route, endpoint)
+        run, attempts = _with_retries(
+            lambda: _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options,
+                               progress or NoProgress()), options.retries)
+    return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
+
+
+def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
+         progress: Progress | None = None) -> StagingResult:
+    """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
+
+    Individual: one batch transfer of the whole tree. Bundle: the source's
+    pack route (ssh: ``mpi_stager pack`` there) writes a deterministic
+    bundle, it comes back with its index in one transfer and is unpacked
+    here, resumably. A hybrid plan runs as a bundle. The planner sees one
+    remote listing; without a local sample it assumes the data compresses
+    to half. ``dest`` is locked for the whole pull.
+    """
+    started = time.monotonic()
+    _check_options(options)
+    endpoint = parse_url(src_url)
+    local = Endpoint("file", os.path.abspath(dest))
     with _open(endpoint, options) as transport:
-        transport.mkdir(endpoint.path)
-        transfers = (_push_individual(transport, src, endpoint) if strategy == "individual"
-                     else _push_bundle(transport, src, endpoint, chosen, options))
-    return PushResult(endpoint.url(), chosen, strategy, len(inventory.sizes), inventory.stats.bytes, transfers,
-                      time.monotonic() - started)
+        inventory = remote_inventory(transport, endpoint.path)
+        route = pack_route(endpoint, transport, options)
+        chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks), route is not None)
+        strategy = _strategy(chosen, options, route, endpoint)
+        strategy = "bundle" if strategy == "hybrid" else strategy
+        _prepare_local_dest(dest)
+        with DestinationLock(local, open_transport(local)):
+            run, attempts = _with_retries(
+                lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
+                                   progress or NoProgress()), options.retries)
+    return _result(local.path, chosen, strategy, inventory, run, attempts, started)
 
 
-def _open(endpoint: Endpoint, options: PushOptions) -> Transport:
+def _check_options(options: StagingOptions) -> None:
+    if options.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
+    if options.stream not in STREAM_MODES:
+        raise UsageError(f"unknown stream mode {options.stream!r}", hint=f"use one of {', '.join(STREAM_MODES)}")
+    if options.ranks < 0 or options.retries < 0:
+        raise UsageError("--ranks and --retries must not be negative")
+
+
+def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
     if endpoint.scheme == "ssh":
         return open_transport(endpoint, ssh_options=list(options.ssh_options))
     return open_transport(endpoint)
 
 
-def _push_individual(transport: Transport, src: str, endpoint: Endpoint) -> int:
-    result = transport.transfer(Direction.PUSH, src, endpoint.path, None)
+def _strategy(chosen: Plan, options: StagingOptions, route, endpoint: Endpoint) -> str:
+    if options.strategy == "auto":
+        return chosen.strategy
+    if options.strategy != "individual" and route is None:
+        raise UsageError(f"--strategy {options.strategy} needs a way to run pallet at {endpoint.url()}",
+                         hint="add --unpack-via ssh://HOST (a host that mounts that file system), "
+                              "--keep-packed, or use --strategy individual")
+    return options.strategy
+
+
+def _prepare_local_dest(dest: str) -> None:
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise PalletError("destination exists and is not a directory", dest, "choose another destination")
+    os.makedirs(dest, exist_ok=True)
+
+
+def _with_retries(attempt, retries: int) -> tuple[_Run, int]:
+    """Run ``attempt`` until it succeeds, retrying only retryable TransportErrors, with 1, 2, 4 ... s pauses."""
+    for number in range(retries + 1):
+        try:
+            return attempt(), number + 1
+        except TransportError as exc:
+            if not exc.retryable or number == retries:
+                raise
+            time.sleep(min(30, 2 ** number))
+    raise AssertionError("unreachable")
+
+
+def _result(dest: str, chosen: Plan, strategy: str, inventory: Inventory, run: _Run, attempts: int,
+            started: float) -> StagingResult:
+    return StagingResult(dest, chosen, strategy, run.route, len(inventory.sizes), inventory.stats.bytes,
+                         run.transfers, time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts)
+
+
+class _Stage:
+    """Time one stage and show it on ``progress``."""
+
+    def __init__(self, run: _Run, progress: Progress, name: str, files: int = 0, nbytes: int = 0):
+        self.run, self.progress, self.name, self.files, self.nbytes = run, progress, name, files, nbytes
+
+    def __enter__(self):
+        self.started = time.monotonic()
+        self.progress.start(self.name, self.files, self.nbytes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.files:
+            self.progress.advance(self.files, self.nbytes)
+        self.progress.finish()
+        self.run.stage_seconds[self.name] = self.run.stage_seconds.get(self.name, 0.0) + time.monotonic() - self.started
+
+
+# ---------------------------------------------------------------- push strategies
+
+def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options, progress) -> _Run:
+    run = _Run()
+    transport.mkdir(endpoint.path)
+    codec = options.codec or chosen.chosen.codec or "zstd"
+    if strategy == "individual":
+        run.route = "individual"
+        with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
+            _send_items(transport, src, endpoint, None)
+        run.transfers = 1
+    elif strategy == "hybrid":
+        _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
+    elif _can_stream(transport, route, options):
+        from .streaming import stream_push
+        outcome = stream_push(transport, src, endpoint, codec, options, progress)
+        run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
+        run.stage_seconds.update(outcome.stage_seconds)
+    else:
+        _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run)
+    return run
+
+
+def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOptions) -> bool:
+    capable = transport.capabilities.streaming and route.streams
+    if options.stream == "on" and not capable:
+        raise UsageError(f"--stream on: {transport.scheme} to this destination cannot stream",
+                         hint="use --stream auto or off")
+    return capable and options.stream != "off"
+
+
+def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[str] | None) -> None:
+    result = transport.transfer(Direction.PUSH, src, endpoint.path, items)
     if not result.ok:
         names = ", ".join(sorted(result.failed)[:10])
         raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
                              "see the first error above; rerun to send the rest", retryable=False)
-    return 1
 
 
-def _push_bundle(transport: Transport, src: str, endpoint: Endpoint, chosen: Plan, options: PushOptions) -> int:
-    codec = options.codec or (chosen.chosen.codec if chosen.chosen.codec else "zstd")
+def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],
+                 options: StagingOptions, progress: Progress, run: _Run) -> None:
+    """Store and forward: pack here, one transfer of bundle + index into the route's incoming, unpack there."""
     staging = tempfile.mkdtemp(prefix="pallet-push-")
     try:
-        bundle = os.path.join(staging, "bundle" + {"zstd": ".tar.zst", "gzip": ".tar.gz"}.get(codec, ".tar"))
-        pack(src, bundle, PackOptions(codec=codec, jobs=options.jobs))
-        incoming = os.path.join(endpoint.path, INCOMING)
-        transport.mkdir(incoming)
+        bundle = os.path.join(staging, bundle_name(codec))
+        with _Stage(run, progress, "pack"):
+            pack(src, bundle, PackOptions(codec=codec, jobs=options.jobs, exclude=exclude), progress)
+        transport.mkdir(route.incoming)
         names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx"]
-        sent = transport.transfer(Direction.PUSH, staging, incoming, names)
+        with _Stage(run, progress, "transfer", 0, os.path.getsize(bundle)):
+            sent = transport.transfer(Direction.PUSH, staging, route.incoming, names)
         if not sent.ok:
             raise next(iter(sent.failed.values()))
-        _unpack_there(transport, endpoint, os.path.join(incoming, names[0]), options)
-        _remove_incoming(transport, endpoint, incoming, names)
-        return 1
+        run.transfers += 1
+        with _Stage(run, progress, "unpack"):
+            run.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]))
+        run.route = route.description
+        if route.removes_bundle:
+            _remove_there(transport, endpoint, [os.path.join(route.incoming, n) for n in names])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _unpack_there(transport: Transport, endpoint: Endpoint, bundle: str, options: PushOptions) -> None:
-    stager = StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1))
+def _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run: _Run) -> None:
+    """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory times)."""
+    large = [p for p, size in zip(paths, inventory.sizes) if size >= LARGE_FILE_BYTES]
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(_send_items, transport, src, endpoint, [os.fsdecode(p) for p in large])
+        _push_bundle(transport, src, endpoint, route, codec, frozenset(large), options, progress, run)
+        sending.result()
+    run.transfers += 1
+    run.route = f"hybrid: {len(large)} large file(s) individually, the rest {route.description}"
+
+
+def _remove_there(transport: Transport, endpoint: Endpoint, paths: list[str]) -> None:
     if endpoint.is_local:
-        unpack_parallel(SerialComm(), bundle, endpoint.path, stager)
-        return
-    argv = [*shlex.split(options.remote_python), "-m", "mpi_stager", "unpack", "--workers", str(stager.workers),
-            *([] if options.verify else ["--no-verify"]), bundle, endpoint.path]
-    transport.run(argv)
+        for path in paths:
+            os.unlink(path)
+    elif transport.capabilities.remote_exec:
+        transport.run(["rm", "-f", "--", *paths])
 
 
-def _remove_incoming(transport: Transport, endpoint: Endpoint, incoming: str, names: list[str]) -> None:
-    if endpoint.is_local:
-        for name in names:
-            os.unlink(os.path.join(incoming, name))
-    else:
-        transport.run(["rm", "-f", "--", *(os.path.join(incoming, n) for n in names)])
+# ---------------------------------------------------------------- pull strategies
 
-
-
-def pull(src_url: str, dest: str, options: PushOptions = PushOptions()) -> PushResult:
-    """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
-
-    Individual: one batch transfer of the whole tree. Bundle (ssh sources
-    only): the far side packs with ``remote_python -m mpi_stager pack`` into
-    ``SRC/.pallet/outgoing/`` (the bytes are deterministic, so a rerun
-    re-sends identical data), the bundle and its index come back in one
-    transfer, and mpi_stager unpacks them here, resumably. The planner sees
-    the remote listing; without a local sample it assumes the data
-    compresses to half.
-    """
-    started = time.monotonic()
-    if options.strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
-    endpoint = parse_url(src_url)
-    can_pack = endpoint.scheme in ("file", "ssh")
-    if options.strategy == "bundle" and not can_pack:
-        raise UsageError(f"--strategy bundle needs a way to pack at {endpoint.url()}",
-                         hint="use an ssh:// or local source, or --strategy individual")
-    with _open(endpoint, options) as transport:
-        inventory = remote_inventory(transport, endpoint.path)
-        chosen = plan(inventory.stats, load_profile(options.profile), 0.5, options.ranks, can_pack)
-        strategy = chosen.strategy if options.strategy == "auto" else options.strategy
-        strategy = "bundle" if strategy == "hybrid" else strategy
-        os.makedirs(dest, exist_ok=True)
-        if strategy == "individual":
-            _pull_individual(transport, endpoint, dest)
-        else:
-            _pull_bundle(transport, endpoint, dest, options)
-    return PushResult(os.path.abspath(dest), chosen, strategy, len(inventory.sizes), inventory.stats.bytes, 1,
-                      time.monotonic() - started)
-
-
-def _pull_individual(transport: Transport, endpoint: Endpoint, dest: str) -> None:
-    result = transport.transfer(Direction.PULL, dest, endpoint.path, None)
-    if not result.ok:
-        names = ", ".join(sorted(result.failed)[:10])
-        raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
-                             "see the first error above; rerun to fetch the rest")
-
-
-def _pull_bundle(transport: Transport, endpoint: Endpoint, dest: str, options: PushOptions) -> None:
+def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str, options, progress) -> _Run:
+    run = _Run()
+    if strategy == "individual":
+        run.route = "individual"
+        with _Stage(run, progress, "transfer"):
+            result = transport.transfer(Direction.PULL, dest, endpoint.path, None)
+        if not result.ok:
+            names = ", ".join(sorted(result.failed)[:10])
+            raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
+                                 "see the first error above; rerun to fetch the rest")
+        run.transfers = 1
+        return run
     codec = options.codec or "zstd"
-    name = "bundle.tar" + {"zstd": ".zst", "gzip": ".gz"}.get(codec, "")
-    outgoing = (tempfile.mkdtemp(prefix="pallet-outgoing-") if endpoint.is_local
-                else transport.run(["mktemp", "-d", "-t", "pallet-outgoing-XXXXXX"]).decode().strip())
-    staging = os.path.join(dest, INCOMING)
     try:
-        _pack_there(transport, endpoint, os.path.join(outgoing, name), codec, options)
+        with _Stage(run, progress, "pack"):
+            bundle = route.pack(codec)
+        staging = os.path.join(dest, INCOMING)
         os.makedirs(staging, exist_ok=True)
-        fetched = transport.transfer(Direction.PULL, staging, outgoing, [name, name + ".pidx"])
+        name = os.path.basename(bundle)
+        with _Stage(run, progress, "transfer"):
+            fetched = transport.transfer(Direction.PULL, staging, os.path.dirname(bundle), [name, name + ".pidx"])
         if not fetched.ok:
             raise next(iter(fetched.failed.values()))
-        stager = StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1))
-        unpack_parallel(SerialComm(), os.path.join(staging, name), dest, stager)
+        run.transfers = 1
+        with _Stage(run, progress, "unpack"):
+            summary = unpack_parallel(SerialComm(), os.path.join(staging, name), dest,
+                                      StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1)))
+        run.skipped_shards = summary.shards_skipped
         for leftover in (name, name + ".pidx"):
             os.unlink(os.path.join(staging, leftover))
+        run.route = route.description
     finally:
-        if endpoint.is_local:
-            shutil.rmtree(outgoing, ignore_errors=True)
-        else:
-            transport.run(["rm", "-rf", "--", outgoing])
-
-
-def _pack_there(transport: Transport, endpoint: Endpoint, bundle: str, codec: str, options: PushOptions) -> None:
-    if endpoint.is_local:
-        pack(endpoint.path, bundle, PackOptions(codec=codec, jobs=options.jobs))
-        return
-    transport.run([*shlex.split(options.remote_python), "-m", "mpi_stager", "pack", "--comm", "serial",
-                   "--codec", codec, endpoint.path, bundle])
+        route.cleanup()
+    return run

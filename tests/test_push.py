@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from staging_core.operations import PushOptions, push
+from staging_core.operations import push
+from staging_core.options import StagingOptions
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 
 
@@ -27,7 +28,7 @@ def strip_state(dest) -> None:
 def test_push_to_a_local_destination(tmp_path, strategy):
     # hard links survive bundles only (the local transport copies files, as its capabilities say)
     src = make_nasty_tree(str(tmp_path / "src")) if strategy == "bundle" else tiny_tree(tmp_path / "src")
-    result = push(src, str(tmp_path / "dest"), PushOptions(strategy=strategy, jobs=2))
+    result = push(src, str(tmp_path / "dest"), StagingOptions(strategy=strategy, jobs=2))
     assert result.strategy == strategy and result.transfers == 1
     strip_state(tmp_path / "dest")
     assert_same_tree(src, tmp_path / "dest")
@@ -36,7 +37,7 @@ def test_push_to_a_local_destination(tmp_path, strategy):
 @pytest.mark.parametrize("strategy", ["individual", "bundle"])
 def test_push_over_ssh(sshd, tmp_path, strategy):
     src = tiny_tree(tmp_path / "src")
-    options = PushOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     result = push(src, sshd.url(str(tmp_path / "dest")), options)
     assert result.files == 2000 and result.transfers == 1
     strip_state(tmp_path / "dest")
@@ -45,7 +46,7 @@ def test_push_over_ssh(sshd, tmp_path, strategy):
 
 def test_auto_bundles_many_tiny_files_and_a_rerun_converges(sshd, tmp_path):
     src = tiny_tree(tmp_path / "src")
-    options = PushOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    options = StagingOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     first = push(src, sshd.url(str(tmp_path / "dest")), options)
     assert first.plan.strategy == "bundle" and first.strategy == "bundle"
     push(src, sshd.url(str(tmp_path / "dest")), options)
@@ -64,8 +65,8 @@ def test_cli_push_and_clear_errors(sshd, tmp_path):
     assert missing.returncode == 1 and "nowhere" in missing.stderr and "hint:" in missing.stderr
     unknown = run_pallet("push", src, "nope://host/x")
     assert unknown.returncode == 2 and "nope" in unknown.stderr
-    globus = run_pallet("push", "--strategy", "bundle", src, "globus://abc/x")
-    assert globus.returncode == 2 and "unpack" in globus.stderr
+    no_route = run_pallet("push", "--strategy", "bundle", src, "gsiftp://127.0.0.1:9/x")
+    assert no_route.returncode == 2 and "--unpack-via" in no_route.stderr
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == [f"d{n:02d}" for n in range(40)]
 
 
@@ -73,7 +74,7 @@ def test_cli_push_and_clear_errors(sshd, tmp_path):
 def test_pull_over_ssh(sshd, tmp_path, strategy):
     from staging_core.operations import pull
     src = tiny_tree(tmp_path / "remote_src", 1500)
-    options = PushOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     result = pull(sshd.url(src), str(tmp_path / "here"), options)
     assert result.strategy == strategy and result.files == 1500
     strip_state(tmp_path / "here")

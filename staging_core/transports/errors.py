@@ -8,18 +8,19 @@ class TransportError(PalletError):
     """A transfer, listing or remote command failed.
 
     ``command`` is the argument list that ran (None for library calls),
-    ``exit_code`` its status, ``stderr`` what it printed (trimmed), and
+    ``status`` its exit status, ``stderr`` what it printed (trimmed), and
     ``retryable`` whether running it again may succeed (network trouble,
     not a wrong path). Subclasses name the cause.
     """
 
     retryable = False
+    exit_code = 3     # pallet's own exit status for a failed transport (see docs/cli.md)
 
     def __init__(self, message: str, path=None, hint=None, command: list[str] | None = None,
-                 exit_code: int | None = None, stderr: str = "", retryable: bool | None = None):
+                 status: int | None = None, stderr: str = "", retryable: bool | None = None):
         super().__init__(message, path, hint)
         self.command = command
-        self.exit_code = exit_code
+        self.status = status
         self.stderr = stderr.strip()[-2000:]
         if retryable is not None:
             self.retryable = retryable
@@ -61,7 +62,7 @@ class MissingDependencyError(TransportError):
     """A transport needs a program or Python package that is not installed; the hint says how."""
 
 
-def classify(stderr: str, exit_code: int | None, command: list[str] | None, path: str | None,
+def classify(stderr: str, status: int | None, command: list[str] | None, path: str | None,
              fallback: str) -> TransportError:
     """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError."""
     text = stderr.lower()
@@ -82,6 +83,6 @@ def classify(stderr: str, exit_code: int | None, command: list[str] | None, path
     ]
     for needles, cls, message, hint in rules:
         if any(n in text for n in needles):
-            return cls(message, path, hint, command, exit_code, stderr)
-    return TransportError(fallback, path, "see the command's message above", command, exit_code, stderr,
-                          retryable=exit_code in (12, 30, 35, 255))
+            return cls(message, path, hint, command, status, stderr)
+    return TransportError(fallback, path, "see the command's message above", command, status, stderr,
+                          retryable=status in (12, 30, 35, 255))

@@ -10,6 +10,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from bundles.errors import UsageError
+
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
 from .errors import MissingDependencyError, RemotePathMissingError, classify
 
@@ -143,6 +145,9 @@ class SSHTransport(Transport):
     def _rsync(self, direction: Direction, local_root: str, remote_root: str,
                items: list[str] | None) -> TransferResult:
         """One rsync: of the listed items (--files-from), or of the whole tree when ``items`` is None."""
+        if not os.path.isabs(local_root):
+            raise UsageError("the local side of a transfer must be an absolute path", local_root or "(empty)",
+                             "pass an absolute directory")
         remote = f"{self.destination}:{remote_root.rstrip('/')}/"
         local = local_root.rstrip("/") + "/"
         if direction is Direction.PULL:

@@ -1,0 +1,202 @@
+"""The staging commands of `pallet`: plan, push, pull and calibrate."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from typing import TYPE_CHECKING
+
+from .display import human_bytes, jobs_arg, make_progress, report
+
+if TYPE_CHECKING:
+    from .options import StagingOptions
+
+EXIT_OK = 0
+_STAGING_EPILOG = """\
+routes for bundles (the planner bundles only when one exists):
+  ssh:// and local destinations unpack in place (`python -m mpi_stager` there);
+  gsiftp://, ftp:// and globus:// need --unpack-via ssh://HOST (a host that mounts the same
+  file system), optionally with --unpack-job slurm, or --keep-packed.
+resume: rerun the same command after an interruption; finished shards and files are skipped.
+exit status: 0 done, 1 failure, 2 usage error, 3 transport failure, 4 destination locked.
+See docs/cli.md."""
+
+
+def add_parsers(commands) -> None:
+    """Add plan, push, pull and calibrate to the `pallet` sub-command set."""
+    _add_plan(commands)
+    _add_push(commands)
+    _add_pull(commands)
+    _add_calibrate(commands)
+
+
+def _add_plan(commands) -> None:
+    p = commands.add_parser("plan", help="show how pallet would move SRC to DEST, and why",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Inventory SRC (a local directory), sample how well it compresses, and "
+                                        "predict the seconds of every strategy: individual files, one bundle, or "
+                                        "a hybrid (large files individually, the rest bundled).",
+                            epilog="example:\n  pallet plan data/ ssh://login.hpc/scratch/me/data --json")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
+    p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
+    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
+    p.add_argument("--unpack-via", metavar="URL", help="as for push: gives GridFTP/Globus destinations a route")
+    p.add_argument("--keep-packed", action="store_true", help="as for push: gives any destination a route")
+    p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from .inventory import compress_ratio, local_inventory
+    from .planner import plan
+    from .profiles import load_profile
+    from .transports.base import parse_url
+    destination = parse_url(args.dest)
+    inventory, paths = local_inventory(args.src)
+    routed = destination.scheme in ("file", "ssh") or bool(args.unpack_via) or args.keep_packed
+    chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
+                  bundle_possible=routed)
+    if args.json:
+        print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url()}))
+        return EXIT_OK
+    print(f"{len(inventory.sizes)} files, {human_bytes(inventory.stats.bytes)} -> {destination.url()}")
+    for candidate in sorted(chosen.candidates, key=lambda c: c.predicted_seconds):
+        mark = "*" if candidate.strategy == chosen.strategy else " "
+        extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
+        print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
+    print(f"reason: {chosen.reason}")
+    return EXIT_OK
+
+
+def _add_push(commands) -> None:
+    p = commands.add_parser("push", help="move a local directory to a destination URL, planned and verified",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Plan the transfer of SRC to DEST_URL (see `pallet plan`), then send the "
+                                        "files individually (one batch), as one bundle unpacked at the far side by "
+                                        "`python -m mpi_stager` (streamed over ssh, stored and forwarded otherwise), "
+                                        "or hybrid (large files individually, the rest bundled).",
+                            epilog="examples:\n  pallet push data/ /scratch/me/data\n"
+                                   "  pallet push --remote-python /opt/pallet/bin/python data/ ssh://login.hpc/scratch/me/data\n"
+                                   "  pallet push --unpack-via ssh://dtn.hpc --launcher 'srun -n 16' "
+                                   "data/ gsiftp://gridftp.hpc/scratch/me/data\n"
+                                   "  pallet push --keep-packed data/ globus://ENDPOINT-UUID/scratch/me/data\n\n"
+                                   + _STAGING_EPILOG)
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dest", metavar="DEST_URL",
+                   help="/abs/path, file://, ssh://[user@]host[:port]/abs, host:/abs, gsiftp://, ftp://, globus://")
+    _staging_options(p)
+    routes = p.add_argument_group("routes for destinations without remote execution (GridFTP, Globus)")
+    routes.add_argument("--unpack-via", metavar="SSH_URL",
+                        help="ssh://[user@]host of a node that mounts the destination's file system; "
+                             "mpi_stager unpacks there")
+    routes.add_argument("--unpack-job", choices=("slurm",),
+                        help="submit the unpack as a batch job through --unpack-via (a login node) and wait for it")
+    routes.add_argument("--job-option", action="append", default=[], metavar="OPT",
+                        help="extra sbatch option for --unpack-job, repeatable (e.g. --job-option=--partition=io)")
+    routes.add_argument("--keep-packed", action="store_true",
+                        help="leave the bundle, its index and a ready-to-submit unpack.sbatch at the destination")
+
+
+def _add_pull(commands) -> None:
+    p = commands.add_parser("pull", help="move a remote directory here, planned and verified",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="The mirror of push: plan from one remote listing, then fetch the files "
+                                        "in one batch, or have the far side pack them (`python -m mpi_stager pack`) "
+                                        "and unpack the bundle here. A bundle already at the source (a .tar.zst/.gz "
+                                        "with its .pidx) is fetched and unpacked without repacking.",
+                            epilog="examples:\n  pallet pull --remote-python /opt/pallet/bin/python "
+                                   "ssh://login.hpc/project/data data/\n"
+                                   "  pallet pull --pack-via ssh://dtn.hpc gsiftp://gridftp.hpc/project/data data/\n"
+                                   "  pallet pull gsiftp://gridftp.hpc/project/published.tar.zst data/\n\n"
+                                   + _STAGING_EPILOG)
+    p.add_argument("src", metavar="SRC_URL", help="a remote directory, or a bundle whose .pidx sits beside it")
+    p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
+    _staging_options(p)
+    p.add_argument("--pack-via", metavar="SSH_URL",
+                   help="ssh://[user@]host of a node that mounts the source's file system; mpi_stager packs there")
+
+
+def _staging_options(p: argparse.ArgumentParser) -> None:
+    """Options push and pull share."""
+    p.add_argument("--strategy", choices=("auto", "individual", "bundle", "hybrid"), default="auto",
+                   help="override the planner (default: auto)")
+    p.add_argument("--codec", choices=("zstd", "gzip", "none"),
+                   help="bundle codec (default: the plan's for push, zstd for pull)")
+    p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                   help="stream bundles into the far-side unpacker when the transport can (default: auto)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="local workers (default: all CPUs)")
+    p.add_argument("--ranks", type=jobs_arg, default=0, metavar="N",
+                   help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
+    p.add_argument("--launcher", metavar="CMD", help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")
+    p.add_argument("--remote-python", default="python3", metavar="CMD",
+                   help="Python with pallet installed on the far side (default: python3)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
+                   help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    p.add_argument("--retries", type=jobs_arg, default=2, metavar="N",
+                   help="retries after network errors, each resuming (default 2)")
+    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="always show per-stage progress (default: only on a terminal)")
+    group.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
+    p.add_argument("--json", action="store_true", help="print a summary as JSON")
+    p.set_defaults(run=_run_staging)
+
+
+def staging_options(args) -> StagingOptions:
+    """StagingOptions from parsed push/pull arguments."""
+    from .options import StagingOptions
+    split = tuple(o for opt in args.ssh_option for o in shlex.split(opt))
+    return StagingOptions(
+        strategy=args.strategy, codec=args.codec, jobs=args.jobs, ranks=args.ranks, launcher=args.launcher,
+        remote_python=args.remote_python, ssh_options=split, verify=args.verify, profile=args.profile,
+        stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
+        job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
+        pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress)
+
+
+def _run_staging(args) -> int:
+    """Run push or pull (the same options and summary)."""
+    from .operations import pull, push
+    options = staging_options(args)
+    operation = push if args.command == "push" else pull
+    result = operation(args.src, args.dest, options, make_progress(args.progress))
+    skipped = f", {result.skipped_shards} shard(s) already done" if result.skipped_shards else ""
+    report(args.json, result.to_json(),
+           f"{args.command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
+           f"as {result.strategy} ({result.route}) in {result.seconds:.2f} s, {result.transfers} transfer(s){skipped}")
+    return EXIT_OK
+def _add_calibrate(commands) -> None:
+    p = commands.add_parser("calibrate", help="measure a route and store it as a named link profile",
+                            description="Measure round-trip time, bandwidth (32 MiB probe), per-file cost (a batch "
+                                        "of 400 tiny files) and zstd rates, and store them as a profile that "
+                                        "`pallet plan/push/pull --profile NAME` use.",
+                            epilog="example: pallet calibrate --name hpc ssh://login.hpc/scratch/me")
+    p.add_argument("url", metavar="URL", help="a directory on the far side; a scratch subdirectory is used there")
+    p.add_argument("--name", required=True, help="profile name (letters, digits, - _ .)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    from .profiles import calibrate, save_profile
+    from .transports.base import parse_url
+    from .transports.registry import open_transport
+    endpoint = parse_url(args.url)
+    options = {"ssh_options": [o for opt in args.ssh_option for o in shlex.split(opt)]} \
+        if endpoint.scheme == "ssh" else {}
+    with open_transport(endpoint, **options) as transport:
+        profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name)
+    path = save_profile(profile)
+    doc = {k: v for k, v in profile.__dict__.items() if k != "is_default"}
+    report(args.json, {**doc, "path": path},
+            f"profile {profile.name} saved to {path}: rtt {profile.rtt_s * 1e3:.1f} ms, "
+            f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, zstd "
+            f"{human_bytes(profile.compress_rate)}/s compress, {human_bytes(profile.decompress_rate)}/s decompress")
+    return EXIT_OK
+
+

@@ -1,0 +1,86 @@
+"""One push or pull at a time per destination: a flock held for the whole operation, released if pallet dies."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import subprocess
+
+from bundles.errors import PalletError
+
+from .transports.base import Endpoint, Transport
+
+LOCK_FILE = ".pallet/lock"
+_BUSY = 75
+
+
+class DestinationLocked(PalletError):
+    """Another pallet push or pull holds the destination's lock."""
+
+    exit_code = 4
+
+
+class DestinationLock:
+    """Hold ``DEST/.pallet/lock`` with ``flock(2)`` while the operation runs.
+
+    Local destinations lock in this process; ssh destinations run
+    ``flock -n LOCK sh -c 'echo held; exec cat'`` there, whose stdin is our
+    pipe, so the lock dies with this process even after ``kill -9`` (no
+    stale lock to clean up). Destinations without remote execution are not
+    locked (``supported`` is False) — see docs/cli.md. Entering raises
+    DestinationLocked at once if another operation holds it.
+    """
+
+    def __init__(self, endpoint: Endpoint, transport: Transport):
+        self.endpoint = endpoint
+        self.transport = transport
+        self.path = os.path.join(endpoint.path, LOCK_FILE)
+        self.supported = endpoint.is_local or transport.capabilities.remote_exec
+        self._fd: int | None = None
+        self._holder: subprocess.Popen | None = None
+
+    def __enter__(self) -> "DestinationLock":
+        if not self.supported:
+            return self
+        self.transport.mkdir(os.path.dirname(self.path))
+        if self.endpoint.is_local:
+            self._lock_here()
+        else:
+            self._lock_there()
+        return self
+
+    def _lock_here(self) -> None:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            raise self._busy() from None
+
+    def _lock_there(self) -> None:
+        argv = ["flock", "-n", "-E", str(_BUSY), self.path, "sh", "-c", "echo held; exec cat >/dev/null"]
+        self._holder = self.transport.stream_into(argv)
+        line = self._holder.stdout.readline()
+        if line.strip() == b"held":
+            return
+        status = self._holder.wait()
+        stderr = self._holder.stderr.read().decode(errors="replace").strip()
+        self._holder = None
+        if status == _BUSY:
+            raise self._busy()
+        raise PalletError(f"cannot lock the destination ({shlex.join(argv[:5])}: {stderr or status})",
+                          self.endpoint.url(), "check that `flock` (util-linux) exists there and DEST is writable")
+
+    def _busy(self) -> DestinationLocked:
+        return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),
+                                 f"wait for it to finish (it holds {self.path}), then rerun")
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._holder is not None:
+            self._holder.stdin.close()
+            self._holder.wait()
+            self._holder = None

@@ -1,0 +1,85 @@
+"""What push and pull are asked to do (StagingOptions) and what they did (StagingResult)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .planner import Plan
+
+STRATEGIES = ("auto", "individual", "bundle", "hybrid")
+STREAM_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class StagingOptions:
+    """How to push or pull.
+
+    strategy      'auto' asks the planner; 'individual', 'bundle', 'hybrid' override it.
+    codec         bundle codec (None: the plan's choice, zstd for pulls).
+    jobs          local workers (0: all CPUs).
+    ranks         unpack/pack processes at the far side (``--workers N``, or ``-n N`` for the launcher).
+    launcher      command prefix that starts mpi_stager there, e.g. ``mpirun -n 4`` or ``srun -n 64``.
+    remote_python Python with pallet installed at the far side.
+    ssh_options   extra ssh arguments for every ssh connection pallet opens.
+    verify        check every file against the index hash when unpacking.
+    profile       link profile name for the planner (None: documented defaults).
+    stream        'auto' streams bundles when the transport can, 'on' insists, 'off' stores and forwards.
+    unpack_via    ssh URL of a host that sees the destination's file system and unpacks there
+                  (for GridFTP and Globus destinations).
+    unpack_job    'slurm': submit the unpack as a batch job through ``unpack_via`` and wait for it.
+    job_options   extra ``sbatch`` options for ``unpack_job``.
+    keep_packed   leave the bundle, its index and an ``unpack.sbatch`` at the destination instead of unpacking.
+    pack_via      ssh URL of a host that sees a pull source's file system and packs there.
+    retries       attempts after the first for errors marked retryable (network trouble).
+    progress      draw per-stage progress on stderr (None: only on a terminal).
+    """
+
+    strategy: str = "auto"
+    codec: str | None = None
+    jobs: int = 0
+    ranks: int = 1
+    launcher: str | None = None
+    remote_python: str = "python3"
+    ssh_options: tuple[str, ...] = ()
+    verify: bool = True
+    profile: str | None = None
+    stream: str = "auto"
+    unpack_via: str | None = None
+    unpack_job: str | None = None
+    job_options: tuple[str, ...] = ()
+    keep_packed: bool = False
+    pack_via: str | None = None
+    retries: int = 2
+    progress: bool | None = None
+
+
+@dataclass(frozen=True)
+class StagingResult:
+    """What a push or pull did.
+
+    ``strategy`` is what ran (the plan may have proposed another when
+    overridden), ``route`` how the bundle was packed/unpacked (e.g.
+    'stream', 'in-place', 'via ssh://host', 'slurm job 123', 'kept packed'),
+    ``transfers`` the number of transport transfers made, ``stage_seconds``
+    wall seconds per stage, ``skipped_shards`` shards found finished by an
+    earlier run and not sent or unpacked again.
+    """
+
+    dest: str
+    plan: Plan
+    strategy: str
+    route: str
+    files: int
+    file_bytes: int
+    transfers: int
+    seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    skipped_shards: int = 0
+    attempts: int = 1
+
+    def to_json(self) -> dict:
+        """The ``--json`` summary."""
+        return {"dest": self.dest, "strategy": self.strategy, "planned": self.plan.strategy, "route": self.route,
+                "files": self.files, "file_bytes": self.file_bytes, "transfers": self.transfers,
+                "seconds": round(self.seconds, 3),
+                "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+                "skipped_shards": self.skipped_shards, "attempts": self.attempts}
