@@ -172,12 +172,16 @@ def _run_staging(args) -> int:
 def _add_calibrate(commands) -> None:
     p = commands.add_parser("calibrate", help="measure a route and store it as a named link profile",
                             description="Measure round-trip time, bandwidth (32 MiB probe), per-file cost (a batch "
-                                        "of 400 tiny files) and zstd rates, and store them as a profile that "
+                                        "of 400 tiny files), the far side's file-create rate (2,000 files by one "
+                                        "process, where commands can run there), the local pack cost per file and "
+                                        "zstd rates, and store them as a profile that "
                                         "`pallet plan/push/pull --profile NAME` use.",
                             epilog="example: pallet calibrate --name hpc ssh://login.hpc/scratch/me")
     p.add_argument("url", metavar="URL", help="a directory on the far side; a scratch subdirectory is used there")
     p.add_argument("--name", required=True, help="profile name (letters, digits, - _ .)")
     p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
+    p.add_argument("--remote-python", default="python3", metavar="CMD",
+                   help="Python at the far side that measures its file-create rate (default: python3)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(run=_run_calibrate)
 
@@ -190,12 +194,14 @@ def _run_calibrate(args) -> int:
     options = {"ssh_options": [o for opt in args.ssh_option for o in shlex.split(opt)]} \
         if endpoint.scheme == "ssh" else {}
     with open_transport(endpoint, **options) as transport:
-        profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name)
+        profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name,
+                            args.remote_python)
     path = save_profile(profile)
     doc = {k: v for k, v in profile.__dict__.items() if k != "is_default"}
     report(args.json, {**doc, "path": path},
             f"profile {profile.name} saved to {path}: rtt {profile.rtt_s * 1e3:.1f} ms, "
-            f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, zstd "
+            f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, "
+            f"{profile.create_rate:.0f} creates/s{'' if profile.create_rate_measured else ' (default, not measured)'}, zstd "
             f"{human_bytes(profile.compress_rate)}/s compress, {human_bytes(profile.decompress_rate)}/s decompress")
     return EXIT_OK
 

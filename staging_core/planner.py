@@ -42,6 +42,7 @@ class LinkProfile:
     stream_cap: float = 0.0          # bytes/s one stream reaches (0: the full bandwidth)
     concurrency: int = 4             # streams the individual transport runs at once
     cores: int = 2
+    create_rate_measured: bool = False
     is_default: bool = True
 
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import tomllib
@@ -11,12 +14,26 @@ from dataclasses import asdict, fields, replace
 import zstandard
 
 from bundles.errors import UsageError
+from bundles.writer import PackOptions, pack
 
 from .planner import LinkProfile
 from .transports.base import Direction, Transport
 
 PROBE_FILES = 400
 PROBE_BYTES = 32 << 20
+CREATE_PROBE_FILES = 2000
+_CREATE_PROBE = """\
+import os, sys, time
+root, count = sys.argv[1], int(sys.argv[2])
+os.makedirs(root, exist_ok=True)
+data = b"x" * 1024
+started = time.perf_counter()
+for n in range(count):
+    fd = os.open(os.path.join(root, "c%05d" % n), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, data)
+    os.close(fd)
+print(count / max(time.perf_counter() - started, 1e-6))
+"""
 
 
 def profile_dir() -> str:
@@ -30,12 +47,17 @@ def save_profile(profile: LinkProfile) -> str:
     os.makedirs(profile_dir(), exist_ok=True)
     path = os.path.join(profile_dir(), f"{profile.name}.toml")
     lines = ["# pallet link profile, measured by `pallet calibrate`"]
-    lines += [f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}"
-              for key, value in asdict(profile).items() if key != "is_default"]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in asdict(profile).items() if key != "is_default"]
     with open(path + ".tmp", "w") as handle:
         handle.write("\n".join(lines) + "\n")
     os.replace(path + ".tmp", path)
     return path
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def load_profile(name: str | None) -> LinkProfile:
@@ -49,15 +71,21 @@ def load_profile(name: str | None) -> LinkProfile:
     except FileNotFoundError:
         raise UsageError(f"no link profile named {name!r}", path, f"measure one: pallet calibrate --name {name} URL") \
             from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"link profile {name!r} is not valid TOML ({exc})", path,
+                         f"fix the file or measure it again: pallet calibrate --name {name} URL") from None
     known = {f.name for f in fields(LinkProfile)}
     return replace(LinkProfile(), **{k: v for k, v in values.items() if k in known}, is_default=False)
 
 
-def calibrate(transport: Transport, remote_dir: str, name: str) -> LinkProfile:
-    """Measure round trip, bandwidth, per-file cost and codec rates on a route.
+def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: str = "python3") -> LinkProfile:
+    """Measure round trip, bandwidth, per-file cost, create rate, pack cost and codec rates on a route.
 
     ``remote_dir`` is a scratch directory on the far side, created and, where
-    the transport can (local, remote exec), removed again.
+    the transport can (local, remote exec), removed again. The destination's
+    create rate (1 KiB files by one writer) is measured by ``remote_python``
+    there when the transport can run commands; otherwise the default stays
+    and ``create_rate_measured`` is False.
     """
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise UsageError(f"profile name {name!r} may hold only letters, digits, '-', '_' and '.'")
@@ -67,13 +95,18 @@ def calibrate(transport: Transport, remote_dir: str, name: str) -> LinkProfile:
         rtt = _round_trip(transport, remote_dir)
         bandwidth = _bandwidth(transport, local, remote_dir)
         per_file = _per_file(transport, local, remote_dir, bandwidth)
+        create_rate = _create_rate(transport, os.path.join(remote_dir, "create"), remote_python)
+        pack_per_file = _pack_per_file(local)
         compress, decompress = _codec_rates()
     finally:
         shutil.rmtree(local, ignore_errors=True)
         _remove_scratch(transport, remote_dir)
-    return LinkProfile(name=name, rtt_s=rtt, bandwidth=bandwidth, per_file_s=per_file, compress_rate=compress,
-                       decompress_rate=decompress, concurrency=transport.capabilities.concurrency,
-                       cores=len(os.sched_getaffinity(0)), is_default=False)
+    default = LinkProfile()
+    return LinkProfile(name=name, rtt_s=rtt, bandwidth=bandwidth, per_file_s=per_file,
+                       create_rate=create_rate or default.create_rate, compress_rate=compress,
+                       decompress_rate=decompress, pack_per_file_s=pack_per_file,
+                       concurrency=transport.capabilities.concurrency, cores=len(os.sched_getaffinity(0)),
+                       create_rate_measured=create_rate is not None, is_default=False)
 
 
 def _remove_scratch(transport: Transport, remote_dir: str) -> None:
@@ -110,6 +143,30 @@ def _per_file(transport: Transport, local: str, remote_dir: str, bandwidth: floa
     transport.transfer(Direction.PUSH, local, remote_dir, ["tiny", *(f"tiny/f{n:04d}" for n in range(PROBE_FILES))])
     elapsed = time.perf_counter() - started - PROBE_FILES * 1024 / bandwidth
     return max(elapsed, 0.0) / PROBE_FILES
+
+
+def _create_rate(transport: Transport, directory: str, remote_python: str) -> float | None:
+    """Files/s one process creates (1 KiB each) in ``directory`` at the far side; None if it cannot run there."""
+    args = ["-c", _CREATE_PROBE, directory, str(CREATE_PROBE_FILES)]
+    if transport.endpoint.is_local:
+        output = subprocess.run([sys.executable, *args], capture_output=True, check=True).stdout
+    elif transport.capabilities.remote_exec:
+        output = transport.run([*shlex.split(remote_python), *args])
+    else:
+        return None
+    return float(output.decode().strip().splitlines()[-1])
+
+
+def _pack_per_file(local: str) -> float:
+    """Seconds one local worker spends per tiny file when packing (scan, header, hash, zstd)."""
+    tree = os.path.join(local, "pack-probe")
+    os.makedirs(tree)
+    for n in range(CREATE_PROBE_FILES):
+        with open(os.path.join(tree, f"p{n:05d}"), "wb") as handle:
+            handle.write(b"%d," % n * 100)
+    started = time.perf_counter()
+    pack(tree, os.path.join(local, "probe.tar.zst"), PackOptions(jobs=1))
+    return (time.perf_counter() - started) / CREATE_PROBE_FILES
 
 
 def _codec_rates() -> tuple[float, float]:

@@ -1,6 +1,8 @@
 """Planner decisions on tables of cases: bundle many tiny files on slow links, individual for a few big files."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from staging_core.planner import LinkProfile, TreeStats, plan
@@ -80,10 +82,12 @@ def test_calibrate_over_ssh_stores_a_profile_that_plan_uses(sshd, tmp_path, monk
     from tests.conftest import run_pallet
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     options = [f"--ssh-option={o}" for o in sshd.ssh_options]
-    done = run_pallet("calibrate", "--json", "--name", "loop", *options, sshd.url(str(tmp_path / "remote")),
-                      check=True)
+    done = run_pallet("calibrate", "--json", "--name", "loop", "--remote-python", sys.executable, *options,
+                      sshd.url(str(tmp_path / "remote")), check=True)
     measured = json.loads(done.stdout)
     assert measured["rtt_s"] > 0 and measured["bandwidth"] > 1e6 and measured["per_file_s"] >= 0
+    assert measured["create_rate_measured"] is True and measured["create_rate"] > 0
+    assert measured["create_rate"] != LinkProfile().create_rate and measured["pack_per_file_s"] > 0
     assert (tmp_path / "config" / "pallet" / "profiles" / "loop.toml").exists()
     assert list((tmp_path / "remote").iterdir()) == []          # scratch removed
     src = tmp_path / "src"
