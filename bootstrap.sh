@@ -12,7 +12,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${PALLET_VENV:-$here/.venv}
 apt_packages=(pigz zstd rsync openssh-server openssh-client openmpi-bin libopenmpi-dev
-              globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv)
+              globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv slurm-wlm munge)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 

@@ -11,7 +11,7 @@ from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError
 from bundles.plain import iter_members
 
 from . import cli_staging, demo
-from .display import human_bytes, jobs_arg, make_progress, parse_size, report
+from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -60,7 +60,7 @@ def _add_pack(commands) -> None:
                    help="shard compression: zstd (default), gzip (uses pigz when present) or none "
                         "(for incompressible data)")
     p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
-    p.add_argument("--shard-size", type=_size, metavar="SIZE",
+    p.add_argument("--shard-size", type=size_arg, metavar="SIZE",
                    help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
     p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
     _progress_flags(p)
@@ -125,18 +125,6 @@ def _run_login_globus(args) -> int:
     path = login(args.client_id, args.collection)
     print(f"logged in to Globus; tokens stored in {path} (readable by you only)")
     return EXIT_OK
-
-
-def _size(text: str) -> int:
-    try:
-        size = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    except OverflowError:                          # "inf", "1e400"
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 64MiB, 1G)") from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return size
 
 
 def _run_pack(args) -> int:

@@ -7,7 +7,8 @@ import os
 import shlex
 from typing import TYPE_CHECKING
 
-from .display import human_bytes, jobs_arg, make_progress, report
+from .display import human_bytes, jobs_arg, make_progress, report, size_arg
+from .planner import LARGE_FILE_BYTES
 
 if TYPE_CHECKING:
     from .options import StagingOptions
@@ -17,7 +18,8 @@ _STAGING_EPILOG = """\
 routes for bundles (the planner bundles only when one exists):
   ssh:// and local destinations unpack in place (`python -m mpi_stager` there);
   gsiftp://, ftp:// and globus:// need --unpack-via ssh://HOST (a host that mounts the same
-  file system), optionally with --unpack-job slurm, or --keep-packed.
+  file system under the same paths), optionally with --unpack-job slurm, or --keep-packed
+  (any destination); pulls from them need --pack-via ssh://HOST, or a published bundle URL.
 resume: rerun the same command after an interruption; finished shards and files are skipped.
 exit status: 0 done, 1 failure, 2 usage error, 3 transport failure, 4 destination locked.
 See docs/cli.md."""
@@ -42,7 +44,7 @@ def _add_plan(commands) -> None:
     p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
     p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
     p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    p.add_argument("--unpack-via", metavar="URL", help="as for push: gives GridFTP/Globus destinations a route")
+    p.add_argument("--unpack-via", metavar="SSH_URL", help="as for push: gives GridFTP/Globus destinations a route")
     p.add_argument("--keep-packed", action="store_true", help="as for push: gives any destination a route")
     p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
     p.set_defaults(run=_run_plan)
@@ -50,12 +52,16 @@ def _add_plan(commands) -> None:
 
 def _run_plan(args) -> int:
     from .inventory import compress_ratio, local_inventory
+    from .options import StagingOptions
     from .planner import plan
     from .profiles import load_profile
-    from .transports.base import parse_url
+    from .routes import check_route_options, has_unpack_route
+    from .transports.base import Direction, parse_url
     destination = parse_url(args.dest)
+    routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed)
+    check_route_options(routes, Direction.PUSH)
     inventory, paths = local_inventory(args.src)
-    routed = destination.scheme in ("file", "ssh") or bool(args.unpack_via) or args.keep_packed
+    routed = has_unpack_route(destination, routes)
     chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
                   bundle_possible=routed)
     if args.json:
@@ -81,6 +87,8 @@ def _add_push(commands) -> None:
                                    "  pallet push --remote-python /opt/pallet/bin/python data/ ssh://login.hpc/scratch/me/data\n"
                                    "  pallet push --unpack-via ssh://dtn.hpc --launcher 'srun -n 16' "
                                    "data/ gsiftp://gridftp.hpc/scratch/me/data\n"
+                                   "  pallet push --unpack-via ssh://login.hpc --unpack-job slurm --ranks 16 "
+                                   "--job-option=--partition=io data/ gsiftp://gridftp.hpc/scratch/me/data\n"
                                    "  pallet push --keep-packed data/ globus://ENDPOINT-UUID/scratch/me/data\n\n"
                                    + _STAGING_EPILOG)
     p.add_argument("src", metavar="SRC")
@@ -89,14 +97,16 @@ def _add_push(commands) -> None:
     _staging_options(p)
     routes = p.add_argument_group("routes for destinations without remote execution (GridFTP, Globus)")
     routes.add_argument("--unpack-via", metavar="SSH_URL",
-                        help="ssh://[user@]host of a node that mounts the destination's file system; "
-                             "mpi_stager unpacks there")
+                        help="ssh://[user@]host[:port] of a node that mounts the destination's file system "
+                             "under the same paths; mpi_stager unpacks there")
     routes.add_argument("--unpack-job", choices=("slurm",),
                         help="submit the unpack as a batch job through --unpack-via (a login node) and wait for it")
     routes.add_argument("--job-option", action="append", default=[], metavar="OPT",
-                        help="extra sbatch option for --unpack-job, repeatable (e.g. --job-option=--partition=io)")
+                        help="extra #SBATCH line for the unpack.sbatch of --unpack-job and --keep-packed, "
+                             "repeatable (e.g. --job-option=--partition=io --job-option=--time=1:00:00)")
     routes.add_argument("--keep-packed", action="store_true",
-                        help="leave the bundle, its index and a ready-to-submit unpack.sbatch at the destination")
+                        help="leave the bundle, its index and a ready-to-submit unpack.sbatch in "
+                             "DEST/.pallet/incoming (any destination); submit it later with sbatch")
 
 
 def _add_pull(commands) -> None:
@@ -115,7 +125,8 @@ def _add_pull(commands) -> None:
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
     _staging_options(p)
     p.add_argument("--pack-via", metavar="SSH_URL",
-                   help="ssh://[user@]host of a node that mounts the source's file system; mpi_stager packs there")
+                   help="ssh://[user@]host[:port] of a node that mounts the source's file system under the same "
+                        "paths; mpi_stager packs there into a temporary directory beside the source")
 
 
 def _staging_options(p: argparse.ArgumentParser) -> None:
@@ -124,6 +135,10 @@ def _staging_options(p: argparse.ArgumentParser) -> None:
                    help="override the planner (default: auto)")
     p.add_argument("--codec", choices=("zstd", "gzip", "none"),
                    help="bundle codec (default: the plan's for push, zstd for pull)")
+    p.add_argument("--shard-size", type=size_arg, metavar="SIZE",
+                   help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB)")
+    p.add_argument("--large-file", type=size_arg, default=LARGE_FILE_BYTES, metavar="SIZE",
+                   help="hybrid: files at least this big travel individually (default 64M)")
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="stream bundles into the far-side unpacker when the transport can (default: auto)")
     p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="local workers (default: all CPUs)")
@@ -151,7 +166,8 @@ def staging_options(args) -> StagingOptions:
     from .options import StagingOptions
     split = tuple(o for opt in args.ssh_option for o in shlex.split(opt))
     return StagingOptions(
-        strategy=args.strategy, codec=args.codec, jobs=args.jobs, ranks=args.ranks, launcher=args.launcher,
+        strategy=args.strategy, codec=args.codec, shard_size=args.shard_size, large_file_bytes=args.large_file,
+        jobs=args.jobs, ranks=args.ranks, launcher=args.launcher,
         remote_python=args.remote_python, ssh_options=split, verify=args.verify, profile=args.profile,
         stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
         job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),

@@ -71,6 +71,20 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def size_arg(text: str) -> int:
+    """argparse type for sizes such as 16M or 1GiB (at least one byte)."""
+    import argparse
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except OverflowError:                          # "inf", "1e400"
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 64MiB, 1G)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return size
+
+
 def jobs_arg(text: str) -> int:
     """argparse type for worker counts: 0 (all CPUs) or more."""
     import argparse

@@ -22,10 +22,11 @@ class Inventory:
 
     root: str
     sizes: list[int]
+    large_file_bytes: int = LARGE_FILE_BYTES
 
     @property
     def stats(self) -> TreeStats:
-        return TreeStats.from_sizes(self.sizes, LARGE_FILE_BYTES)
+        return TreeStats.from_sizes(self.sizes, self.large_file_bytes)
 
     def histogram(self) -> dict[str, int]:
         """File counts per size class (< 4 KiB, < 64 KiB, < 1 MiB, < 64 MiB, larger)."""
@@ -36,16 +37,17 @@ class Inventory:
         return counts
 
 
-def local_inventory(root: str, jobs: int = 1) -> tuple[Inventory, list[bytes]]:
+def local_inventory(root: str, jobs: int = 1,
+                    large_file_bytes: int = LARGE_FILE_BYTES) -> tuple[Inventory, list[bytes]]:
     """Walk a local tree (the bundle scanner); return the inventory and the files' relative paths."""
     index = scan(root, "none", 0, jobs).index
     files = [i for i, kind in enumerate(index.kinds) if kind == Kind.FILE]
-    return Inventory(root, [index.sizes[i] for i in files]), [index.paths[i] for i in files]
+    return Inventory(root, [index.sizes[i] for i in files], large_file_bytes), [index.paths[i] for i in files]
 
 
-def remote_inventory(transport: Transport, root: str) -> Inventory:
+def remote_inventory(transport: Transport, root: str, large_file_bytes: int = LARGE_FILE_BYTES) -> Inventory:
     """One recursive listing through the transport (one `find` over ssh, Globus ls pages, ...)."""
-    return Inventory(root, [e.size for e in transport.list(root) if e.kind == "f"])
+    return Inventory(root, [e.size for e in transport.list(root) if e.kind == "f"], large_file_bytes)
 
 
 def compress_ratio(root: str, paths: list[bytes], budget: int = SAMPLE_BYTES, seed: int = 0) -> float:

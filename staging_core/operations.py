@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,10 +16,12 @@ from mpi_stager.unpack import StagerOptions, unpack_parallel
 from .inventory import Inventory, compress_ratio, local_inventory, remote_inventory
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
-from .planner import LARGE_FILE_BYTES, Plan, plan
+from .planner import Plan, plan
 from .profiles import load_profile
-from .routes import INCOMING, PackRoute, UnpackRoute, bundle_name, pack_route, unpack_route
-from .transports.base import Direction, Endpoint, Transport, parse_url
+from .routes import (INCOMING, PackRoute, PublishedBundle, UnpackRoute, bundle_name, check_route_options, closing,
+                     pack_route, unpack_route)
+from .scratch import scratch_dir
+from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_transport
 
@@ -33,6 +34,13 @@ class _Run:
     transfers: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     skipped_shards: int = 0
+    bytes_sent: int | None = 0
+
+    def count(self, result: TransferResult) -> None:
+        """Add one transfer and the bytes it moved."""
+        self.transfers += 1
+        self.bytes_sent = None if self.bytes_sent is None or result.bytes_sent is None \
+            else self.bytes_sent + result.bytes_sent
 
 
 def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
@@ -52,13 +60,14 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     """
     started = time.monotonic()
     _check_options(options)
+    check_route_options(options, Direction.PUSH)
     if not os.path.isdir(src):
         raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
-    inventory, paths = local_inventory(src)
-    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport):
-        route = unpack_route(endpoint, transport, options)
+    inventory, paths = local_inventory(src, large_file_bytes=options.large_file_bytes)
+    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport), \
+            closing(unpack_route(endpoint, transport, options)) as route:
         chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
                       max(1, options.ranks), route is not None)
         strategy = _strategy(chosen, options, route, endpoint)
@@ -75,18 +84,26 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     Individual: one batch transfer of the whole tree. Bundle: the source's
     pack route (ssh: ``mpi_stager pack`` there) writes a deterministic
     bundle, it comes back with its index in one transfer and is unpacked
-    here, resumably. A hybrid plan runs as a bundle. The planner sees one
-    remote listing; without a local sample it assumes the data compresses
-    to half. ``dest`` is locked for the whole pull.
+    here, resumably; sources without remote execution (GridFTP, Globus)
+    pack through ``options.pack_via``. A hybrid plan runs as a bundle. The
+    planner sees one remote listing; without a local sample it assumes the
+    data compresses to half. A ``src_url`` naming a bundle with its
+    ``.pidx`` beside it (a published bundle) is fetched and unpacked as
+    it is: the inventory comes from its index, nothing is planned or
+    packed. ``dest`` is locked for the whole pull.
     """
     started = time.monotonic()
     _check_options(options)
+    check_route_options(options, Direction.PULL)
     endpoint = parse_url(src_url)
     local = Endpoint("file", os.path.abspath(dest))
-    with _open(endpoint, options) as transport:
-        inventory = remote_inventory(transport, endpoint.path)
-        route = pack_route(endpoint, transport, options)
-        chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks), route is not None)
+    with _open(endpoint, options) as transport, closing(pack_route(endpoint, transport, options)) as route:
+        if isinstance(route, PublishedBundle):
+            inventory, chosen = route.inventory()
+        else:
+            inventory = remote_inventory(transport, endpoint.path, options.large_file_bytes)
+            chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
+                          route is not None)
         strategy = _strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
         _prepare_local_dest(dest)
@@ -143,7 +160,8 @@ def _with_retries(attempt, retries: int) -> tuple[_Run, int]:
 def _result(dest: str, chosen: Plan, strategy: str, inventory: Inventory, run: _Run, attempts: int,
             started: float) -> StagingResult:
     return StagingResult(dest, chosen, strategy, run.route, len(inventory.sizes), inventory.stats.bytes,
-                         run.transfers, time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts)
+                         run.transfers, time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts,
+                         run.bytes_sent)
 
 
 class _Stage:
@@ -173,14 +191,14 @@ def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, pat
     if strategy == "individual":
         run.route = "individual"
         with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
-            _send_items(transport, src, endpoint, None)
-        run.transfers = 1
+            run.count(_send_items(transport, src, endpoint, None))
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif _can_stream(transport, route, options):
         from .streaming import stream_push
         outcome = stream_push(transport, src, endpoint, codec, options, progress)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
+        run.bytes_sent = getattr(outcome, "bytes_sent", None)
         run.stage_seconds.update(outcome.stage_seconds)
     else:
         _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run)
@@ -195,55 +213,48 @@ def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOption
     return capable and options.stream != "off"
 
 
-def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[str] | None) -> None:
+def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[str] | None) -> TransferResult:
     result = transport.transfer(Direction.PUSH, src, endpoint.path, items)
     if not result.ok:
         names = ", ".join(sorted(result.failed)[:10])
         raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
                              "see the first error above; rerun to send the rest", retryable=False)
+    return result
 
 
 def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],
                  options: StagingOptions, progress: Progress, run: _Run) -> None:
     """Store and forward: pack here, one transfer of bundle + index into the route's incoming, unpack there."""
-    staging = tempfile.mkdtemp(prefix="pallet-push-")
+    staging = scratch_dir("pallet-push-")
     try:
         bundle = os.path.join(staging, bundle_name(codec))
-        with _Stage(run, progress, "pack"):
-            pack(src, bundle, PackOptions(codec=codec, jobs=options.jobs, exclude=exclude), progress)
+        with _Stage(run, NoProgress(), "pack"):          # pack draws its own bar
+            pack(src, bundle, PackOptions(codec=codec, shard_size=options.shard_size, jobs=options.jobs,
+                                          exclude=exclude), progress)
         transport.mkdir(route.incoming)
-        names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx"]
+        names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx", *route.extra_files(bundle)]
         with _Stage(run, progress, "transfer", 0, os.path.getsize(bundle)):
             sent = transport.transfer(Direction.PUSH, staging, route.incoming, names)
         if not sent.ok:
             raise next(iter(sent.failed.values()))
-        run.transfers += 1
+        run.count(sent)
         with _Stage(run, progress, "unpack"):
             run.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]))
         run.route = route.description
         if route.removes_bundle:
-            _remove_there(transport, endpoint, [os.path.join(route.incoming, n) for n in names])
+            route.discard([os.path.join(route.incoming, n) for n in names])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run: _Run) -> None:
     """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory times)."""
-    large = [p for p, size in zip(paths, inventory.sizes) if size >= LARGE_FILE_BYTES]
+    large = [p for p, size in zip(paths, inventory.sizes) if size >= options.large_file_bytes]
     with ThreadPoolExecutor(1) as pool:
         sending = pool.submit(_send_items, transport, src, endpoint, [os.fsdecode(p) for p in large])
         _push_bundle(transport, src, endpoint, route, codec, frozenset(large), options, progress, run)
-        sending.result()
-    run.transfers += 1
+        run.count(sending.result())
     run.route = f"hybrid: {len(large)} large file(s) individually, the rest {route.description}"
-
-
-def _remove_there(transport: Transport, endpoint: Endpoint, paths: list[str]) -> None:
-    if endpoint.is_local:
-        for path in paths:
-            os.unlink(path)
-    elif transport.capabilities.remote_exec:
-        transport.run(["rm", "-f", "--", *paths])
 
 
 # ---------------------------------------------------------------- pull strategies
@@ -258,7 +269,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
             names = ", ".join(sorted(result.failed)[:10])
             raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
                                  "see the first error above; rerun to fetch the rest")
-        run.transfers = 1
+        run.count(result)
         return run
     codec = options.codec or "zstd"
     try:
@@ -271,7 +282,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
             fetched = transport.transfer(Direction.PULL, staging, os.path.dirname(bundle), [name, name + ".pidx"])
         if not fetched.ok:
             raise next(iter(fetched.failed.values()))
-        run.transfers = 1
+        run.count(fetched)
         with _Stage(run, progress, "unpack"):
             summary = unpack_parallel(SerialComm(), os.path.join(staging, name), dest,
                                       StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1)))

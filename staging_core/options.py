@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planner import Plan
+from .planner import LARGE_FILE_BYTES, Plan
 
 STRATEGIES = ("auto", "individual", "bundle", "hybrid")
 STREAM_MODES = ("auto", "on", "off")
@@ -15,6 +15,8 @@ class StagingOptions:
 
     strategy      'auto' asks the planner; 'individual', 'bundle', 'hybrid' override it.
     codec         bundle codec (None: the plan's choice, zstd for pulls).
+    shard_size    target uncompressed shard size (None: automatic, see bundles.shards.auto_shard_size).
+    large_file_bytes  files at least this big travel individually in a hybrid plan.
     jobs          local workers (0: all CPUs).
     ranks         unpack/pack processes at the far side (``--workers N``, or ``-n N`` for the launcher).
     launcher      command prefix that starts mpi_stager there, e.g. ``mpirun -n 4`` or ``srun -n 64``.
@@ -26,8 +28,8 @@ class StagingOptions:
     unpack_via    ssh URL of a host that sees the destination's file system and unpacks there
                   (for GridFTP and Globus destinations).
     unpack_job    'slurm': submit the unpack as a batch job through ``unpack_via`` and wait for it.
-    job_options   extra ``sbatch`` options for ``unpack_job``.
-    keep_packed   leave the bundle, its index and an ``unpack.sbatch`` at the destination instead of unpacking.
+    job_options   extra ``#SBATCH`` lines for the ``unpack.sbatch`` of ``unpack_job`` and ``keep_packed``.
+    keep_packed   leave the bundle, its index and an ``unpack.sbatch`` in DEST/.pallet/incoming instead of unpacking.
     pack_via      ssh URL of a host that sees a pull source's file system and packs there.
     retries       attempts after the first for errors marked retryable (network trouble).
     progress      draw per-stage progress on stderr (None: only on a terminal).
@@ -35,6 +37,8 @@ class StagingOptions:
 
     strategy: str = "auto"
     codec: str | None = None
+    shard_size: int | None = None
+    large_file_bytes: int = LARGE_FILE_BYTES
     jobs: int = 0
     ranks: int = 1
     launcher: str | None = None
@@ -75,6 +79,7 @@ class StagingResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     skipped_shards: int = 0
     attempts: int = 1
+    bytes_sent: int | None = None
 
     def to_json(self) -> dict:
         """The ``--json`` summary."""
@@ -82,4 +87,4 @@ class StagingResult:
                 "files": self.files, "file_bytes": self.file_bytes, "transfers": self.transfers,
                 "seconds": round(self.seconds, 3),
                 "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
-                "skipped_shards": self.skipped_shards, "attempts": self.attempts}
+                "skipped_shards": self.skipped_shards, "attempts": self.attempts, "bytes_sent": self.bytes_sent}

@@ -6,7 +6,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from dataclasses import asdict, fields, replace
@@ -17,6 +16,7 @@ from bundles.errors import UsageError
 from bundles.writer import PackOptions, pack
 
 from .planner import LinkProfile
+from .scratch import scratch_dir
 from .transports.base import Direction, Transport
 
 PROBE_FILES = 400
@@ -89,7 +89,7 @@ def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: s
     """
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise UsageError(f"profile name {name!r} may hold only letters, digits, '-', '_' and '.'")
-    local = tempfile.mkdtemp(prefix="pallet-calibrate-")
+    local = scratch_dir("pallet-calibrate-")
     try:
         transport.mkdir(remote_dir)
         rtt = _round_trip(transport, remote_dir)

@@ -3,21 +3,31 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import shlex
 import shutil
 import subprocess
 import tempfile
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 
-from bundles.errors import PalletError, UsageError
+from bundles.errors import PalletError, SourceError, UsageError
+from bundles.index import Index
+from bundles.tarformat import Kind
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
+from .inventory import Inventory
 from .options import StagingOptions
-from .transports.base import Endpoint, Transport
+from .planner import Candidate, Plan
+from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
+from .transports.base import Direction, Endpoint, Transport, parse_url
+from .transports.registry import open_transport
 
 INCOMING = ".pallet/incoming"
+JOB_KINDS = ("slurm",)
+BUNDLE_SUFFIXES = (".tar.zst", ".tar.gz", ".tar")
 
 
 def stager_argv(options: StagingOptions, command: str, *args: str) -> list[str]:
@@ -60,19 +70,23 @@ def run_local(argv: list[str]) -> bytes:
     return done.stdout
 
 
-class UnpackRoute(ABC):
+class UnpackRoute(AbstractContextManager, ABC):
     """How a bundle that has reached the destination becomes the tree there.
 
     ``description`` names the route for summaries. ``incoming`` is the
     directory, in the destination transport's path space, where the bundle
     and its ``.pidx`` are to be transferred (created by the caller).
-    ``unpack`` turns the bundle into the tree at ``dest_path`` resumably
-    (mpi_stager's journal) and returns only when that is done, or raises a
-    PalletError naming the cause; it returns the number of shards an
-    earlier run had already finished. ``removes_bundle`` tells the caller
-    whether to delete the bundle afterwards (False when the route leaves it
-    for the user, e.g. ``--keep-packed``); ``streams`` whether a bundle
-    stream can be fed straight into the unpacker there (see streaming.py).
+    ``extra_files(bundle)`` writes files that must travel with the bundle
+    (e.g. ``unpack.sbatch``) beside the local ``bundle`` and returns their
+    names; the caller sends them in the same transfer. ``unpack`` turns the
+    bundle into the tree at ``dest_path`` resumably (mpi_stager's journal)
+    and returns only when that is done, or raises a PalletError naming the
+    cause; it returns the number of shards an earlier run had already
+    finished. ``removes_bundle`` tells the caller whether to delete the
+    bundle afterwards with ``discard`` (False when the route leaves it for
+    the user, e.g. ``--keep-packed``); ``streams`` whether a bundle stream
+    can be fed straight into the unpacker there (see streaming.py). A
+    route is a context manager that closes what it opened.
     """
 
     description = "in place"
@@ -87,11 +101,22 @@ class UnpackRoute(ABC):
     def incoming(self) -> str:
         return os.path.join(self.endpoint.path, INCOMING)
 
+    def extra_files(self, bundle: str) -> list[str]:
+        """Names of the files written beside local ``bundle`` to send with it (none by default)."""
+        return []
+
     @abstractmethod
     def unpack(self, bundle_path: str) -> int: ...
 
+    def discard(self, paths: list[str]) -> None:
+        """Delete ``paths`` (bundle, index and extra files in ``incoming``) at the destination after the unpack;
+        routes that keep the bundle (``removes_bundle`` False) delete nothing."""
+
     def close(self) -> None:
         """Release what the route opened (e.g. its own ssh connection)."""
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class LocalUnpack(UnpackRoute):
@@ -105,9 +130,15 @@ class LocalUnpack(UnpackRoute):
                                   StagerOptions(self.options.verify, None, workers))
         return summary.shards_skipped
 
+    def discard(self, paths: list[str]) -> None:
+        for path in paths:
+            os.unlink(path)
+
 
 class RemoteExecUnpack(UnpackRoute):
     """The destination transport can run commands there (ssh): mpi_stager runs on that host."""
+
+    streams = True
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
@@ -116,9 +147,92 @@ class RemoteExecUnpack(UnpackRoute):
     def unpack(self, bundle_path: str) -> int:
         return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path)))
 
+    def discard(self, paths: list[str]) -> None:
+        self.transport.run(["rm", "-f", "--", *paths])
+
+
+class ViaUnpack(UnpackRoute):
+    """``--unpack-via ssh://HOST``: the bundle arrives through the destination transport (GridFTP, Globus, or
+    any other), then mpi_stager unpacks it over ssh on HOST, a node that mounts the destination's file system
+    under the same paths: the destination URL's path is used there as it is."""
+
+    def __init__(self, endpoint: Endpoint, options: StagingOptions, via: Transport):
+        super().__init__(endpoint, options)
+        self.via = via
+
+    @property
+    def description(self) -> str:
+        return f"via {self.options.unpack_via}"
+
+    def unpack(self, bundle_path: str) -> int:
+        return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path)))
+
+    def discard(self, paths: list[str]) -> None:
+        self.via.run(["rm", "-f", "--", *paths])
+
+    def close(self) -> None:
+        self.via.close()
+
+
+class SlurmJobUnpack(ViaUnpack):
+    """``--unpack-job slurm --unpack-via ssh://LOGIN``: ``unpack.sbatch`` (see :func:`job_files`) travels with
+    the bundle; it is submitted on LOGIN with ``sbatch --parsable`` and pallet waits for the job (squeue, then
+    sacct), printing each new state when progress is shown. A job that ends in any state but COMPLETED raises
+    SlurmJobError naming its id and state; its script and output stay beside the bundle."""
+
+    job_id: str | None = None
+
+    @property
+    def description(self) -> str:
+        return f"slurm job {self.job_id} via {self.options.unpack_via}"
+
+    def extra_files(self, bundle: str) -> list[str]:
+        return job_files(bundle, self.incoming, self.endpoint.path, self.options)
+
+    def unpack(self, bundle_path: str) -> int:
+        job = UnpackJob(bundle_path, self.endpoint.path)
+        self.job_id, output = run_job(self.via.run, job, self.options.unpack_via, echo_for(self.options.progress))
+        return _skipped(output)
+
+    def discard(self, paths: list[str]) -> None:
+        job = UnpackJob(paths[0], self.endpoint.path)
+        super().discard([*paths, job.output(self.job_id), job.output(self.job_id, "err")])
+
+
+class KeepPacked(UnpackRoute):
+    """``--keep-packed``: the bundle, its ``.pidx`` and a ready-to-submit ``unpack.sbatch`` (the script
+    ``--unpack-job slurm`` would submit) stay in ``DEST/.pallet/incoming``; nothing is unpacked. The user
+    submits the script later; it can be run again to resume."""
+
+    removes_bundle = False
+
+    @property
+    def description(self) -> str:
+        return f"kept packed: sbatch {posixpath.join(self.incoming, SCRIPT_NAME)}"
+
+    def extra_files(self, bundle: str) -> list[str]:
+        return job_files(bundle, self.incoming, self.endpoint.path, self.options)
+
+    def unpack(self, bundle_path: str) -> int:
+        return 0
+
+
+def job_files(bundle: str, incoming: str, dest_path: str, options: StagingOptions) -> list[str]:
+    """Write ``unpack.sbatch`` (:func:`staging_core.slurm.write_script`) for the bundle once it is in ``incoming``
+    beside local ``bundle``; return its name."""
+    job = UnpackJob(posixpath.join(incoming, os.path.basename(bundle)), dest_path)
+    return [write_script(os.path.dirname(bundle), job, unpack_argv(options, job.bundle, dest_path), options)]
+
 
 def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> UnpackRoute | None:
-    """The route that unpacks bundles at ``endpoint``, or None when there is none (bundling impossible)."""
+    """The route that unpacks bundles at ``endpoint``, or None when there is none (bundling impossible).
+    Explicit options win: ``keep_packed``, then ``unpack_via`` (with ``unpack_job``); otherwise local
+    destinations unpack in this process and destinations whose transport runs commands (ssh) unpack there."""
+    if options.keep_packed:
+        return KeepPacked(endpoint, options)
+    if options.unpack_via:
+        via = _open_via(options.unpack_via, "--unpack-via", options)
+        return SlurmJobUnpack(endpoint, options, via) if options.unpack_job else ViaUnpack(endpoint, options, via)
     if endpoint.is_local:
         return LocalUnpack(endpoint, options)
     if transport.capabilities.remote_exec:
@@ -126,14 +240,21 @@ def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptio
     return None
 
 
-class PackRoute(ABC):
+def has_unpack_route(endpoint: Endpoint, options: StagingOptions) -> bool:
+    """Whether :func:`unpack_route` would find a route, decided without contacting anything (``pallet plan``)."""
+    return endpoint.scheme in ("file", "ssh") or bool(options.unpack_via) or options.keep_packed
+
+
+class PackRoute(AbstractContextManager, ABC):
     """How the tree at a pull source becomes a bundle there.
 
-    ``pack`` writes the bundle and its ``.pidx`` under ``outgoing`` (a
-    directory in the source transport's path space that the route creates)
-    and returns the bundle's path; ``cleanup`` removes what ``pack`` made.
+    ``pack`` returns the path, in the source transport's path space, of a
+    bundle with its ``.pidx`` beside it: written under ``outgoing`` (a
+    directory the route creates), or the source itself for a published
+    bundle; ``cleanup`` removes what ``pack`` made.
     The bytes depend only on the tree and the codec, so a rerun sends the
-    same bundle and the local unpack skips finished shards.
+    same bundle and the local unpack skips finished shards. A route is a
+    context manager that closes what it opened.
     """
 
     description = "in place"
@@ -148,6 +269,12 @@ class PackRoute(ABC):
 
     @abstractmethod
     def cleanup(self) -> None: ...
+
+    def close(self) -> None:
+        """Release what the route opened (e.g. its own ssh connection)."""
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class LocalPack(PackRoute):
@@ -172,24 +299,147 @@ class RemoteExecPack(PackRoute):
         self.transport = transport
 
     def pack(self, codec: str) -> str:
-        self.outgoing = self.transport.run(["mktemp", "-d", "-t", "pallet-outgoing-XXXXXX"]).decode().strip()
+        self.outgoing = self._make_outgoing()
         bundle = os.path.join(self.outgoing, bundle_name(codec))
         comm = [] if self.options.launcher else ["--comm", "serial"]
         self.transport.run(stager_argv(self.options, "pack", *comm, "--codec", codec, self.endpoint.path, bundle))
         return bundle
+
+    def _make_outgoing(self) -> str:
+        return self.transport.run(["mktemp", "-d", "-t", "pallet-outgoing-XXXXXX"]).decode().strip()
 
     def cleanup(self) -> None:
         if self.outgoing:
             self.transport.run(["rm", "-rf", "--", self.outgoing])
 
 
+class ViaPack(RemoteExecPack):
+    """``--pack-via ssh://HOST``: mpi_stager packs over ssh on HOST, a node that mounts the source's file
+    system under the same paths, into ``.pallet-outgoing-XXXXXX`` beside the source directory (in its parent,
+    so the bundle is not part of the tree it packs, and on the file system the source transport reads); the
+    source transport then fetches the bundle, and ``cleanup`` removes the directory over ssh."""
+
+    @property
+    def description(self) -> str:
+        return f"packed via {self.options.pack_via}"
+
+    def _make_outgoing(self) -> str:
+        parent = posixpath.dirname(self.endpoint.path.rstrip("/")) or "/"
+        return self.transport.run(["mktemp", "-d", "-p", parent, ".pallet-outgoing-XXXXXX"]).decode().strip()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class PublishedBundle(PackRoute):
+    """The pull source URL names a bundle (``.tar.zst``/``.tar.gz``/``.tar``) with its ``.pidx`` beside it:
+    "publish once, stage many times". Nothing is packed: ``pack`` returns the bundle's own path, and
+    ``cleanup`` removes nothing. ``inventory`` fetches only the ``.pidx`` and reads the tree from it."""
+
+    description = "published bundle"
+
+    def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
+        super().__init__(endpoint, options)
+        self.transport = transport
+
+    def pack(self, codec: str) -> str:
+        return self.endpoint.path
+
+    def cleanup(self) -> None:
+        """Nothing to remove: the bundle is the source."""
+
+    def inventory(self) -> tuple[Inventory, Plan]:
+        """The files the bundle holds (from its fetched ``.pidx``) and the fixed plan: the bundle as it is."""
+        name = posixpath.basename(self.endpoint.path) + ".pidx"
+        with tempfile.TemporaryDirectory(prefix="pallet-pidx-") as scratch:
+            fetched = self.transport.transfer(Direction.PULL, scratch, posixpath.dirname(self.endpoint.path), [name])
+            if not fetched.ok:
+                raise next(iter(fetched.failed.values()))
+            with open(os.path.join(scratch, name), "rb") as handle:
+                index = Index.from_bytes(handle.read(), self.endpoint.url() + ".pidx")
+        sizes = [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
+        reason = "published bundle: fetched with its index and unpacked here as it is, without repacking"
+        return Inventory(self.endpoint.path, sizes), Plan("bundle", [Candidate("bundle", 0.0, index.codec)], reason)
+
+
+def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> PublishedBundle | None:
+    """A PublishedBundle when ``endpoint`` names a bundle file whose ``.pidx`` sits beside it, else None. Only
+    a path ending in a bundle suffix costs a ``stat`` (two, when it is a file). Raises SourceError for such a
+    file without its index, and UsageError for ``--strategy individual`` (a bundle is always unpacked)."""
+    if not endpoint.path.endswith(BUNDLE_SUFFIXES):
+        return None
+    entry = transport.stat(endpoint.path)
+    if entry is None or entry.kind != "f":
+        return None
+    if transport.stat(endpoint.path + ".pidx") is None:
+        raise SourceError("is a bundle without its index (.pidx) beside it", endpoint.url(),
+                          "publish BUNDLE.pidx next to it (pallet pack writes both), or fetch the file and "
+                          "run pallet unpack")
+    if options.strategy == "individual":
+        raise UsageError(f"{endpoint.url()} is a published bundle: it is fetched and unpacked as a bundle",
+                         hint="drop --strategy individual")
+    return PublishedBundle(endpoint, options, transport)
+
+
 def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> PackRoute | None:
-    """The route that packs the tree at ``endpoint``, or None when there is none (bundling impossible)."""
+    """The route that packs the tree at ``endpoint``, or None when there is none (bundling impossible). A
+    published bundle needs no packing (:func:`published_bundle`); then ``pack_via`` wins; otherwise local
+    sources pack in this process and sources whose transport runs commands (ssh) pack there."""
+    published = published_bundle(endpoint, transport, options)
+    if published is not None:
+        return published
+    if options.pack_via:
+        return ViaPack(endpoint, options, _open_via(options.pack_via, "--pack-via", options))
     if endpoint.is_local:
         return LocalPack(endpoint, options)
     if transport.capabilities.remote_exec:
         return RemoteExecPack(endpoint, options, transport)
     return None
+
+
+def closing(route: UnpackRoute | PackRoute | None):
+    """``with closing(route) as route:`` closes the route afterwards; None stays None."""
+    return nullcontext() if route is None else route
+
+
+def check_route_options(options: StagingOptions, direction: Direction) -> None:
+    """Raise UsageError for route options that do not fit together or ``direction``: push takes ``unpack_job``
+    (one of JOB_KINDS, needs ``unpack_via``) or ``keep_packed`` (not both), ``job_options`` only with one of
+    them; pull takes only ``pack_via``. Via URLs must be ``ssh://[user@]host[:port]``."""
+    if direction is Direction.PULL:
+        if options.unpack_via or options.unpack_job or options.keep_packed or options.job_options:
+            raise UsageError("--unpack-via, --unpack-job, --job-option and --keep-packed are for push",
+                             hint="a pull unpacks here; --pack-via ssh://HOST packs at a GridFTP/Globus source")
+        if options.pack_via:
+            _via_endpoint(options.pack_via, "--pack-via")
+        return
+    if options.pack_via:
+        raise UsageError("--pack-via is for pull", hint="a push packs here; use --unpack-via ssh://HOST")
+    if options.unpack_job is not None and options.unpack_job not in JOB_KINDS:
+        raise UsageError(f"unknown --unpack-job {options.unpack_job!r}", hint=f"use one of {', '.join(JOB_KINDS)}")
+    if options.unpack_job and not options.unpack_via:
+        raise UsageError(f"--unpack-job {options.unpack_job} needs --unpack-via",
+                         hint="name the login node that runs sbatch: --unpack-via ssh://login.hpc")
+    if options.keep_packed and (options.unpack_via or options.unpack_job):
+        raise UsageError("--keep-packed leaves the bundle packed: it does not go with --unpack-via/--unpack-job",
+                         hint="choose one: unpack now (--unpack-via) or later (--keep-packed, then sbatch)")
+    if options.job_options and not (options.unpack_job or options.keep_packed):
+        raise UsageError("--job-option needs --unpack-job slurm or --keep-packed",
+                         hint="job options go into the unpack.sbatch script those write")
+    if options.unpack_via:
+        _via_endpoint(options.unpack_via, "--unpack-via")
+
+
+def _via_endpoint(text: str, flag: str) -> Endpoint:
+    hint = f"{flag} ssh://[user@]host[:port]: a host that mounts the same file system"
+    endpoint = parse_url(text) if text.startswith("ssh://") else None
+    if endpoint is None or endpoint.scheme != "ssh":
+        raise UsageError(f"{flag} takes an ssh:// URL, not {text!r}", hint=hint)
+    return endpoint
+
+
+def _open_via(text: str, flag: str, options: StagingOptions) -> Transport:
+    return open_transport(_via_endpoint(text, flag), ssh_options=list(options.ssh_options))
 
 
 def bundle_name(codec: str) -> str:

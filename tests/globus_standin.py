@@ -70,7 +70,7 @@ class GlobusStandIn:
         """The local file behind ``path`` on ``collection``; PermissionError where the ACL denies it."""
         root = self.roots[collection]
         real = os.path.normpath(os.path.join(root, path.lstrip("/")))
-        if not (real == root or real.startswith(root + os.sep)) or any(
+        if not (real == root or real.startswith(root.rstrip(os.sep) + os.sep)) or any(
                 c == collection and (path + "/").startswith(p.rstrip("/") + "/") for c, p in self.denied):
             raise PermissionError(path)
         return real

@@ -1,4 +1,4 @@
-"""Real servers for tests: sshd and globus-gridftp-server on 127.0.0.1, stopped by PID."""
+"""Real servers for tests: sshd, globus-gridftp-server and a one-node Slurm on 127.0.0.1, stopped by PID."""
 from __future__ import annotations
 
 import os
@@ -57,7 +57,8 @@ class SSHServer:
 
 
 def start_sshd(workdir: Path) -> SSHServer:
-    """Start sshd on a free loopback port with generated host and user keys (UsePAM no, StrictModes no)."""
+    """Start sshd on a free loopback port with generated host and user keys (UsePAM no, StrictModes no).
+    Sessions accept SLURM_CONF from the client (``-o SetEnv=SLURM_CONF=...``) to reach a test's own Slurm."""
     workdir.mkdir(parents=True, exist_ok=True)
     host_key, user_key = workdir / "host_ed25519", workdir / "user_ed25519"
     for key in (host_key, user_key):
@@ -69,7 +70,8 @@ def start_sshd(workdir: Path) -> SSHServer:
         f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}", f"PidFile {workdir}/sshd.pid",
         f"AuthorizedKeysFile {workdir}/authorized_keys", "PasswordAuthentication no",
         "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
-        "MaxSessions 100", "MaxStartups 100:30:200", "Subsystem sftp internal-sftp", "LogLevel ERROR", ""]))
+        "MaxSessions 100", "MaxStartups 100:30:200", "Subsystem sftp internal-sftp", "LogLevel ERROR",
+        "AcceptEnv SLURM_CONF", ""]))
     os.makedirs("/run/sshd", exist_ok=True)
     process = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -171,3 +173,97 @@ def count_invocations(shim_dir: Path, program: str, monkeypatch):
     shim.chmod(0o755)
     monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
     return lambda: log.read_text().splitlines() if log.exists() else []
+
+
+@dataclass
+class SlurmCluster:
+    """A one-node Slurm (munged, slurmctld, slurmd as children of the test) configured by ``conf``.
+
+    Clients find it through ``env`` (SLURM_CONF); ssh sessions through
+    ``ssh_options`` (sshd accepts SLURM_CONF, see :func:`start_sshd`).
+    """
+
+    conf: Path
+    processes: list[subprocess.Popen]
+
+    @property
+    def env(self) -> dict:
+        return {"SLURM_CONF": str(self.conf)}
+
+    @property
+    def ssh_options(self) -> list[str]:
+        return ["-o", f"SetEnv=SLURM_CONF={self.conf}"]
+
+    def stop(self) -> None:
+        """Stop slurmd, slurmctld and munged by their PIDs, in that order."""
+        for process in reversed(self.processes):
+            stop_process(process)
+
+
+SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "srun")
+
+
+def start_slurm(workdir: Path) -> SlurmCluster:
+    """Start munged (own key and socket), slurmctld and slurmd in the foreground with a slurm.conf for
+    NodeName=localhost (this machine's CPUs, one partition), state and spool under ``workdir``, free loopback
+    ports, no accounting, no cgroups; wait until the node is idle. Needs root (slurmd launches the jobs)."""
+    munge, state = workdir / "munge", workdir / "state"
+    for directory in (munge, state, workdir / "spool"):
+        directory.mkdir(parents=True, exist_ok=True)
+    munge.chmod(0o711)
+    (munge / "munge.key").write_bytes(os.urandom(1024))
+    (munge / "munge.key").chmod(0o400)
+    socket_path = munge / "munge.socket"
+    processes = [_start(["munged", "-F", "--force", f"--socket={socket_path}", f"--key-file={munge}/munge.key",
+                         f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/munged.seed",
+                         f"--log-file={munge}/munged.log"], workdir / "munged.out")]
+    _wait_for(socket_path.exists, processes[0], "munged socket")
+    conf = workdir / "slurm.conf"
+    conf.write_text(_slurm_conf(workdir, socket_path))
+    cluster = SlurmCluster(conf, processes)
+    env = {**os.environ, **cluster.env}
+    processes.append(_start(["slurmctld", "-D", "-i", "-f", str(conf)], workdir / "slurmctld.out", env))
+    processes.append(_start(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], workdir / "slurmd.out", env))
+
+    def idle() -> bool:
+        done = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+        return done.stdout.strip() == "idle"
+    try:
+        _wait_for(idle, processes[-1], "an idle Slurm node", timeout=60)
+    except RuntimeError:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _slurm_conf(workdir: Path, munge_socket: Path) -> str:
+    user = os.environ.get("USER") or "root"
+    return "\n".join([
+        "ClusterName=pallet-test", "SlurmctldHost=localhost", f"SlurmUser={user}", f"SlurmdUser={user}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={workdir}/state", f"SlurmdSpoolDir={workdir}/spool",
+        f"SlurmctldPidFile={workdir}/slurmctld.pid", f"SlurmdPidFile={workdir}/slurmd.pid",
+        f"SlurmctldLogFile={workdir}/slurmctld.log", f"SlurmdLogFile={workdir}/slurmd.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MailProg=/bin/true",
+        "SchedulerType=sched/builtin", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+        "MpiDefault=none", "ReturnToService=2",
+        f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN",
+        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""])
+
+
+def _start(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for(ready, process: subprocess.Popen, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {what} was ready")
+        if ready():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not ready within {timeout} s")

@@ -131,11 +131,15 @@ class TransferResult:
     """Per-item outcome of a batch: relative paths done, and failures with their error.
 
     A whole-tree transfer (``items=None``) done in one native operation
-    reports ``done == ["."]``.
+    reports ``done == ["."]``. ``bytes_sent`` is the file data the transport
+    actually moved (rsync's literal data: a file already there, or the part
+    of an interrupted one kept as partial, is not counted), or None when the
+    transport cannot tell.
     """
 
     done: list[str] = field(default_factory=list)
     failed: dict[str, TransportError] = field(default_factory=dict)
+    bytes_sent: int | None = None
 
     @property
     def ok(self) -> bool:

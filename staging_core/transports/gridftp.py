@@ -7,10 +7,10 @@ import re
 import shlex
 import stat
 import subprocess
-import tempfile
 from typing import Sequence
 from urllib.parse import quote, unquote, urlsplit
 
+from ..scratch import scratch
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult, name_crosses
 from .errors import (AuthenticationError, HostUnreachableError, MissingDependencyError, NotSupportedError,
                      RemotePathMissingError, TransportError, classify)
@@ -143,7 +143,7 @@ class GridFTPTransport(Transport):
 
     def list(self, path: str) -> list[RemoteEntry]:
         root = posixpath.normpath(path)
-        with tempfile.TemporaryDirectory(prefix="pallet-gridftp-") as work:
+        with scratch("pallet-gridftp-") as work:
             entries, errors = self._dump([self.url(root, True)], True, work)
         if errors:
             raise _classify(errors[0], 1, None, self.url(root, True), f"cannot list {root}")
@@ -151,7 +151,7 @@ class GridFTPTransport(Transport):
 
     def stat(self, path: str) -> RemoteEntry | None:
         path = posixpath.normpath(path)
-        with tempfile.TemporaryDirectory(prefix="pallet-gridftp-") as work:
+        with scratch("pallet-gridftp-") as work:
             entries, errors = self._dump([self.url(posixpath.dirname(path), True), self.url(path, True)], False, work)
         for index, listed, is_dir, facts in entries:
             if index == 0 and listed == path:
@@ -173,7 +173,7 @@ class GridFTPTransport(Transport):
         path = posixpath.normpath(path)
         if path == "/":
             return
-        with tempfile.TemporaryDirectory(prefix="pallet-gridftp-") as work:
+        with scratch("pallet-gridftp-") as work:
             argv = [PROGRAM, *self._options(), "-dbg", _stage_dir(work, 0, path),
                     self.url(posixpath.dirname(path), True)]
             code, stderr = self._run(argv)
@@ -191,7 +191,7 @@ class GridFTPTransport(Transport):
         items = self.all_items(direction, local_root, remote_root) if whole else list(items)
         if whole and direction is Direction.PUSH:
             items = [i for i in items if not os.path.islink(os.path.join(local_root, i))]
-        with tempfile.TemporaryDirectory(prefix="pallet-gridftp-") as work:
+        with scratch("pallet-gridftp-") as work:
             plan = self._plan_push if direction is Direction.PUSH else self._plan_pull
             result, pairs = plan(local_root, remote_root, items, work)
             if pairs:

@@ -12,11 +12,15 @@ from typing import Sequence
 
 from bundles.errors import UsageError
 
+from ..scratch import scratch_dir
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
 from .errors import MissingDependencyError, RemotePathMissingError, classify
 
 _FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
 _FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
+_MASTER_IDLE_S = 30    # a master left by a killed pallet exits after this; later commands reconnect directly
+_SOCKET_ROOT = "/tmp"   # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
+PARTIAL_DIR = ".pallet-partial"   # rsync keeps interrupted files here, so a rerun sends only the rest
 _PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
 
 
@@ -40,7 +44,7 @@ class SSHTransport(Transport):
         self.ssh_options = [*ssh_options, *shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))]
         self.parallel = max(1, parallel)
         self.remote_pallet = shlex.split(remote_pallet)
-        self._control_dir = tempfile.mkdtemp(prefix="pallet-ssh-")
+        self._control_dir = scratch_dir("pallet-ssh-", _SOCKET_ROOT)
         self._master_started = False
         if self.parallel > 1:
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
@@ -62,7 +66,7 @@ class SSHTransport(Transport):
             return
         port = ["-p", str(self.endpoint.port)] if self.endpoint.port else []
         command = ["ssh", *port, "-o", f"ControlPath={self._control_dir}/cm", "-o", "ControlMaster=yes",
-                   "-o", "ControlPersist=yes", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N", self.destination]
+                   "-o", f"ControlPersist={_MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N", self.destination]
         with tempfile.TemporaryFile() as errors:
             code = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
                                   timeout=120).returncode
@@ -153,8 +157,9 @@ class SSHTransport(Transport):
         if direction is Direction.PULL:
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
-        base = ["rsync", "-a", "-s", "--modify-window=-1", "-e", shlex.join(self._ssh_base())]
-        with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
+        base = ["rsync", "-a", "-s", "--modify-window=-1", f"--partial-dir={PARTIAL_DIR}", "--stats",
+                "-e", shlex.join(self._ssh_base())]
+        with tempfile.NamedTemporaryFile(prefix="files-", dir=self._control_dir) as listing:
             if items is not None:
                 listing.write(b"\0".join(os.fsencode(i) for i in items))
                 listing.flush()
@@ -167,7 +172,7 @@ class SSHTransport(Transport):
     def _result(self, items: list[str] | None, done, command: list[str], source_root: str) -> TransferResult:
         stderr = done.stderr.decode(errors="replace")
         if done.returncode == 0:
-            return TransferResult(done=items if items is not None else ["."])
+            return TransferResult(done=items if items is not None else ["."], bytes_sent=_literal_bytes(done.stdout))
         failures = _failed_items(stderr, source_root, set(items or ()))
         if done.returncode not in _PARTIAL or not failures:
             raise classify(stderr, done.returncode, command, self.endpoint.url(),
@@ -186,6 +191,8 @@ class SSHTransport(Transport):
         for result in results:
             merged.done += result.done
             merged.failed.update(result.failed)
+        counts = [r.bytes_sent for r in results]
+        merged.bytes_sent = None if None in counts else sum(counts)
         return merged
 
 
@@ -228,6 +235,12 @@ def _failed_items(stderr: str, source_root: str, items: set[str]) -> dict[str, s
         if rel in items:
             failures[rel] = f"{match[2]} ({rel})"
     return failures
+
+
+def _literal_bytes(stats: bytes) -> int | None:
+    """rsync --stats' "Literal data" (file bytes really sent), or None if absent."""
+    found = re.search(rb"Literal data: ([\d,.]+) bytes", stats)
+    return int(found.group(1).replace(b",", b"").replace(b".", b"")) if found else None
 
 
 def _parse_find(raw: bytes) -> list[RemoteEntry]:
