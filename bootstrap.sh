@@ -12,7 +12,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${PALLET_VENV:-$here/.venv}
 apt_packages=(pigz zstd rsync openssh-server openssh-client openmpi-bin libopenmpi-dev
-              globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv slurm-wlm munge)
+              globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv slurm-wlm munge
+              iptables iputils-ping libnetfilter-queue-dev gcc)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 
@@ -42,7 +43,7 @@ install_python() {
     if [ ! -f "$stamp" ] || [ "$here/setup.cfg" -nt "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
         log "installing pallet and its extras into $venv"
         "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
-        "$venv/bin/python" -m pip install -q -e "$here[all,test]"
+        "$venv/bin/python" -m pip install -q -e "$here[all,test,bench]"
         touch "$stamp"
     fi
 }

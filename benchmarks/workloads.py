@@ -26,13 +26,49 @@ class Workload:
 
     @property
     def label(self) -> str:
-        size = f"{self.file_size // MIB} MiB" if self.file_size >= MIB else f"{self.file_size // KIB} KiB"
-        return f"{self.name} {self.files:,} x {size}"
+        return f"{self.name} {self.files:,} x {_size(self.file_size)}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.name.lower()}-{self.files}x{self.file_size}-{self.dirs}d"
+
+    def fill(self, src: Path) -> None:
+        (_fill_random if self.random_bytes else _fill_csv)(src, self)
 
 
-def ensure_workload(workdir: Path, load: Workload) -> Path:
+@dataclass(frozen=True)
+class MixedWorkload:
+    """A tree of two workloads: ``small`` under small/ and ``large`` under large/."""
+
+    name: str
+    small: Workload
+    large: Workload
+
+    @property
+    def files(self) -> int:
+        return self.small.files + self.large.files
+
+    @property
+    def label(self) -> str:
+        return (f"{self.name} {self.small.files:,} x {_size(self.small.file_size)}"
+                f" + {self.large.files} x {_size(self.large.file_size)}")
+
+    @property
+    def slug(self) -> str:
+        return f"{self.name.lower()}-{self.small.slug}-{self.large.slug}"
+
+    def fill(self, src: Path) -> None:
+        self.small.fill(src / "small")
+        self.large.fill(src / "large")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def ensure_workload(workdir: Path, load: Workload | MixedWorkload) -> Path:
     """Return the workload's tree, generating it unless its marker file says it is complete."""
-    slug = f"{load.name.lower()}-{load.files}x{load.file_size}-{load.dirs}d"
+    slug = load.slug
     src, marker = workdir / slug, workdir / f"{slug}.ready"
     spec = json.dumps(asdict(load), sort_keys=True)
     if marker.exists() and marker.read_text() == spec and src.is_dir():
@@ -41,7 +77,7 @@ def ensure_workload(workdir: Path, load: Workload) -> Path:
     shutil.rmtree(src, ignore_errors=True)
     print(f"generating {load.label} at {src} ...", flush=True)
     started = time.perf_counter()
-    (_fill_random if load.random_bytes else _fill_csv)(src, load)
+    load.fill(src)
     os.sync()
     marker.write_text(spec)
     print(f"  generated in {time.perf_counter() - started:.1f} s")
@@ -82,12 +118,13 @@ def workloads(quick: bool) -> tuple[Workload, Workload]:
     return Workload("W1", small_files, KIB, 256, False), Workload("W2", 4, big_size, 1, True)
 
 
-def common_parser(description: str) -> argparse.ArgumentParser:
+def common_parser(description: str, quick_help: str = "smoke run: W1 8,192 files, W2 4 x 32 MiB"
+                  ) -> argparse.ArgumentParser:
     """The options every benchmark script shares: --workdir, --quick, --repeat, --json."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
                         help="where data sets live (reused) and runs are written (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: W1 8,192 files, W2 4 x 32 MiB")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--repeat", type=int, default=3, help="repetitions per command (default: 3)")
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
     return parser
