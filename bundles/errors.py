@@ -68,6 +68,10 @@ class CorruptBundleError(BundleError):
         return "\n".join(lines)
 
 
+class StreamError(BundleError):
+    """A bundle stream is malformed, cut short, or disagrees with its own skeleton or index."""
+
+
 class UnsafeMemberError(BundleError):
     """An archive holds members that would escape or endanger the destination."""
 

@@ -74,13 +74,28 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
     mismatch raises CorruptBundleError naming the files. Rerunning a shard
     rewrites the same files, so it is idempotent.
     """
-    root = os.fsencode(dest) + b"/"
     if is_streamed(index, shard):
-        return _extract_streamed(bundle, index, shard, root, verify)
+        return _extract_streamed(bundle, index, shard, dest, verify)
     compressed = bundle.read_shard(shard)
     if verify and content_hash(compressed) != shard.hash:
-        raise _damaged_shard(bundle, index, shard)
-    data = memoryview(bundle.codec.decompress(compressed, shard.raw_size))
+        raise damaged_shard(bundle.path, index, shard)
+    data = bundle.codec.decompress(compressed, shard.raw_size)
+    return extract_shard_data(data, index, shard, dest, verify, bundle.path)
+
+
+def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verify: bool,
+                       source: str | None) -> ShardOutcome:
+    """Write the regular files of one shard from its decompressed tar bytes ``data``.
+
+    Each file's content is found at its ``data_offset`` in ``data``; the
+    contract is that of :func:`extract_shard` (directories exist, links and
+    directory metadata are left to finish_tree). A file whose content lies
+    outside ``data``, or, with ``verify``, does not match its content hash,
+    is not written; all such files are named in one CorruptBundleError
+    about ``source``, raised after the others are written.
+    """
+    root = os.fsencode(dest) + b"/"
+    data = memoryview(data)
     files = nbytes = 0
     bad: list[str] = []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
@@ -88,13 +103,13 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
             continue
         start, size = index.data_offsets[i], index.sizes[i]
         content = data[start:start + size]
-        if verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]:
+        if len(content) != size or (verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]):
             bad.append(os.fsdecode(index.paths[i]))
             continue
         write_file(root + index.paths[i], content, index.modes[i], index.mtimes[i])
         files, nbytes = files + 1, nbytes + size
     if bad:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH, bad)
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, _REFETCH, bad)
     return ShardOutcome(shard.number, files, nbytes)
 
 
@@ -104,13 +119,29 @@ def is_streamed(index: Index, shard: Shard) -> bool:
         index.sizes[shard.first_entry] >= index.shard_size
 
 
-def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, verify: bool) -> ShardOutcome:
+def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
     i = shard.first_entry
-    path, size = os.path.join(root, index.paths[i]), index.sizes[i]
     if verify and hash_range(bundle, shard) != shard.hash:
-        raise _damaged_shard(bundle, index, shard)
+        raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
     _skip(reader, index.data_offsets[i])
+    digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
+    if verify and digest != index.hashes[i * 16:i * 16 + 16]:
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
+                                 [os.fsdecode(index.paths[i])])
+    return ShardOutcome(shard.number, 1, index.sizes[i])
+
+
+def write_streamed_file(reader, index: Index, i: int, dest: str, shard_number: int, source: str | None) -> bytes:
+    """Write file entry ``i`` under ``dest`` from ``reader`` and return the content hash of what was written.
+
+    ``reader`` yields decompressed tar bytes and must stand at the entry's
+    data; exactly its size is read, in chunks of at most 8 MiB, so a file of
+    any size passes through bounded memory. Mode and mtime are applied. Raises
+    CorruptBundleError naming ``source`` and shard ``shard_number`` if the
+    data ends early; checking the returned hash is the caller's business.
+    """
+    path, size = os.path.join(os.fsencode(dest), index.paths[i]), index.sizes[i]
     hasher = new_hasher()
     fd = create_file(path)
     try:
@@ -118,7 +149,8 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, v
         while remaining:
             chunk = reader.read(min(_STREAM_CHUNK, remaining))
             if not chunk:
-                raise CorruptBundleError(f"shard {shard.number} ends early", bundle.path, _REFETCH, [index.paths[i].decode(errors="replace")])
+                raise CorruptBundleError(f"shard {shard_number} ends early", source, _REFETCH,
+                                         [os.fsdecode(index.paths[i])])
             hasher.update(chunk)
             _write_all(fd, chunk, path)
             remaining -= len(chunk)
@@ -126,10 +158,7 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, root: bytes, v
         os.utime(fd, ns=(index.mtimes[i], index.mtimes[i]))
     finally:
         os.close(fd)
-    if verify and hasher.digest() != index.hashes[i * 16:i * 16 + 16]:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
-                                 [os.fsdecode(index.paths[i])])
-    return ShardOutcome(shard.number, 1, size)
+    return hasher.digest()
 
 
 def finish_tree(index: Index, dest: str) -> None:
@@ -236,11 +265,12 @@ class RangeReader:
         return data
 
 
-def _damaged_shard(bundle: Bundle, index: Index, shard: Shard) -> CorruptBundleError:
+def damaged_shard(source: str | None, index: Index, shard: Shard) -> CorruptBundleError:
+    """The error for a shard whose compressed bytes do not match its hash; it names the shard's files."""
     names = [os.fsdecode(index.paths[i]) for i in range(shard.first_entry, shard.first_entry + shard.entry_count)
              if index.kinds[i] == Kind.FILE]
     return CorruptBundleError(f"shard {shard.number} is damaged (hash of its bytes does not match the index); "
-                              f"it holds {len(names)} file(s)", bundle.path, _REFETCH, names)
+                              f"it holds {len(names)} file(s)", source, _REFETCH, names)
 
 
 def destination_error(exc: OSError, path: bytes) -> DestinationError:

@@ -25,6 +25,10 @@ ENTRY_COLUMNS = (
     ("link", "blob"), ("link_group", "q"), ("hash", "hash"), ("shard", "I"),
     ("offset", "Q"), ("data_offset", "Q"),
 )
+_KINDS = dict(ENTRY_COLUMNS)
+_ATTRIBUTES = {"path": "paths", "kind": "kinds", "mode": "modes", "mtime_ns": "mtimes", "size": "sizes",
+               "link": "links", "link_group": "link_groups", "hash": "hashes", "shard": "shard_of",
+               "offset": "offsets", "data_offset": "data_offsets"}
 
 
 def content_hash(data) -> bytes:
@@ -147,10 +151,8 @@ class Index:
             "columns": [name for name, _ in ENTRY_COLUMNS],
             "shards": [s.to_json() for s in self.shards],
         }, sort_keys=True, separators=(",", ":")).encode()
-        parts = [_HEAD.pack(_MAGIC, FORMAT_VERSION, len(header)), header]
-        for name, kind in ENTRY_COLUMNS:
-            column = self._column_bytes(name, kind)
-            parts += [_LEN.pack(memoryview(column).nbytes), column]
+        parts = [_HEAD.pack(_MAGIC, FORMAT_VERSION, len(header)), header,
+                 *self.column_parts([name for name, _ in ENTRY_COLUMNS])]
         hasher = new_hasher()
         for part in parts:
             hasher.update(part)
@@ -159,16 +161,21 @@ class Index:
         del parts
         return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob)
 
-    def _column_bytes(self, name: str, kind: str):
-        values = {"path": self.paths, "kind": self.kinds, "mode": self.modes, "mtime_ns": self.mtimes,
-                  "size": self.sizes, "link": self.links, "link_group": self.link_groups,
-                  "hash": self.hashes, "shard": self.shard_of, "offset": self.offsets,
-                  "data_offset": self.data_offsets}[name]
+    def column_parts(self, names: list[str]) -> list:
+        """The named entry columns in their ``.pidx`` encoding: per column a u64 LE byte length, then the bytes."""
+        parts = []
+        for name in names:
+            column = self._column_bytes(getattr(self, _ATTRIBUTES[name]), _KINDS[name])
+            parts += [_LEN.pack(memoryview(column).nbytes), column]
+        return parts
+
+    @staticmethod
+    def _column_bytes(values, kind: str):
         if kind == "blob":
             return b"\0".join(values)
         if kind == "hash":
             return memoryview(values)
-        return memoryview(_little_endian(values)).cast("B")
+        return memoryview(little_endian(values)).cast("B")
 
     @classmethod
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
@@ -193,13 +200,24 @@ class Index:
         index.shards = [Shard(n, s["offset"], s["length"], s["raw_size"], s["first_entry"],
                               s["entry_count"], s["file_bytes"], bytes.fromhex(s["hash"]))
                         for n, s in enumerate(header["shards"])]
-        index._load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE], header["entries"], source)
+        index.load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE], [name for name, _ in ENTRY_COLUMNS],
+                           header["entries"], source)
         return index
 
-    def _load_columns(self, view: memoryview, count: int, source: str | None) -> None:
+    def load_columns(self, view: memoryview, names: list[str], count: int, source: str | None) -> int:
+        """Decode the named columns (as :meth:`column_parts` wrote them) of ``count`` entries from ``view``.
+
+        Returns the number of bytes consumed; raises CorruptBundleError naming
+        ``source`` when a column is cut short or holds the wrong number of values.
+        """
         pos = 0
-        for name, kind in ENTRY_COLUMNS:
+        for name in names:
+            kind = _KINDS[name]
+            if pos + _LEN.size > len(view):
+                raise CorruptBundleError(f"index column {name!r} is missing", source, _REPACK_HINT)
             (length,) = _LEN.unpack_from(view, pos)
+            if pos + _LEN.size + length > len(view):
+                raise CorruptBundleError(f"index column {name!r} is cut short", source, _REPACK_HINT)
             raw = view[pos + _LEN.size:pos + _LEN.size + length]
             pos += _LEN.size + length
             if kind == "blob":
@@ -208,21 +226,22 @@ class Index:
                 values = bytearray(raw)
             else:
                 values = array(kind)
+                if length % values.itemsize:
+                    raise CorruptBundleError(f"index column {name!r} has the wrong length", source, _REPACK_HINT)
                 values.frombytes(raw)
-                values = _little_endian(values)
+                values = little_endian(values)
             if len(values) != count * (HASH_SIZE if kind == "hash" else 1):
                 raise CorruptBundleError(f"index column {name!r} has the wrong length", source, _REPACK_HINT)
-            attribute = {"path": "paths", "kind": "kinds", "mode": "modes", "mtime_ns": "mtimes",
-                         "size": "sizes", "link": "links", "link_group": "link_groups", "hash": "hashes",
-                         "shard": "shard_of", "offset": "offsets", "data_offset": "data_offsets"}[name]
-            setattr(self, attribute, values)
+            setattr(self, _ATTRIBUTES[name], values)
+        return pos
 
 
 _MAX_INDEX_BYTES = 1 << 34          # 16 GiB: far above any real index (1M entries take ~100 MB)
 _REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
 
 
-def _little_endian(values: array) -> array:
+def little_endian(values: array) -> array:
+    """``values`` in little-endian byte order (the array itself on little-endian machines)."""
     if array("H", [1]).tobytes()[0] == 1:
         return values
     swapped = array(values.typecode, values)

@@ -152,7 +152,7 @@ def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltS
 def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, threads: int, out) -> BuiltShard:
     """Stream a one-file shard, compressed with ``threads`` threads, onto ``out``."""
     index, i = tree.index, plan.first
-    header = _header(index, i)
+    header = entry_header(index, i)
     hasher = new_hasher()
     size = index.sizes[i]
 
@@ -170,7 +170,8 @@ def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, thread
     return BuiltShard(b"", raw, size, hasher.digest(), array("Q", [0]), array("Q", [len(header)]))
 
 
-def _header(index: Index, i: int) -> bytes:
+def entry_header(index: Index, i: int) -> bytes:
+    """The header block(s) (pax, then ustar) that precede entry ``i``'s data in the tar stream."""
     return member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i],
                          index.sizes[i], index.links[i])
 

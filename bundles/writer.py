@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterator
 
 from . import container
 from .codecs import Codec, get_codec
@@ -12,7 +13,7 @@ from .index import Index
 from .parallel import default_jobs, ordered_map
 from .progress import NoProgress, Progress
 from .scan import SourceTree, scan
-from .shards import (ShardPlan, auto_shard_size, build_in_worker, build_streamed_shard, init_worker,
+from .shards import (BuiltShard, ShardPlan, auto_shard_size, build_in_worker, build_streamed_shard, init_worker,
                      place_shard, plan_shards, reset_columns)
 
 
@@ -80,12 +81,32 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
 
 def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int, out, progress) -> None:
     reset_columns(tree.index)
-    small = ordered_map(build_in_worker, [p for p in plans if not p.big], jobs, init_worker, (tree, codec))
-    for plan in plans:
-        offset = out.tell()
-        built = build_streamed_shard(tree, plan, codec, jobs, out) if plan.big else next(small)
+    offset = out.tell()
+    for plan, built in iter_shards(tree, plans, codec, jobs, lambda plan: out):
         place_shard(tree.index, plan, built, out, offset)
+        offset = out.tell()
         progress.advance(plan.count, built.file_bytes)
+
+
+def iter_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int,
+                sink: Callable[[ShardPlan], BinaryIO]) -> Iterator[tuple[ShardPlan, BuiltShard]]:
+    """Build the shards of ``plans`` and yield ``(plan, built)`` in plan order.
+
+    Small shards are built by ``jobs`` forked workers, at most ``2·jobs``
+    ahead of the consumer, and carry their compressed bytes. A big shard
+    (one large file) is compressed with ``jobs`` threads straight onto
+    ``sink(plan)`` — called just before, once the previous shard has been
+    consumed — and its BuiltShard holds no bytes. The bytes depend only on
+    the tree, the codec and level, and the plans, never on ``jobs``; the
+    index is not touched (see :func:`bundles.shards.record_shard`). Closing
+    the generator early stops the workers.
+    """
+    small = ordered_map(build_in_worker, [p for p in plans if not p.big], jobs, init_worker, (tree, codec))
+    try:
+        for plan in plans:
+            yield plan, build_streamed_shard(tree, plan, codec, jobs, sink(plan)) if plan.big else next(small)
+    finally:
+        small.close()
 
 
 def write_sidecar(bundle: str, payload: bytes) -> str:

@@ -1,4 +1,4 @@
-"""`python -m mpi_stager`: unpack (resumably) or pack a bundle with every MPI rank, or serially."""
+"""`python -m mpi_stager`: unpack (resumably) or pack a bundle with every MPI rank, or serially; receive a stream."""
 from __future__ import annotations
 
 import argparse
@@ -12,12 +12,14 @@ from bundles.writer import PackOptions
 
 from .comm import get_communicator
 from .pack import pack_parallel
+from .receive import receive
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
 run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             srun -n 64 python -m mpi_stager unpack B.tar.zst /lustre/dest
             python -m mpi_stager unpack --workers 4 B.tar.zst dest   (one node, no MPI)
+            ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
 A rerun after a crash extracts only the shards the journal does not list as done.
 DEST/.pallet/complete-ID.json appears when the unpack has finished.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error."""
@@ -40,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
                         help="worker processes when running as a single rank (default 1; 0: one per CPU)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
+    receive = commands.add_parser("receive", help="unpack a bundle stream read from stdin into DEST as it arrives",
+                                  description="Read a bundle stream (docs/bundle-format.md, 'Bundle stream v1') "
+                                              "on stdin, as `pallet push` sends it over ssh, and unpack each shard "
+                                              "as it arrives. Prints one JSON line naming the shards already "
+                                              "finished (the sender skips them), and a summary at the end.")
+    receive.add_argument("dest", metavar="DEST")
+    receive.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                         help="check shard and file hashes (default: on)")
+    receive.add_argument("--json", action="store_true", help="print the summary as JSON")
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -53,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "receive":
+        return _run_receive(args)
     try:
         comm = get_communicator(args.comm)
     except PalletError as exc:
@@ -78,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
               f"unpacked {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} with "
               f"{summary.ranks} rank(s) in {summary.seconds:.2f} s: {summary.shards_done} shard(s) extracted, "
               f"{summary.shards_skipped} already done")
+    return 0
+
+
+def _run_receive(args) -> int:
+    try:
+        summary = receive(sys.stdin.buffer, sys.stdout, args.dest, args.verify)
+    except PalletError as exc:
+        print(f"mpi_stager receive: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(json.dumps(summary.to_json()) if args.json else
+          f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
+          f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
+          f"{summary.shards_skipped} already done")
     return 0
 
 

@@ -10,7 +10,6 @@ from bundles.index import Index, content_hash
 from bundles.unpack import STATE_DIR
 
 
-
 def bundle_id(index: Index) -> str:
     """A short identity of a bundle's content: the hash of its shard hashes."""
     return content_hash(b"".join(s.hash for s in index.shards)).hex()[:24]
@@ -18,12 +17,14 @@ def bundle_id(index: Index) -> str:
 
 @dataclass(frozen=True)
 class Journal:
-    """Files under ``root`` (default DEST/.pallet/journal-ID) recording progress of one bundle into one DEST.
+    """Files under ``root`` (default DEST/.pallet/journal-ID; DEST/.pallet/stream-SID for a bundle
+    stream) recording progress of one bundle into one DEST.
 
     ``shard-NNNNNN`` exists once shard N is completely written (its content
     is the shard's hash, so a record from another bundle never counts);
     ``runs/RUN.rankR`` lists the shards rank R extracted in run RUN; the
-    completion marker DEST/.pallet/complete-ID.json is written last.
+    completion marker (``marker``: DEST/.pallet/complete-ID.json, or
+    complete-stream-SID.json) is written last.
     """
 
     root: str
@@ -35,23 +36,36 @@ class Journal:
         root = journal_dir or os.path.join(dest, STATE_DIR, f"journal-{ident}")
         return cls(root, os.path.join(dest, STATE_DIR, f"complete-{ident}.json"))
 
+    @classmethod
+    def for_stream(cls, dest: str, stream_id: str) -> "Journal":
+        """The journal of a bundle stream (see bundles.stream): keyed by its stream id, since the shard
+        hashes are not known before the shards arrive."""
+        state = os.path.join(dest, STATE_DIR)
+        return cls(os.path.join(state, f"stream-{stream_id}"), os.path.join(state, f"complete-stream-{stream_id}.json"))
+
     def create(self) -> None:
         os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
         os.makedirs(os.path.dirname(self.marker), exist_ok=True)
 
     def finished_shards(self, index: Index) -> set[int]:
         """Shards recorded as finished with a hash that matches ``index``."""
-        done = set()
+        return {number for number, digest in self.recorded_shards().items()
+                if number < len(index.shards) and digest == index.shards[number].hash}
+
+    def recorded_shards(self) -> dict[int, bytes]:
+        """Every shard recorded as finished, with the hash it was recorded with."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
-            return done
+            return {}
+        recorded = {}
         for name in names:
             if name.startswith("shard-") and name[6:].isdigit():
-                number = int(name[6:])
-                if number < len(index.shards) and _read(os.path.join(self.root, name)) == index.shards[number].hash.hex():
-                    done.add(number)
-        return done
+                try:
+                    recorded[int(name[6:])] = bytes.fromhex(_read(os.path.join(self.root, name)))
+                except ValueError:
+                    continue
+        return recorded
 
     def record_shard(self, index: Index, number: int, run: str, rank: int) -> None:
         path = os.path.join(self.root, f"shard-{number:06d}")

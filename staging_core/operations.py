@@ -198,7 +198,7 @@ def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, pat
         from .streaming import stream_push
         outcome = stream_push(transport, src, endpoint, codec, options, progress)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
-        run.bytes_sent = getattr(outcome, "bytes_sent", None)
+        run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)
     else:
         _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run)

@@ -48,11 +48,15 @@ def test_auto_bundles_many_tiny_files_and_a_rerun_converges(sshd, tmp_path):
     src = tiny_tree(tmp_path / "src")
     options = StagingOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     first = push(src, sshd.url(str(tmp_path / "dest")), options)
-    assert first.plan.strategy == "bundle" and first.strategy == "bundle"
-    push(src, sshd.url(str(tmp_path / "dest")), options)
-    assert list((tmp_path / "dest" / ".pallet" / "incoming").iterdir()) == []
-    strip_state(tmp_path / "dest")
-    assert_same_tree(src, tmp_path / "dest")
+    assert first.plan.strategy == "bundle" and first.strategy == "bundle" and first.route == "stream"
+    again = push(src, sshd.url(str(tmp_path / "dest")), options)
+    assert again.skipped_shards >= 1 and again.bytes_sent < first.bytes_sent
+    stored = push(src, sshd.url(str(tmp_path / "dest2")), StagingOptions(**{**options.__dict__, "stream": "off"}))
+    assert stored.route != "stream"
+    assert list((tmp_path / "dest2" / ".pallet" / "incoming").iterdir()) == []
+    for dest in ("dest", "dest2"):
+        strip_state(tmp_path / dest)
+        assert_same_tree(src, tmp_path / dest)
 
 
 def test_cli_push_and_clear_errors(sshd, tmp_path):

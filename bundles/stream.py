@@ -1,0 +1,311 @@
+"""Bundle stream v1: a bundle framed for unpacking while it is still being packed (docs/bundle-format.md §7)."""
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import zstandard
+
+from .codecs import get_codec
+from .errors import PalletError, StreamError
+from .index import HASH_SIZE, Index, content_hash, little_endian
+from .shards import BuiltShard, ShardPlan
+from .tarformat import BLOCK, Kind, padding
+
+STREAM_VERSION = 1
+SKELETON_COLUMNS = ["path", "kind", "mode", "mtime_ns", "size", "link", "link_group"]
+DATA_CHUNK = 4 << 20                     # largest DATA frame payload
+_PRELUDE = struct.Struct("<8sI")         # magic, version
+_MAGIC = b"PALLETST"
+_FRAME = struct.Struct("<B3xIQ")         # kind, shard number, payload length
+_SHARD_HEAD = struct.Struct("<IQQQ16s")  # entries, raw size, file bytes, compressed length, shard hash
+_U32 = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+_MAX_SKELETON = 1 << 32                  # compressed or not: far above any real tree (10M entries ~ 1 GB)
+_READ_CHUNK = 16 << 20
+_HEADER_MINIMUMS = {"shard_size": 1, "entries": 0, "shards": 1}
+_HINT = "the stream was damaged or cut short: rerun the push (finished shards are not sent again)"
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries."""
+
+    SKELETON = 1     # entries without hashes, codec, shard plan
+    SHARD = 2        # one shard's columns and hash, and (small shards) its compressed bytes
+    DATA = 3         # a piece of a big shard's compressed bytes, before its SHARD frame
+    SKIP = 4         # one shard's columns and hash; its files are already at the receiver
+    INDEX = 5        # the full index payload (.pidx), last
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame: its kind, the shard it belongs to (0 for SKELETON and INDEX) and its payload."""
+
+    kind: FrameKind
+    number: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The first frame, decoded: entry columns (no hashes or offsets yet), codec, shard plan and stream id.
+
+    ``stream_id`` is a hash of the skeleton's bytes: the same tree, codec,
+    level and shard plan give the same id, whatever the file contents.
+    """
+
+    index: Index
+    plans: list[ShardPlan]
+    stream_id: str
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A shard as a SHARD or SKIP frame describes it; ``built.compressed`` holds the inline bytes, if any."""
+
+    built: BuiltShard
+    length: int
+    hash: bytes
+
+
+def encode_skeleton(index: Index, plans: list[ShardPlan]) -> tuple[bytes, str]:
+    """The SKELETON payload for ``index`` (entry columns filled, codec and shard size set) and its stream id."""
+    header = json.dumps({"stream": STREAM_VERSION, "codec": index.codec, "level": index.level,
+                         "shard_size": index.shard_size, "entries": len(index), "shards": len(plans),
+                         "columns": SKELETON_COLUMNS}, sort_keys=True, separators=(",", ":")).encode()
+    counts, big = array("I", (p.count for p in plans)), array("B", (p.big for p in plans))
+    parts = [_U32.pack(len(header)), header, *index.column_parts(SKELETON_COLUMNS)]
+    for column in (memoryview(little_endian(counts)).cast("B"), memoryview(big)):
+        parts += [_LEN.pack(column.nbytes), column]
+    blob = b"".join(parts)
+    return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob), _stream_id(blob)
+
+
+def decode_skeleton(payload: bytes, source: str | None) -> Skeleton:
+    """Decode a SKELETON payload; raise StreamError (or CorruptBundleError) naming ``source`` if it is invalid.
+
+    Checked here: the encoding, the version, the codec, and that the shard
+    plan covers every entry once, in order, with big shards holding one file.
+    Whether the entries are safe to extract is the receiver's check.
+    """
+    blob = memoryview(_decompress(payload, source))
+    header, pos = _skeleton_header(blob, source)
+    index = Index(header["codec"], header["level"], header["shard_size"])
+    pos += index.load_columns(blob[pos:], SKELETON_COLUMNS, header["entries"], source)
+    counts, pos = _plan_column(blob, pos, "I", header["shards"], source)
+    big, pos = _plan_column(blob, pos, "B", header["shards"], source)
+    if pos != len(blob):
+        raise StreamError("skeleton has bytes after its last column", source, _HINT)
+    return Skeleton(index, _plans(index, counts, big, source), _stream_id(blob))
+
+
+def encode_shard_record(plan: ShardPlan, built: BuiltShard, length: int, digest: bytes) -> list:
+    """The parts of a SHARD or SKIP payload: head, then hashes, offsets and data offsets of the shard's entries.
+
+    A SHARD frame of a small shard appends the ``length`` compressed bytes.
+    """
+    return [_SHARD_HEAD.pack(plan.count, built.raw_size, built.file_bytes, length, digest), built.hashes,
+            memoryview(little_endian(built.offsets)).cast("B"), memoryview(little_endian(built.data_offsets)).cast("B")]
+
+
+def decode_shard_record(payload: bytes, index: Index, plan: ShardPlan, inline: bool, source: str | None) -> ShardRecord:
+    """Decode a SHARD (``inline``: with its compressed bytes) or SKIP payload for ``plan``.
+
+    Raises StreamError naming the shard if the payload does not fit the
+    plan: entry count, column sizes, compressed length, or sizes beyond
+    what the shard's entries can occupy (so nothing huge is ever allocated).
+    """
+    view = memoryview(payload)
+    if len(view) < _SHARD_HEAD.size:
+        raise _bad_shard(plan, "its frame is too short", source)
+    count, raw_size, file_bytes, length, digest = _SHARD_HEAD.unpack_from(view)
+    columns_end = _SHARD_HEAD.size + count * (HASH_SIZE + 16)
+    limit = raw_bound(index, plan)
+    if count != plan.count or raw_size > limit or length > compressed_bound(limit):
+        raise _bad_shard(plan, "its sizes do not fit the skeleton", source)
+    if len(view) != columns_end + (length if inline else 0):
+        raise _bad_shard(plan, "its frame length does not match its contents", source)
+    hashes_end = _SHARD_HEAD.size + count * HASH_SIZE
+    offsets = _u64_column(view[hashes_end:hashes_end + 8 * count])
+    data_offsets = _u64_column(view[hashes_end + 8 * count:columns_end])
+    built = BuiltShard(view[columns_end:] if inline else b"", raw_size, file_bytes,
+                       bytes(view[_SHARD_HEAD.size:hashes_end]), offsets, data_offsets)
+    return ShardRecord(built, length, digest)
+
+
+def raw_bound(index: Index, plan: ShardPlan) -> int:
+    """An upper bound of the shard's uncompressed size: headers (with pax records), data, padding, end."""
+    total = 2 * BLOCK
+    for i in range(plan.first, plan.first + plan.count):
+        size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
+        total += 4 * BLOCK + len(index.paths[i]) + len(index.links[i]) + size + padding(size)
+    return total
+
+
+def compressed_bound(raw: int) -> int:
+    """An upper bound of the compressed size of ``raw`` bytes for every codec (zstd, gzip, none)."""
+    return raw + raw // 64 + 65536
+
+
+class FrameWriter:
+    """Writes a stream onto a binary file object; ``bytes_written`` counts everything written."""
+
+    def __init__(self, out: BinaryIO):
+        self.out = out
+        self.bytes_written = 0
+
+    def prelude(self) -> None:
+        """The stream's first bytes: magic and version."""
+        self._write(_PRELUDE.pack(_MAGIC, STREAM_VERSION))
+
+    def frame(self, kind: FrameKind, number: int, *parts) -> None:
+        """Write one frame whose payload is the concatenation of ``parts`` (bytes-like)."""
+        self._write(_FRAME.pack(kind, number, sum(memoryview(p).nbytes for p in parts)))
+        for part in parts:
+            self._write(part)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def _write(self, data) -> None:
+        self.out.write(data)
+        self.bytes_written += memoryview(data).nbytes
+
+
+class FrameReader:
+    """Reads a stream from a binary file object, refusing frames longer than their kind allows.
+
+    ``shard_limit`` caps SHARD and SKIP payloads (set it from the skeleton,
+    see :func:`frame_limit`); DATA payloads are capped at DATA_CHUNK.
+    ``bytes_read`` counts everything read.
+    """
+
+    def __init__(self, inp: BinaryIO, source: str | None):
+        self.inp, self.source = inp, source
+        self.shard_limit = 0
+        self.bytes_read = 0
+
+    def prelude(self) -> None:
+        """Read and check the magic and version; raise StreamError if this is not a v1 stream."""
+        data = self._read(_PRELUDE.size)
+        if len(data) < _PRELUDE.size or data[:8] != _MAGIC:
+            raise StreamError("input is not a pallet bundle stream", self.source,
+                              "feed the output of a pallet stream sender (pallet push --stream)")
+        (version,) = _U32.unpack_from(data, 8)
+        if version != STREAM_VERSION:
+            raise StreamError(f"bundle stream version {version} is not supported (this pallet reads "
+                              f"{STREAM_VERSION})", self.source, "use the same pallet version on both sides")
+
+    def next(self) -> Frame | None:
+        """The next frame, or None at a clean end of input; StreamError if the input ends inside a frame."""
+        head = self._read(_FRAME.size)
+        if not head:
+            return None
+        if len(head) < _FRAME.size:
+            raise StreamError("stream ends inside a frame header", self.source, _HINT)
+        code, number, length = _FRAME.unpack(head)
+        try:
+            kind = FrameKind(code)
+        except ValueError:
+            raise StreamError(f"unknown frame kind {code}", self.source, _HINT) from None
+        if length > self._limit(kind):
+            raise StreamError(f"{kind.name} frame of {length} bytes is longer than allowed", self.source, _HINT)
+        payload = self._read(length)
+        if len(payload) < length:
+            raise StreamError(f"stream ends inside a {kind.name} frame", self.source, _HINT)
+        return Frame(kind, number, payload)
+
+    def _limit(self, kind: FrameKind) -> int:
+        if kind in (FrameKind.SKELETON, FrameKind.INDEX):
+            return _MAX_SKELETON
+        return DATA_CHUNK if kind == FrameKind.DATA else self.shard_limit
+
+    def _read(self, size: int) -> bytes:
+        if size <= _READ_CHUNK:
+            data = self.inp.read(size)
+        else:                        # grow with what arrives, never by what a header claims
+            data = bytearray()
+            while len(data) < size:
+                chunk = self.inp.read(min(_READ_CHUNK, size - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+        self.bytes_read += len(data)
+        return data
+
+
+def frame_limit(skeleton: Skeleton) -> int:
+    """The largest SHARD or SKIP payload the skeleton's plan allows."""
+    index = skeleton.index
+    return max(_SHARD_HEAD.size + p.count * (HASH_SIZE + 16) + compressed_bound(raw_bound(index, p))
+               for p in skeleton.plans)
+
+
+def _stream_id(blob) -> str:
+    return content_hash(blob).hex()[:24]
+
+
+def _decompress(payload: bytes, source: str | None) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if not 0 <= declared <= _MAX_SKELETON:
+            raise zstandard.ZstdError(f"frame declares {declared} bytes")
+        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=declared)
+    except zstandard.ZstdError as exc:
+        raise StreamError(f"skeleton is damaged ({exc})", source, _HINT) from exc
+
+
+def _skeleton_header(blob: memoryview, source: str | None) -> tuple[dict, int]:
+    try:
+        (length,) = _U32.unpack_from(blob)
+        header = json.loads(bytes(blob[_U32.size:_U32.size + length]))
+        version = header["stream"]
+        if version != STREAM_VERSION:
+            raise StreamError(f"skeleton version {version} is not supported", source,
+                              "use the same pallet version on both sides")
+        get_codec(header["codec"], header["level"])
+        for key, least in _HEADER_MINIMUMS.items():
+            if not isinstance(header[key], int) or header[key] < least:
+                raise ValueError(f"{key} is {header[key]!r}")
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise StreamError(f"skeleton header is invalid ({exc})", source, _HINT) from None
+    except PalletError as exc:
+        raise StreamError(f"skeleton header is invalid ({exc.message})", source, _HINT) from None
+    return header, _U32.size + length
+
+
+def _plan_column(blob: memoryview, pos: int, typecode: str, count: int, source: str | None) -> tuple[array, int]:
+    values = array(typecode)
+    end = pos + _LEN.size + count * values.itemsize
+    if end > len(blob) or _LEN.unpack_from(blob, pos)[0] != count * values.itemsize:
+        raise StreamError("skeleton's shard plan is cut short", source, _HINT)
+    values.frombytes(blob[pos + _LEN.size:end])
+    return little_endian(values), end
+
+
+def _plans(index: Index, counts: array, big: array, source: str | None) -> list[ShardPlan]:
+    plans, first = [], 0
+    for n, (count, is_big) in enumerate(zip(counts, big)):
+        if first + count > len(index) or (count == 0 and len(index)):
+            raise StreamError(f"skeleton's shard {n} does not fit its entries", source, _HINT)
+        if is_big and (count != 1 or index.kinds[first] != Kind.FILE):
+            raise StreamError(f"skeleton's shard {n} is marked big but is not one file", source, _HINT)
+        plans.append(ShardPlan(n, first, count, bool(is_big), n == len(counts) - 1))
+        first += count
+    if first != len(index):
+        raise StreamError(f"skeleton's shard plan covers {first} of {len(index)} entries", source, _HINT)
+    return plans
+
+
+def _u64_column(view: memoryview) -> array:
+    values = array("Q")
+    values.frombytes(view)
+    return little_endian(values)
+
+
+def _bad_shard(plan: ShardPlan, why: str, source: str | None) -> StreamError:
+    return StreamError(f"shard {plan.number}: {why}", source, _HINT)

@@ -1,0 +1,332 @@
+"""Receive a bundle stream on stdin and unpack each shard into DEST as it arrives, resumably."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import resource
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import BinaryIO, TextIO
+
+from bundles.codecs import Codec, get_codec
+from bundles.errors import CorruptBundleError, PalletError, StreamError
+from bundles.extract import (check_index, create_file, damaged_shard, extract_shard_data, finish_tree,
+                             make_directories, prepare_destination, write_streamed_file)
+from bundles.index import Shard, content_hash, new_hasher
+from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
+from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
+                            decode_skeleton, frame_limit)
+from bundles.unpack import INCOMPLETE_MARKER
+
+from .journal import Journal, new_run_name
+
+_HINT = "rerun the push: shards finished here are not sent again"
+_READ_AHEAD = 2          # frames buffered while the previous shard is written
+
+
+@dataclass(frozen=True)
+class ReceiveSummary:
+    """What one receive did; printed as JSON (the last line on stdout) and kept in the completion marker.
+
+    ``stream_bytes`` counts every byte read from the stream, ``data_bytes``
+    the compressed shard bytes among them (skipped shards send none);
+    ``max_rss_bytes`` is this process's peak resident memory.
+    """
+
+    dest: str
+    stream_id: str
+    shards_total: int
+    shards_received: int
+    shards_skipped: int
+    files: int
+    file_bytes: int
+    stream_bytes: int
+    data_bytes: int
+    verified: bool
+    max_rss_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> ReceiveSummary:
+    """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
+
+    The skeleton is checked against the extraction rules before anything is
+    written (UnsafeMemberError names every refused entry). Then ``dest``
+    gets ``.pallet-incomplete``, one JSON line goes to ``out`` —
+    ``{"stream": ID, "done": {"N": "HASH", ...}}``, the shards the journal
+    DEST/.pallet/stream-ID lists as finished, which the sender may skip —
+    and the directories are made. Each shard is written as it arrives (a big
+    one in chunks), verified with ``verify``, and journaled; at most a few
+    shards are held in memory. After the last shard the index the sender
+    sends must equal the one assembled here; then links and directory
+    metadata are applied, the completion marker is written and the
+    incomplete marker removed. Raises StreamError or CorruptBundleError
+    naming the shard for damaged, cut or inconsistent input, leaving
+    ``dest`` marked incomplete and the journal for a rerun.
+    """
+    started = time.monotonic()
+    source = f"stream to {dest}"
+    reader = FrameReader(inp, source)
+    reader.prelude()
+    skeleton = _read_skeleton(reader, source)
+    check_index(skeleton.index, source)
+    prepare_destination(dest)
+    marker = _mark_incomplete(dest)
+    journal = Journal.for_stream(dest, skeleton.stream_id)
+    journal.create()
+    receiver = _Receiver(skeleton, dest, verify, journal, source)
+    _reply(out, skeleton, receiver.recorded)
+    make_directories(skeleton.index, dest)
+    reader.shard_limit = frame_limit(skeleton)
+    with _ReadAhead(reader) as frames:
+        for plan in skeleton.plans:
+            receiver.take(plan, frames)
+        receiver.finish(frames)
+    finish_tree(skeleton.index, dest)
+    summary = receiver.summary(reader.bytes_read, time.monotonic() - started)
+    journal.complete(summary.to_json())
+    os.unlink(marker)
+    return summary
+
+
+def _read_skeleton(reader: FrameReader, source: str) -> Skeleton:
+    frame = reader.next()
+    if frame is None or frame.kind != FrameKind.SKELETON:
+        raise StreamError("stream does not start with a skeleton frame", source, _HINT)
+    return decode_skeleton(frame.payload, source)
+
+
+def _mark_incomplete(dest: str) -> str:
+    marker = os.path.join(dest, INCOMPLETE_MARKER)
+    with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
+        handle.write("pallet is receiving a bundle stream here; if this file remains, the transfer did not "
+                     "finish: rerun it\n")
+    return marker
+
+
+def _reply(out: TextIO, skeleton: Skeleton, recorded: dict[int, bytes]) -> None:
+    done = {str(n): digest.hex() for n, digest in sorted(recorded.items()) if n < len(skeleton.plans)}
+    try:
+        out.write(json.dumps({"stream": skeleton.stream_id, "done": done}) + "\n")
+        out.flush()
+    except BrokenPipeError:
+        raise StreamError("the sender went away", None, _HINT) from None
+
+
+class _Receiver:
+    """The state of one receive: the index being assembled, the journal, and counters."""
+
+    def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str):
+        self.index, self.dest, self.verify, self.journal, self.source = skeleton.index, dest, verify, journal, source
+        self.stream_id, self.shards_total = skeleton.stream_id, len(skeleton.plans)
+        self.recorded = journal.recorded_shards()
+        self.run = new_run_name()
+        self.offset = self.received = self.skipped = self.files = self.file_bytes = self.data_bytes = 0
+        reset_columns(self.index)
+
+    def take(self, plan: ShardPlan, frames: "_ReadAhead") -> None:
+        """Consume the frames of shard ``plan``: SKIP, SHARD, or (big shards) DATA... then SHARD."""
+        frame = _expect(frames, self.source, f"shard {plan.number}")
+        if frame.number != plan.number or frame.kind not in _SHARD_KINDS[plan.big]:
+            raise StreamError(f"expected shard {plan.number}, got a {frame.kind.name} frame for shard "
+                              f"{frame.number}", self.source, _HINT)
+        if frame.kind == FrameKind.SKIP:
+            self._skip(plan, decode_shard_record(frame.payload, self.index, plan, False, self.source))
+        elif plan.big:
+            self._take_big(plan, frame, frames)
+        else:
+            self._take_small(plan, decode_shard_record(frame.payload, self.index, plan, True, self.source))
+
+    def _skip(self, plan: ShardPlan, record: ShardRecord) -> None:
+        if self.recorded.get(plan.number) != record.hash:
+            raise StreamError(f"shard {plan.number}: the sender skipped it, but it is not finished here",
+                              self.source, _HINT)
+        self._record(plan, record)
+        self.skipped += 1
+
+    def _take_small(self, plan: ShardPlan, record: ShardRecord) -> None:
+        shard = self._record(plan, record)
+        if self.verify and content_hash(record.built.compressed) != record.hash:
+            raise damaged_shard(self.source, self.index, shard)
+        data = self._codec(plan).decompress(record.built.compressed, record.built.raw_size)
+        outcome = extract_shard_data(data, self.index, shard, self.dest, self.verify, self.source)
+        self._done(shard, record.length, outcome.files, outcome.file_bytes)
+
+    def _take_big(self, plan: ShardPlan, first: Frame, frames: "_ReadAhead") -> None:
+        i, where = plan.first, f"shard {plan.number}"
+        raw = _DataReader(frames, plan.number, first, self.source)
+        content = self._codec(plan).open_stream(raw)
+        header = entry_header(self.index, i)
+        if _read_exact(content, len(header)) != header:
+            raise StreamError(f"{where}: its tar header does not match the skeleton", self.source, _HINT)
+        digest = write_streamed_file(content, self.index, i, self.dest, plan.number, self.source)
+        raw.drain()
+        record = decode_shard_record(raw.end.payload, self.index, plan, False, self.source)
+        if (record.length, record.built.offsets[0], record.built.data_offsets[0]) != (raw.length, 0, len(header)):
+            raise StreamError(f"{where}: its sizes disagree with its data", self.source, _HINT)
+        shard = self._record(plan, record)
+        if self.verify and raw.digest() != record.hash:
+            raise damaged_shard(self.source, self.index, shard)
+        if self.verify and digest != record.built.hashes:
+            raise CorruptBundleError(f"{where}: content hash mismatch", self.source, _HINT,
+                                     [os.fsdecode(self.index.paths[i])])
+        self._done(shard, record.length, 1, self.index.sizes[i])
+
+    def _codec(self, plan: ShardPlan) -> Codec:
+        """The stream's codec, naming the shard in its decoding errors."""
+        return get_codec(self.index.codec, self.index.level, f"{self.source}, shard {plan.number}")
+
+    def _record(self, plan: ShardPlan, record: ShardRecord) -> Shard:
+        built = record.built
+        shard = Shard(plan.number, self.offset, record.length, built.raw_size, plan.first, plan.count,
+                      built.file_bytes, record.hash)
+        record_shard(self.index, plan, built, shard)
+        self.offset += record.length
+        return shard
+
+    def _done(self, shard: Shard, length: int, files: int, file_bytes: int) -> None:
+        self.journal.record_shard(self.index, shard.number, self.run, 0)
+        self.received += 1
+        self.data_bytes += length
+        self.files += files
+        self.file_bytes += file_bytes
+
+    def finish(self, frames: "_ReadAhead") -> None:
+        """Check the sender's index against the assembled one, and that the stream ends there."""
+        frame = _expect(frames, self.source, "the index")
+        if frame.kind != FrameKind.INDEX:
+            raise StreamError(f"expected the index, got a {frame.kind.name} frame", self.source, _HINT)
+        if bytes(frame.payload) != self.index.to_bytes():
+            raise StreamError("the sender's index differs from the one assembled from the shards", self.source,
+                              "the two sides may run different pallet versions; rerun after aligning them")
+        if frames.next() is not None:
+            raise StreamError("the stream goes on after its index", self.source, _HINT)
+
+    def summary(self, stream_bytes: int, seconds: float) -> ReceiveSummary:
+        return ReceiveSummary(self.dest, self.stream_id, self.shards_total, self.received, self.skipped,
+                              self.files, self.file_bytes, stream_bytes, self.data_bytes, self.verify,
+                              _max_rss(), seconds)
+
+
+_SHARD_KINDS = {False: (FrameKind.SHARD, FrameKind.SKIP), True: (FrameKind.DATA, FrameKind.SKIP)}
+
+
+def _expect(frames: "_ReadAhead", source: str, what: str) -> Frame:
+    frame = frames.next()
+    if frame is None:
+        raise StreamError(f"stream ends before {what}", source, _HINT)
+    return frame
+
+
+def _read_exact(reader, size: int) -> bytes:
+    parts, remaining = [], size
+    while remaining:
+        chunk = reader.read(remaining)
+        if not chunk:
+            break
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
+
+
+class _DataReader:
+    """File-like reader of a big shard's compressed bytes: its DATA frames, hashed, up to its SHARD frame (``end``)."""
+
+    def __init__(self, frames: "_ReadAhead", number: int, first: Frame, source: str):
+        self.frames, self.number, self.source = frames, number, source
+        self.buffer, self.end = memoryview(first.payload), None
+        self.hasher, self.length = new_hasher(), len(first.payload)
+        self.hasher.update(first.payload)
+
+    def read(self, size: int = -1) -> bytes:
+        size = DATA_CHUNK if size is None or size < 0 else size
+        while not self.buffer and self.end is None:
+            self._next_frame()
+        data, self.buffer = bytes(self.buffer[:size]), self.buffer[size:]
+        return data
+
+    def drain(self) -> None:
+        """Read the rest of the shard's bytes (padding, end of archive) up to its SHARD frame."""
+        while self.end is None:
+            self.buffer = memoryview(b"")
+            self._next_frame()
+
+    def digest(self) -> bytes:
+        return self.hasher.digest()
+
+    def _next_frame(self) -> None:
+        frame = _expect(self.frames, self.source, f"the end of shard {self.number}")
+        if frame.number != self.number or frame.kind not in (FrameKind.DATA, FrameKind.SHARD):
+            raise StreamError(f"shard {self.number}: its data is interrupted by a {frame.kind.name} frame",
+                              self.source, _HINT)
+        if frame.kind == FrameKind.SHARD:
+            self.end = frame
+            return
+        self.buffer = memoryview(frame.payload)
+        self.hasher.update(frame.payload)
+        self.length += len(frame.payload)
+
+
+class _ReadAhead:
+    """Reads frames on a thread, a few ahead, so the wire keeps moving while a shard is written."""
+
+    def __init__(self, reader: FrameReader):
+        self.reader = reader
+        self.frames: queue.Queue = queue.Queue(_READ_AHEAD)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pallet-read-ahead", daemon=True)
+
+    def __enter__(self) -> "_ReadAhead":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+
+    def next(self) -> Frame | None:
+        """The next frame, None at the end of the stream (every time after); a read error is raised here."""
+        item = self.frames.get()
+        if not isinstance(item, Frame):
+            self.frames.put_nowait(item)         # the reader has stopped: the end or the error stays
+        if isinstance(item, PalletError):
+            raise item
+        return item
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                frame = self.reader.next()
+            except PalletError as exc:
+                frame = exc
+            except OSError as exc:
+                frame = StreamError(f"cannot read the stream ({exc.strerror})", self.reader.source, _HINT)
+            self._put(frame)
+            if not isinstance(frame, Frame):
+                return
+
+    def _put(self, item) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.frames.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+
+def _max_rss() -> int:
+    """Peak resident memory of this program image (Linux VmHWM: ru_maxrss would include the spawning parent's)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

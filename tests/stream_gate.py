@@ -1,0 +1,69 @@
+"""Stands in for the far side's Python in stream tests: lets a bundle stream reach the receiver up to shard 0.
+
+Usage (as --remote-python): ``python stream_gate.py MODE DEST`` followed by
+the receiver's own arguments (``-m mpi_stager receive ...``). The gate
+forwards the skeleton and the frames of shard 0 and waits until DEST's
+stream journal records a shard. Then in mode ``hold`` it stops reading, so
+the sender stalls mid-stream, until the file ``DEST.release`` appears; it
+then swallows the rest of its input and, when that ends, closes the
+receiver's. In mode ``kill`` it kills the receiver with SIGKILL and exits
+at once. Either way it writes the receiver's exit status to ``DEST.gate-exit``.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+from bundles.stream import FrameKind, FrameReader
+
+
+class _Tee:
+    """A reader that passes on what it reads to ``copy`` at once."""
+
+    def __init__(self, source, copy):
+        self.source, self.copy = source, copy
+
+    def read(self, size: int) -> bytes:
+        data = self.source.read(size)
+        self.copy.write(data)
+        self.copy.flush()
+        return data
+
+
+def _wait_for(pattern: str) -> None:
+    deadline = time.monotonic() + 120
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def main() -> int:
+    mode, dest, *receiver_args = sys.argv[1:]
+    receiver = subprocess.Popen([sys.executable, *receiver_args], stdin=subprocess.PIPE)
+    reader = FrameReader(_Tee(sys.stdin.buffer, receiver.stdin), "gate")
+    reader.shard_limit = 1 << 40
+    reader.prelude()
+    frame = reader.next()
+    while frame is not None and frame.kind not in (FrameKind.SHARD, FrameKind.SKIP):
+        frame = reader.next()
+    _wait_for(os.path.join(dest, ".pallet", "stream-*", "shard-*"))
+    if mode == "kill":
+        receiver.kill()
+    else:
+        _wait_for(f"{dest}.release")
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+        try:
+            receiver.stdin.close()
+        except BrokenPipeError:
+            pass
+    status = receiver.wait()
+    with open(dest + ".gate-exit", "w") as handle:
+        handle.write(str(status))
+    return 137 if mode == "kill" else status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

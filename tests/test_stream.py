@@ -1,0 +1,232 @@
+"""Streaming bundle push over a real sshd: same trees, bounded memory, resume after kill -9, refused bad streams."""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+
+from bundles import Index, PackOptions, pack
+from bundles.progress import NoProgress
+from bundles.shards import plan_shards
+from bundles.stream import FrameKind, FrameReader, FrameWriter, encode_skeleton
+from bundles.tarformat import Kind
+from staging_core.operations import push
+from staging_core.options import StagingOptions
+from staging_core.streaming import ReceiverError, prepare_source, send_stream, stream_push
+from staging_core.transports.base import parse_url
+from staging_core.transports.registry import open_transport
+from tests.conftest import assert_same_tree, make_nasty_tree
+
+GATE = Path(__file__).with_name("stream_gate.py")
+
+
+def tiny_tree(root: Path, count: int, size: int = 40, compressible: bool = True) -> str:
+    for n in range(count):
+        path = root / f"d{n % 30:02d}" / f"f{n:05d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = os.urandom(size // 2).hex().encode()[:size] if compressible else os.urandom(size)
+        path.write_bytes(b"%d," % n + body)
+    return str(root)
+
+
+def options(sshd, **overrides) -> StagingOptions:
+    settings = dict(strategy="bundle", codec="zstd", stream="on", jobs=2, remote_python=sys.executable,
+                    ssh_options=tuple(sshd.ssh_options), retries=0)
+    return StagingOptions(**{**settings, **overrides})
+
+
+def streamed(sshd, src: str, dest: Path, **overrides):
+    endpoint = parse_url(sshd.url(str(dest)))
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
+        return stream_push(transport, src, endpoint, "zstd", options(sshd, **overrides), NoProgress())
+
+
+def same_tree(src: str, dest: Path) -> None:
+    assert not (dest / ".pallet-incomplete").exists()
+    shutil.rmtree(dest / ".pallet")
+    assert_same_tree(src, dest)
+
+
+def receive_locally(stream: bytes, dest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpi_stager", "receive", "--json", str(dest)], input=stream,
+                          capture_output=True)
+
+
+def encoded(src: str, shard_size: int) -> bytes:
+    out = io.BytesIO()
+    send_stream(prepare_source(src, "zstd", 1, shard_size), out, lambda stream_id: {}, NoProgress())
+    return out.getvalue()
+
+
+def test_push_streams_a_nasty_tree_by_default_over_ssh(sshd, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    result = push(src, sshd.url(str(tmp_path / "dest")), options(sshd, stream="auto"))
+    assert result.route == "stream" and result.strategy == "bundle" and result.skipped_shards == 0
+    same_tree(src, tmp_path / "dest")
+
+
+def test_many_tiny_files_in_many_shards_and_a_rerun_skips_them_all(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src", 3000)
+    first = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10)
+    far = first.far_side
+    assert far.shards_total >= 10 and far.shards_received == far.shards_total and far.files == 3000
+    assert first.skipped_shards == 0 and far.verified
+    again = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10, verify=False)
+    assert again.skipped_shards == far.shards_total and again.far_side.data_bytes == 0
+    assert again.bytes_sent < first.bytes_sent and not again.far_side.verified
+    same_tree(src, tmp_path / "dest")
+
+
+def test_the_stream_carries_the_same_index_as_pack(tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    (Path(src) / "big.bin").write_bytes(os.urandom(300_000))
+    reader = FrameReader(io.BytesIO(encoded(src, 64 << 10)), "test")
+    reader.shard_limit = 1 << 30
+    reader.prelude()
+    frames = list(iter(reader.next, None))
+    packed = pack(src, tmp_path / "b.tar.zst", PackOptions(shard_size=64 << 10, jobs=1))
+    assert frames[-1].kind == FrameKind.INDEX
+    assert bytes(frames[-1].payload) == Path(packed.sidecar).read_bytes()
+    assert FrameKind.DATA in {f.kind for f in frames}
+
+
+def test_a_file_larger_than_the_shard_size_streams_in_bounded_memory(sshd, tmp_path):
+    small = tiny_tree(tmp_path / "small", 5)
+    baseline = streamed(sshd, small, tmp_path / "d0", shard_size=1 << 20).far_side.max_rss_bytes
+    src = tiny_tree(tmp_path / "src", 5)
+    size = 64 << 20
+    with open(Path(src) / "big.bin", "wb") as handle:
+        for _ in range(size >> 20):
+            handle.write(os.urandom(1 << 20))
+    outcome = streamed(sshd, src, tmp_path / "dest", shard_size=1 << 20)
+    assert outcome.far_side.file_bytes > size and outcome.far_side.data_bytes > size
+    assert outcome.far_side.max_rss_bytes - baseline < size // 2
+    same_tree(src, tmp_path / "dest")
+
+
+def test_a_big_file_changed_behind_its_journal_record_is_sent_again(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src", 20)
+    big = Path(src) / "big.bin"
+    big.write_bytes(os.urandom(300_000))
+    first = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10)
+    stamp = big.stat().st_mtime_ns
+    big.write_bytes(os.urandom(300_000))               # same size and mtime: same skeleton, same stream id
+    os.utime(big, ns=(stamp, stamp))
+    again = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10)
+    assert again.far_side.stream_id == first.far_side.stream_id
+    assert again.far_side.shards_received == 1 and again.skipped_shards == first.far_side.shards_total - 1
+    same_tree(src, tmp_path / "dest")
+
+
+def test_far_side_errors_surface_with_their_message(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src", 3)
+    (tmp_path / "dest").write_text("a file where the tree should go")
+    with pytest.raises(ReceiverError) as caught:
+        streamed(sshd, src, tmp_path / "dest")
+    assert "exists and is not a directory" in str(caught.value) and caught.value.hint
+
+
+def test_receiver_refuses_an_unsafe_skeleton_before_writing_anything(tmp_path):
+    index = Index("zstd", 3, 1 << 20, paths=[b"ok", b"../evil"], kinds=array("B", [Kind.FILE] * 2),
+                  modes=array("I", [0o644] * 2), mtimes=array("q", [0] * 2), sizes=array("Q", [0] * 2),
+                  links=[b"", b""], link_groups=array("q", [-1] * 2))
+    out = io.BytesIO()
+    wire = FrameWriter(out)
+    wire.prelude()
+    wire.frame(FrameKind.SKELETON, 0, encode_skeleton(index, plan_shards(index, 1 << 20))[0])
+    (tmp_path / "in").mkdir()
+    done = receive_locally(out.getvalue(), tmp_path / "in" / "dest")
+    assert done.returncode == 1 and done.stdout == b""
+    assert "unsafe" in done.stderr.decode() and "'..' component" in done.stderr.decode()
+    assert os.listdir(tmp_path) == ["in"] and os.listdir(tmp_path / "in") == []
+
+
+def test_a_corrupted_shard_frame_fails_naming_the_shard(tmp_path):
+    src = tiny_tree(tmp_path / "src", 200, size=300)
+    stream = bytearray(encoded(src, 16 << 10))
+    reader = FrameReader(io.BytesIO(bytes(stream)), "test")
+    reader.shard_limit = 1 << 30
+    reader.prelude()
+    frame = reader.next()
+    while frame.kind != FrameKind.SHARD or frame.number < 2:
+        frame = reader.next()
+    stream[reader.bytes_read - 5] ^= 0x40          # inside shard 2's compressed bytes, the frame's tail
+    done = receive_locally(bytes(stream), tmp_path / "dest")
+    assert done.returncode == 1 and "shard 2 is damaged" in done.stderr.decode()
+    assert (tmp_path / "dest" / ".pallet-incomplete").exists()
+    cut = receive_locally(encoded(src, 16 << 10)[:-100], tmp_path / "dest2")
+    assert cut.returncode == 1 and "stream ends inside" in cut.stderr.decode()
+    assert (tmp_path / "dest2" / ".pallet-incomplete").exists()
+
+
+def test_kill_9_of_the_sender_mid_stream_then_a_rerun_resumes(sshd, tmp_path):
+    # about 10 MiB that does not compress: three 4 MiB shards, more than ssh and the pipes buffer
+    src = tiny_tree(tmp_path / "src", 2500, size=4000, compressible=False)
+    dest = tmp_path / "dest"
+    gate = f"{sys.executable} {GATE} hold {dest}"
+    control = tempfile.mkdtemp(prefix="pst-", dir="/tmp")       # short: ssh control socket paths are limited
+    try:
+        sender = subprocess.Popen([sys.executable, "-m", "staging_core.cli", "push", "--stream", "on", "--quiet",
+                                   "--strategy", "bundle", "--codec", "zstd", "--jobs", "2", "--remote-python", gate,
+                                   *[f"--ssh-option={o}" for o in sshd.ssh_options], src, sshd.url(str(dest))],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "TMPDIR": control})
+        try:
+            wait_for(lambda: glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*")), sender)
+        finally:
+            os.kill(sender.pid, signal.SIGKILL)
+            sender.communicate()
+            Path(f"{dest}.release").touch()
+        wait_for(lambda: os.path.exists(f"{dest}.gate-exit"))       # the far side saw the stream end
+    finally:
+        stop_control_masters(control, sshd)
+    result = push(src, sshd.url(str(dest)), options(sshd))
+    marker = json.loads(next((dest / ".pallet").glob("complete-stream-*.json")).read_text())
+    assert result.route == "stream" and result.skipped_shards >= 1
+    assert marker["shards_skipped"] == result.skipped_shards and marker["shards_total"] >= 3
+    assert result.bytes_sent == marker["stream_bytes"] < len(encoded(src, 4 << 20))
+    same_tree(src, dest)
+
+
+def test_kill_9_of_the_receiver_fails_the_push_and_a_rerun_resumes(sshd, tmp_path):
+    src = tiny_tree(tmp_path / "src", 40, size=2000)
+    dest = tmp_path / "dest"
+    endpoint = parse_url(sshd.url(str(dest)))
+    gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill {dest}", shard_size=16 << 10)
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
+        with pytest.raises(ReceiverError) as caught:
+            stream_push(transport, src, endpoint, "zstd", gate, NoProgress())
+    assert "status 137" in str(caught.value) and (dest / ".pallet-incomplete").exists()
+    again = streamed(sshd, src, dest, shard_size=16 << 10)
+    assert again.skipped_shards >= 1 and again.far_side.shards_received + again.skipped_shards >= 4
+    same_tree(src, dest)
+
+
+def wait_for(condition, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds; fail early if ``process`` exits first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"exited early ({process.returncode}): {process.stderr.read().decode()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def stop_control_masters(control: str, sshd) -> None:
+    """Stop the ssh ControlMasters a killed pallet left under ``control`` (through their sockets), then remove it."""
+    for socket in glob.glob(os.path.join(control, "pallet-ssh-*", "cm")):
+        subprocess.run(["ssh", "-p", str(sshd.port), "-o", f"ControlPath={socket}", *sshd.ssh_options, "-O", "exit",
+                        f"{sshd.user}@127.0.0.1"], capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
+    shutil.rmtree(control, ignore_errors=True)
