@@ -21,7 +21,7 @@ class SourceTree:
 
 
 def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
-         exclude: frozenset[bytes] = frozenset()) -> SourceTree:
+         exclude: frozenset[bytes] = frozenset(), include: frozenset[bytes] | None = None) -> SourceTree:
     """Walk ``src`` (a directory or one file) into an Index holding its entries in stream order.
 
     Only entry columns are filled (hashes, shards and offsets come from the
@@ -31,7 +31,11 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
     (device, FIFO, socket) and every symlink pointing outside the tree,
     since no bundle may carry those. ``exclude`` holds relative names
     (bytes, as the index stores them) of non-directories to leave out —
-    e.g. the large files a hybrid push sends individually.
+    e.g. the large files a hybrid push sends individually. ``include``,
+    when given, selects relative names instead of the whole tree: those
+    files (a directory brings everything under it) and their parent
+    directories, in the same stream order; SourceError lists names that do
+    not exist or leave the tree.
     """
     top = os.fsencode(src)
     try:
@@ -41,7 +45,7 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", src, "check its permissions") from None
     if stat.S_ISDIR(st.st_mode):
-        root, names = top, _walk(top)
+        root, names = top, (_walk(top) if include is None else _selected(top, include))
         if exclude:
             names = [name for name in names if name not in exclude]
     else:
@@ -59,6 +63,50 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
         raise SourceError("cannot be packed:\n" + "\n".join(f"  - {p}" for p in problems), src,
                           "remove or replace these entries, or pack a directory that does not hold them")
     return SourceTree(root, index)
+
+
+_WHOLE = object()      # an included directory: everything under it
+
+
+def _selected(root: bytes, include: frozenset[bytes]) -> list[bytes]:
+    """Relative names of the ``include`` selection and its parent directories, in :func:`_walk`'s order."""
+    tree: dict = {}
+    problems = []
+    for name in sorted(include):
+        clean = os.path.normpath(name)
+        if os.path.isabs(clean) or clean == b".." or clean.startswith(b"../") or clean == b".":
+            problems.append(f"{os.fsdecode(name)}: not a relative path inside the source")
+            continue
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(os.path.join(root, clean)).st_mode)
+        except OSError as exc:
+            problems.append(f"{os.fsdecode(name)}: {exc.strerror}")
+            continue
+        *parents, last = clean.split(b"/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+            if node is _WHOLE:
+                break
+        else:
+            node[last] = _WHOLE if is_dir else None
+    if problems:
+        raise SourceError("cannot select:\n" + "\n".join(f"  - {p}" for p in problems), os.fsdecode(root),
+                          "list files that exist under the source, relative to it")
+    names: list[bytes] = []
+    _emit(root, tree, b"", names)
+    return names
+
+
+def _emit(root: bytes, node: dict, prefix: bytes, names: list[bytes]) -> None:
+    names.extend(prefix + name for name in sorted(k for k, v in node.items() if v is None))
+    for name in sorted(k for k, v in node.items() if v is not None):
+        path = prefix + name
+        names.append(path)
+        if node[name] is _WHOLE:
+            names.extend(path + b"/" + below for below in _walk(os.path.join(root, path)))
+        else:
+            _emit(root, node[name], path + b"/", names)
 
 
 def _walk(root: bytes) -> list[bytes]:

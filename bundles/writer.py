@@ -20,13 +20,15 @@ from .shards import (BuiltShard, ShardPlan, auto_shard_size, build_in_worker, bu
 @dataclass(frozen=True)
 class PackOptions:
     """How to pack: codec and level, target uncompressed shard size (None: automatic), workers, and
-    relative names of files to leave out (see :func:`bundles.scan.scan`)."""
+    relative names of files to leave out or, with ``include``, the only ones to pack (see
+    :func:`bundles.scan.scan`)."""
 
     codec: str = "zstd"
     level: int | None = None
     shard_size: int | None = None
     jobs: int = 0
     exclude: frozenset[bytes] = frozenset()
+    include: frozenset[bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     jobs = options.jobs or default_jobs()
     bundle = os.fspath(bundle)
     check_destination(bundle)
-    tree = scan(src, codec.name, codec.level, jobs, options.exclude)
+    tree = scan(src, codec.name, codec.level, jobs, options.exclude, options.include)
     index = tree.index
     index.shard_size = options.shard_size or auto_shard_size(index)
     plans = plan_shards(index, index.shard_size)

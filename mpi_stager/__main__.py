@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from bundles.errors import PalletError
+from bundles.errors import PalletError, UsageError
 
 from bundles.writer import PackOptions
 
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--level", type=int)
     pack.add_argument("--shard-size", type=int, metavar="BYTES", help="target uncompressed shard size")
     pack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto")
+    pack.add_argument("--files-from", metavar="FILE",
+                      help="pack only these paths relative to SRC (and their parent directories): one per line, "
+                           "or NUL-separated; '-' reads stdin (rank 0)")
     pack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     return parser
 
@@ -107,9 +110,25 @@ def _run_receive(args) -> int:
     return 0
 
 
+def read_selection(source: str) -> frozenset[bytes]:
+    """Relative paths from FILE or stdin ('-'): NUL-separated when the data holds a NUL, else one per line."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(source, "rb") as handle:
+                data = handle.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read the file list ({exc.strerror})", source, "give a readable file or '-'") from None
+    return frozenset(name for name in data.split(b"\0" if b"\0" in data else b"\n") if name)
+
+
 def _run_pack(comm, args) -> int:
     try:
-        summary = pack_parallel(comm, args.src, args.bundle, PackOptions(args.codec, args.level, args.shard_size, 1))
+        reads = args.files_from and (comm.rank == 0 or args.files_from != "-")   # every rank fails alike
+        include = read_selection(args.files_from) if reads else None
+        options = PackOptions(args.codec, args.level, args.shard_size, 1, include=include)
+        summary = pack_parallel(comm, args.src, args.bundle, options)
     except PalletError as exc:
         if comm.rank == 0:
             print(f"mpi_stager pack: error: {exc}", file=sys.stderr)

@@ -42,7 +42,7 @@ def pack_parallel(comm: Communicator, src: str, bundle: str, options: PackOption
     """
     started = time.monotonic()
     codec = get_codec(options.codec, options.level)
-    tree = comm.bcast(_scan_on_root(src, bundle, codec))
+    tree = comm.bcast(_scan_on_root(src, bundle, codec, options.include))
     if isinstance(tree, str):
         raise PalletError(tree)
     index = tree.index
@@ -69,10 +69,10 @@ def pack_parallel(comm: Communicator, src: str, bundle: str, options: PackOption
     return PackSummary(bundle, comm.size, len(index), len(plans), size, time.monotonic() - started)
 
 
-def _scan_on_root(src, bundle, codec):
+def _scan_on_root(src, bundle, codec, include):
     try:
         check_destination(bundle)
-        return scan(src, codec.name, codec.level, 1)
+        return scan(src, codec.name, codec.level, 1, include=include)
     except PalletError as exc:
         return str(exc)
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import zstandard
 
@@ -37,17 +39,32 @@ class Inventory:
         return counts
 
 
-def local_inventory(root: str, jobs: int = 1,
-                    large_file_bytes: int = LARGE_FILE_BYTES) -> tuple[Inventory, list[bytes]]:
-    """Walk a local tree (the bundle scanner); return the inventory and the files' relative paths."""
-    index = scan(root, "none", 0, jobs).index
+def local_inventory(root: str, jobs: int = 1, large_file_bytes: int = LARGE_FILE_BYTES,
+                    include: frozenset[bytes] | None = None) -> tuple[Inventory, list[bytes]]:
+    """Walk a local tree (the bundle scanner), or only the ``include`` selection; return the inventory and
+    the files' relative paths."""
+    index = scan(root, "none", 0, jobs, include=include).index
     files = [i for i, kind in enumerate(index.kinds) if kind == Kind.FILE]
     return Inventory(root, [index.sizes[i] for i in files], large_file_bytes), [index.paths[i] for i in files]
 
 
-def remote_inventory(transport: Transport, root: str, large_file_bytes: int = LARGE_FILE_BYTES) -> Inventory:
-    """One recursive listing through the transport (one `find` over ssh, Globus ls pages, ...)."""
-    return Inventory(root, [e.size for e in transport.list(root) if e.kind == "f"], large_file_bytes)
+def remote_inventory(transport: Transport, root: str, large_file_bytes: int = LARGE_FILE_BYTES,
+                     items: Sequence[str] | None = None) -> Inventory:
+    """One recursive listing through the transport (one `find` over ssh, Globus ls pages, ...); with
+    ``items``, only the files among them or under those that are directories count."""
+    entries = [e for e in transport.list(root) if e.kind == "f"]
+    if items is not None:
+        wanted = {posixpath.normpath(i) for i in items}
+        entries = [e for e in entries if _selected(e.path, wanted)]
+    return Inventory(root, [e.size for e in entries], large_file_bytes)
+
+
+def _selected(path: str, wanted: set[str]) -> bool:
+    while path and path != ".":
+        if path in wanted:
+            return True
+        path = posixpath.dirname(path)
+    return False
 
 
 def compress_ratio(root: str, paths: list[bytes], budget: int = SAMPLE_BYTES, seed: int = 0) -> float:

@@ -27,13 +27,16 @@ class DestinationLock:
     ``flock -n LOCK sh -c 'echo held; exec cat'`` there, whose stdin is our
     pipe, so the lock dies with this process even after ``kill -9`` (no
     stale lock to clean up). Destinations without remote execution are not
-    locked (``supported`` is False) — see docs/cli.md. Entering raises
-    DestinationLocked at once if another operation holds it.
+    locked (``supported`` is False) — see docs/staging.md. Entering raises
+    DestinationLocked at once if another operation holds it, or with
+    ``wait`` blocks until it is free (selections: many small batches into
+    one destination queue up instead of failing).
     """
 
-    def __init__(self, endpoint: Endpoint, transport: Transport):
+    def __init__(self, endpoint: Endpoint, transport: Transport, wait: bool = False):
         self.endpoint = endpoint
         self.transport = transport
+        self.wait = wait
         self.path = os.path.join(endpoint.path, LOCK_FILE)
         self.supported = endpoint.is_local or transport.capabilities.remote_exec
         self._fd: int | None = None
@@ -52,14 +55,15 @@ class DestinationLock:
     def _lock_here(self) -> None:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
             raise self._busy() from None
 
     def _lock_there(self) -> None:
-        argv = ["flock", "-n", "-E", str(_BUSY), self.path, "sh", "-c", "echo held; exec cat >/dev/null"]
+        argv = ["flock", *([] if self.wait else ["-n"]), "-E", str(_BUSY), self.path,
+                "sh", "-c", "echo held; exec cat >/dev/null"]
         self._holder = self.transport.stream_into(argv)
         line = self._holder.stdout.readline()
         if line.strip() == b"held":

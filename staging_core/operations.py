@@ -6,6 +6,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
@@ -44,7 +45,7 @@ class _Run:
 
 
 def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
-         progress: Progress | None = None) -> StagingResult:
+         progress: Progress | None = None, items: Sequence[str] | None = None) -> StagingResult:
     """Move the tree under local ``src`` to ``dest_url`` and return what was done.
 
     The planner picks individual, bundle or hybrid unless
@@ -54,9 +55,12 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     destination is locked for the whole push; errors marked retryable are
     retried ``options.retries`` times, each attempt resuming (rsync skips
     files already there, the unpack journal skips finished shards). The
-    source is only read. Raises UsageError for options the destination
-    cannot honour, DestinationLocked, TransportError or PalletError naming
-    the cause.
+    source is only read. ``items`` (relative paths; see
+    staging_core.selection) sends only those files and their parent
+    directories, stored and forwarded when bundled, and waits for the
+    destination's lock instead of failing. Raises UsageError for options
+    the destination cannot honour, DestinationLocked, TransportError or
+    PalletError naming the cause.
     """
     started = time.monotonic()
     _check_options(options)
@@ -65,20 +69,23 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
         raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
-    inventory, paths = local_inventory(src, large_file_bytes=options.large_file_bytes)
-    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport), \
+    include = None if items is None else frozenset(os.fsencode(i) for i in items)
+    inventory, paths = local_inventory(src, large_file_bytes=options.large_file_bytes, include=include)
+    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None), \
             closing(unpack_route(endpoint, transport, options)) as route:
         chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
                       max(1, options.ranks), route is not None)
         strategy = _strategy(chosen, options, route, endpoint)
+        strategy = "bundle" if strategy == "hybrid" and items is not None else strategy
         run, attempts = _with_retries(
             lambda: _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options,
-                               progress or NoProgress()), options.retries)
+                               progress or NoProgress(), include), options.retries)
     return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
-         progress: Progress | None = None) -> StagingResult:
+         progress: Progress | None = None, items: Sequence[str] | None = None,
+         sizes: Sequence[int] | None = None) -> StagingResult:
     """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
 
     Individual: one batch transfer of the whole tree. Bundle: the source's
@@ -90,7 +97,9 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     data compresses to half. A ``src_url`` naming a bundle with its
     ``.pidx`` beside it (a published bundle) is fetched and unpacked as
     it is: the inventory comes from its index, nothing is planned or
-    packed. ``dest`` is locked for the whole pull.
+    packed. ``dest`` is locked for the whole pull. ``items`` (relative
+    paths; see staging_core.selection) fetches only those, planned from
+    ``sizes`` when given (else from the listing), and waits for the lock.
     """
     started = time.monotonic()
     _check_options(options)
@@ -101,16 +110,17 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
         if isinstance(route, PublishedBundle):
             inventory, chosen = route.inventory()
         else:
-            inventory = remote_inventory(transport, endpoint.path, options.large_file_bytes)
+            inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
+                         else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
             chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
                           route is not None)
         strategy = _strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
         _prepare_local_dest(dest)
-        with DestinationLock(local, open_transport(local)):
+        with DestinationLock(local, open_transport(local), wait=items is not None):
             run, attempts = _with_retries(
                 lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
-                                   progress or NoProgress()), options.retries)
+                                   progress or NoProgress(), items), options.retries)
     return _result(local.path, chosen, strategy, inventory, run, attempts, started)
 
 
@@ -184,24 +194,26 @@ class _Stage:
 
 # ---------------------------------------------------------------- push strategies
 
-def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options, progress) -> _Run:
+def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options, progress,
+               include: frozenset[bytes] | None) -> _Run:
     run = _Run()
     transport.mkdir(endpoint.path)
     codec = options.codec or chosen.chosen.codec or "zstd"
     if strategy == "individual":
         run.route = "individual"
+        listed = None if include is None else [os.fsdecode(p) for p in paths]
         with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
-            run.count(_send_items(transport, src, endpoint, None))
+            run.count(_send_items(transport, src, endpoint, listed))
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
-    elif _can_stream(transport, route, options):
+    elif include is None and _can_stream(transport, route, options):
         from .streaming import stream_push
         outcome = stream_push(transport, src, endpoint, codec, options, progress)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)
     else:
-        _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run)
+        _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run, include)
     return run
 
 
@@ -223,14 +235,15 @@ def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[
 
 
 def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],
-                 options: StagingOptions, progress: Progress, run: _Run) -> None:
+                 options: StagingOptions, progress: Progress, run: _Run,
+                 include: frozenset[bytes] | None = None) -> None:
     """Store and forward: pack here, one transfer of bundle + index into the route's incoming, unpack there."""
     staging = scratch_dir("pallet-push-")
     try:
         bundle = os.path.join(staging, bundle_name(codec))
         with _Stage(run, NoProgress(), "pack"):          # pack draws its own bar
             pack(src, bundle, PackOptions(codec=codec, shard_size=options.shard_size, jobs=options.jobs,
-                                          exclude=exclude), progress)
+                                          exclude=exclude, include=include), progress)
         transport.mkdir(route.incoming)
         names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx", *route.extra_files(bundle)]
         with _Stage(run, progress, "transfer", 0, os.path.getsize(bundle)):
@@ -259,12 +272,13 @@ def _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, optio
 
 # ---------------------------------------------------------------- pull strategies
 
-def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str, options, progress) -> _Run:
+def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str, options, progress,
+               items: Sequence[str] | None) -> _Run:
     run = _Run()
     if strategy == "individual":
         run.route = "individual"
         with _Stage(run, progress, "transfer"):
-            result = transport.transfer(Direction.PULL, dest, endpoint.path, None)
+            result = transport.transfer(Direction.PULL, dest, endpoint.path, None if items is None else list(items))
         if not result.ok:
             names = ", ".join(sorted(result.failed)[:10])
             raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
@@ -274,7 +288,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
     codec = options.codec or "zstd"
     try:
         with _Stage(run, progress, "pack"):
-            bundle = route.pack(codec)
+            bundle = route.pack(codec, items)
         staging = os.path.join(dest, INCOMING)
         os.makedirs(staging, exist_ok=True)
         name = os.path.basename(bundle)

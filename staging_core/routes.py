@@ -7,9 +7,9 @@ import posixpath
 import shlex
 import shutil
 import subprocess
-import tempfile
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
+from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.index import Index
@@ -21,6 +21,7 @@ from mpi_stager.unpack import StagerOptions, unpack_parallel
 from .inventory import Inventory
 from .options import StagingOptions
 from .planner import Candidate, Plan
+from .scratch import scratch, scratch_dir
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.registry import open_transport
@@ -251,7 +252,9 @@ class PackRoute(AbstractContextManager, ABC):
     ``pack`` returns the path, in the source transport's path space, of a
     bundle with its ``.pidx`` beside it: written under ``outgoing`` (a
     directory the route creates), or the source itself for a published
-    bundle; ``cleanup`` removes what ``pack`` made.
+    bundle; ``items`` (relative paths) packs only those files and their
+    parent directories instead of the whole tree. ``cleanup`` removes what
+    ``pack`` made.
     The bytes depend only on the tree and the codec, so a rerun sends the
     same bundle and the local unpack skips finished shards. A route is a
     context manager that closes what it opened.
@@ -265,7 +268,7 @@ class PackRoute(AbstractContextManager, ABC):
         self.outgoing: str | None = None
 
     @abstractmethod
-    def pack(self, codec: str) -> str: ...
+    def pack(self, codec: str, items: Sequence[str] | None = None) -> str: ...
 
     @abstractmethod
     def cleanup(self) -> None: ...
@@ -280,10 +283,11 @@ class PackRoute(AbstractContextManager, ABC):
 class LocalPack(PackRoute):
     """The source is local: pack in this process into a temporary directory."""
 
-    def pack(self, codec: str) -> str:
-        self.outgoing = tempfile.mkdtemp(prefix="pallet-outgoing-")
+    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
+        self.outgoing = scratch_dir("pallet-outgoing-")
         bundle = os.path.join(self.outgoing, bundle_name(codec))
-        pack(self.endpoint.path, bundle, PackOptions(codec=codec, jobs=self.options.jobs))
+        include = None if items is None else frozenset(os.fsencode(i) for i in items)
+        pack(self.endpoint.path, bundle, PackOptions(codec=codec, jobs=self.options.jobs, include=include))
         return bundle
 
     def cleanup(self) -> None:
@@ -298,11 +302,14 @@ class RemoteExecPack(PackRoute):
         super().__init__(endpoint, options)
         self.transport = transport
 
-    def pack(self, codec: str) -> str:
+    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
         self.outgoing = self._make_outgoing()
         bundle = os.path.join(self.outgoing, bundle_name(codec))
         comm = [] if self.options.launcher else ["--comm", "serial"]
-        self.transport.run(stager_argv(self.options, "pack", *comm, "--codec", codec, self.endpoint.path, bundle))
+        selection = [] if items is None else ["--files-from", "-"]
+        listing = None if items is None else b"\0".join(os.fsencode(i) for i in items)
+        self.transport.run(stager_argv(self.options, "pack", *comm, *selection, "--codec", codec,
+                                       self.endpoint.path, bundle), stdin=listing)
         return bundle
 
     def _make_outgoing(self) -> str:
@@ -342,7 +349,10 @@ class PublishedBundle(PackRoute):
         super().__init__(endpoint, options)
         self.transport = transport
 
-    def pack(self, codec: str) -> str:
+    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
+        if items is not None:
+            raise UsageError("a published bundle is fetched whole", self.endpoint.url(),
+                             "pull the bundle, or select files from a directory URL")
         return self.endpoint.path
 
     def cleanup(self) -> None:
@@ -351,11 +361,11 @@ class PublishedBundle(PackRoute):
     def inventory(self) -> tuple[Inventory, Plan]:
         """The files the bundle holds (from its fetched ``.pidx``) and the fixed plan: the bundle as it is."""
         name = posixpath.basename(self.endpoint.path) + ".pidx"
-        with tempfile.TemporaryDirectory(prefix="pallet-pidx-") as scratch:
-            fetched = self.transport.transfer(Direction.PULL, scratch, posixpath.dirname(self.endpoint.path), [name])
+        with scratch("pallet-pidx-") as workdir:
+            fetched = self.transport.transfer(Direction.PULL, workdir, posixpath.dirname(self.endpoint.path), [name])
             if not fetched.ok:
                 raise next(iter(fetched.failed.values()))
-            with open(os.path.join(scratch, name), "rb") as handle:
+            with open(os.path.join(workdir, name), "rb") as handle:
                 index = Index.from_bytes(handle.read(), self.endpoint.url() + ".pidx")
         sizes = [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
         reason = "published bundle: fetched with its index and unpacked here as it is, without repacking"

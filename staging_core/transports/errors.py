@@ -4,6 +4,9 @@ from __future__ import annotations
 from bundles.errors import PalletError
 
 
+_STDERR_LINES = 6     # the far side's last lines shown under a transport error
+
+
 class TransportError(PalletError):
     """A transfer, listing or remote command failed.
 
@@ -28,7 +31,7 @@ class TransportError(PalletError):
     def __str__(self) -> str:
         text = super().__str__()
         if self.stderr and self.stderr not in text:
-            text += "\n  " + self.stderr.splitlines()[-1][:300]
+            text += "".join(f"\n  | {line[:300]}" for line in self.stderr.splitlines()[-_STDERR_LINES:])
         return text
 
 
