@@ -9,7 +9,7 @@ from typing import Sequence
 
 import zstandard
 
-from bundles.scan import scan
+from bundles.scan import SourceTree, scan
 from bundles.tarformat import Kind
 
 from .planner import LARGE_FILE_BYTES, TreeStats
@@ -43,9 +43,15 @@ def local_inventory(root: str, jobs: int = 1, large_file_bytes: int = LARGE_FILE
                     include: frozenset[bytes] | None = None) -> tuple[Inventory, list[bytes]]:
     """Walk a local tree (the bundle scanner), or only the ``include`` selection; return the inventory and
     the files' relative paths."""
-    index = scan(root, "none", 0, jobs, include=include).index
+    return tree_inventory(scan(root, "none", 0, jobs, include=include), large_file_bytes)
+
+
+def tree_inventory(tree: SourceTree, large_file_bytes: int = LARGE_FILE_BYTES) -> tuple[Inventory, list[bytes]]:
+    """The inventory of an already scanned tree (a push scans once for planning and packing)."""
+    index = tree.index
     files = [i for i, kind in enumerate(index.kinds) if kind == Kind.FILE]
-    return Inventory(root, [index.sizes[i] for i in files], large_file_bytes), [index.paths[i] for i in files]
+    return (Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], large_file_bytes),
+            [index.paths[i] for i in files])
 
 
 def remote_inventory(transport: Transport, root: str, large_file_bytes: int = LARGE_FILE_BYTES,

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
+from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
+from bundles.scan import SourceTree, scan
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
-from .inventory import Inventory, compress_ratio, local_inventory, remote_inventory
+from .inventory import Inventory, compress_ratio, remote_inventory, tree_inventory
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
 from .planner import Plan, plan
@@ -70,15 +72,18 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
-    inventory, paths = local_inventory(src, large_file_bytes=options.large_file_bytes, include=include)
-    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None), \
+    tree = scan(src, "none", 0, options.jobs or default_jobs(), include=include)
+    inventory, paths = tree_inventory(tree, options.large_file_bytes)
+    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None) as lock, \
             closing(unpack_route(endpoint, transport, options)) as route:
         chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
                       max(1, options.ranks), route is not None)
         strategy = _strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" and items is not None else strategy
+        if not lock.supported:
+            transport.mkdir(endpoint.path)      # the lock made DEST/.pallet otherwise
         run, attempts = _with_retries(
-            lambda: _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options,
+            lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
                                progress or NoProgress(), include), options.retries)
     return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
 
@@ -194,10 +199,10 @@ class _Stage:
 
 # ---------------------------------------------------------------- push strategies
 
-def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, paths, options, progress,
+def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, inventory, paths, options, progress,
                include: frozenset[bytes] | None) -> _Run:
     run = _Run()
-    transport.mkdir(endpoint.path)
+    src = os.fsdecode(tree.root)
     codec = options.codec or chosen.chosen.codec or "zstd"
     if strategy == "individual":
         run.route = "individual"
@@ -208,7 +213,7 @@ def _push_once(strategy, transport, src, endpoint, route, chosen, inventory, pat
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif include is None and _can_stream(transport, route, options):
         from .streaming import stream_push
-        outcome = stream_push(transport, src, endpoint, codec, options, progress)
+        outcome = stream_push(transport, src, endpoint, codec, options, progress, tree)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)

@@ -67,7 +67,7 @@ class StreamOutcome:
 
 
 def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, options: StagingOptions,
-                progress: Progress) -> StreamOutcome:
+                progress: Progress, tree: SourceTree | None = None) -> StreamOutcome:
     """Push the tree under ``src`` to ``endpoint.path`` as a bundle stream and return what was done.
 
     ``transport`` is open and can stream (ssh); ``remote_python -m mpi_stager
@@ -80,9 +80,10 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     only read. Raises ReceiverError with the far side's message when its
     receiver fails, a TransportError when ssh does, and the local error (e.g.
     SourceError) when packing fails — the far side then stops, marked incomplete.
+    ``tree`` is ``src`` already scanned (the planner's walk), reused as is.
     """
     started = time.monotonic()
-    source = prepare_source(src, codec, options.jobs, options.shard_size)
+    source = prepare_source(src, codec, options.jobs, options.shard_size, tree)
     scanned = time.monotonic()
     far = _FarSide(transport, receive_argv(options, endpoint.path), endpoint.url())
     try:
@@ -103,11 +104,14 @@ def receive_argv(options: StagingOptions, dest: str) -> list[str]:
     return [*shlex.split(options.remote_python), "-m", "mpi_stager", "receive", "--json", *verify, dest]
 
 
-def prepare_source(src: str, codec: str, jobs: int, shard_size: int | None = None) -> StreamSource:
-    """Scan ``src`` and cut it into shards (``shard_size`` None: automatic) for ``codec`` at its default level."""
+def prepare_source(src: str, codec: str, jobs: int, shard_size: int | None = None,
+                   tree: SourceTree | None = None) -> StreamSource:
+    """Scan ``src`` (unless ``tree`` is its scan) and cut it into shards (``shard_size`` None: automatic) for
+    ``codec`` at its default level."""
     chosen = get_codec(codec)
     jobs = jobs or default_jobs()
-    tree = scan(src, chosen.name, chosen.level, jobs)
+    tree = tree or scan(src, chosen.name, chosen.level, jobs)
+    tree.index.codec, tree.index.level = chosen.name, chosen.level
     tree.index.shard_size = shard_size or auto_shard_size(tree.index)
     return StreamSource(tree, plan_shards(tree.index, tree.index.shard_size), chosen, jobs)
 
