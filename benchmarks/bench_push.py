@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of the results")
     parser.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                         help="run the planner accuracy grid (default: on)")
+    parser.add_argument("--headline", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the headline comparisons (default: on; --no-headline --grid runs the grid alone)")
     parser.add_argument("--remote-python", default=sys.executable,
                         help="the Python pallet runs in the namespace (default: this one)")
     args = parser.parse_args(argv)
@@ -128,20 +130,19 @@ def _share(flags: list[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
-def write_json(path: str, args: argparse.Namespace, result: Headline, goals: list[Target],
+def write_json(path: str, args: argparse.Namespace, result: Headline | None, goals: list[Target],
                cases: list[GridCase]) -> None:
     doc = {"commit": code_version(), "args": {k: str(v) for k, v in vars(args).items()},
-           "headline": {"link": asdict(result.check),
-                        "w1": {m.name: m.to_json() for m in result.w1},
-                        "w2": {m.name: m.to_json() for m in result.w2},
-                        "targets": [t.to_json() for t in goals]},
+           "headline": None if result is None else {
+               "link": asdict(result.check), "w1": {m.name: m.to_json() for m in result.w1},
+               "w2": {m.name: m.to_json() for m in result.w2}, "targets": [t.to_json() for t in goals]},
            "grid": {"cases": [c.to_json() for c in cases],
                     "scores": [asdict(score(cases, w)) for w in ("calibrated", "default")] if cases else []}}
     Path(path).write_text(json.dumps(doc, indent=2))
     print(f"raw numbers written to {path}")
 
 
-def run(args: argparse.Namespace, work: Path) -> tuple[Headline, list[GridCase]]:
+def run(args: argparse.Namespace, work: Path) -> tuple[Headline | None, list[GridCase]]:
     """Set up the link and the servers in the namespace, measure, and tear everything down."""
     found = trees(args.workdir, args)
     with ExitStack() as stack:
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[Headline, list[GridCase]]
         stack.callback(gridftp.stop)
         rig = Rig(sshd, gridftp, work / "dest", work / "config", args.remote_python)
         rig.clear_destinations()
-        result = headline(link, rig, found, args)
+        result = headline(link, rig, found, args) if args.headline else None
         cases = run_grid(link, rig, [found[k] for k in ("W1", "W2", "mixed")], args.rtt_ms, args.repeat) \
             if args.grid else []
         rig.clear_destinations()
@@ -171,15 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="push-", dir=args.workdir))
     result, cases = run(args, work)
-    goals = targets(result)
-    print_methods(f"{result.w1_label} at {result.check.spec.label} (medians of {args.repeat})", result.w1)
-    print_methods(f"{result.w2_label} at {result.check.spec.label} (medians of {args.repeat})", result.w2)
-    print_targets(goals)
+    goals = targets(result) if result else []
+    if result:
+        print_methods(f"{result.w1_label} at {result.check.spec.label} (medians of {args.repeat})", result.w1)
+        print_methods(f"{result.w2_label} at {result.check.spec.label} (medians of {args.repeat})", result.w2)
+        print_targets(goals)
     if cases:
         print_grid(cases, [score(cases, w) for w in ("calibrated", "default")])
     if args.json:
         write_json(args.json, args, result, goals, cases)
-    if args.chart:
+    if args.chart and result:
         write_chart(args.chart, (result.w1_label, result.w1), (result.w2_label, result.w2), cases,
                     f"pallet push over an emulated WAN ({result.check.spec.label}), commit {code_version()}")
     print(f"keys, profiles and server logs of this run are in {work}")
