@@ -287,7 +287,8 @@ class LocalPack(PackRoute):
         self.outgoing = scratch_dir("pallet-outgoing-")
         bundle = os.path.join(self.outgoing, bundle_name(codec))
         include = None if items is None else frozenset(os.fsencode(i) for i in items)
-        pack(self.endpoint.path, bundle, PackOptions(codec=codec, jobs=self.options.jobs, include=include))
+        pack(self.endpoint.path, bundle, PackOptions(codec=codec, shard_size=self.options.shard_size,
+                                                     jobs=self.options.jobs, include=include))
         return bundle
 
     def cleanup(self) -> None:
@@ -308,7 +309,8 @@ class RemoteExecPack(PackRoute):
         comm = [] if self.options.launcher else ["--comm", "serial"]
         selection = [] if items is None else ["--files-from", "-"]
         listing = None if items is None else b"\0".join(os.fsencode(i) for i in items)
-        self.transport.run(stager_argv(self.options, "pack", *comm, *selection, "--codec", codec,
+        shards = [] if self.options.shard_size is None else ["--shard-size", str(self.options.shard_size)]
+        self.transport.run(stager_argv(self.options, "pack", *comm, *selection, *shards, "--codec", codec,
                                        self.endpoint.path, bundle), stdin=listing)
         return bundle
 

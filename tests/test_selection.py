@@ -83,3 +83,11 @@ def test_bad_selections_are_named(sshd, tmp_path):
     with pytest.raises(Exception, match="nope.csv"):
         fetch(sshd.url(src), ["s0/nope.csv"], str(tmp_path / "here2"), ssh_opts(sshd, strategy="bundle"))
     assert not os.path.exists(tmp_path / "here2" / "s0")
+
+
+def test_the_far_side_packs_with_the_requested_shard_size(sshd, tmp_path):
+    import glob
+    src, items = tree(tmp_path / "remote", 300), chosen(300)
+    fetch(sshd.url(src), items, str(tmp_path / "here"), ssh_opts(sshd, strategy="bundle", shard_size=4096))
+    assert len(glob.glob(str(tmp_path / "here" / ".pallet" / "journal-*" / "shard-*"))) >= 2
+    check_fetched(src, str(tmp_path / "here"), items)
