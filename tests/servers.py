@@ -56,9 +56,10 @@ class SSHServer:
         stop_process(self.process)
 
 
-def start_sshd(workdir: Path) -> SSHServer:
+def start_sshd(workdir: Path, extra_config: tuple[str, ...] = ()) -> SSHServer:
     """Start sshd on a free loopback port with generated host and user keys (UsePAM no, StrictModes no).
-    Sessions accept SLURM_CONF from the client (``-o SetEnv=SLURM_CONF=...``) to reach a test's own Slurm."""
+    Sessions accept SLURM_CONF from the client (``-o SetEnv=SLURM_CONF=...``) to reach a test's own Slurm.
+    ``extra_config`` lines are added to its sshd_config (e.g. ``SetEnv HOME=DIR``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     host_key, user_key = workdir / "host_ed25519", workdir / "user_ed25519"
     for key in (host_key, user_key):
@@ -71,7 +72,7 @@ def start_sshd(workdir: Path) -> SSHServer:
         f"AuthorizedKeysFile {workdir}/authorized_keys", "PasswordAuthentication no",
         "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
         "MaxSessions 100", "MaxStartups 100:30:200", "Subsystem sftp internal-sftp", "LogLevel ERROR",
-        "AcceptEnv SLURM_CONF", ""]))
+        "AcceptEnv SLURM_CONF", *extra_config, ""]))
     os.makedirs("/run/sshd", exist_ok=True)
     process = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,0 +1,155 @@
+"""Stage-in of a Snakemake workflow with 20,000 x 1 KiB inputs: the pallet plugin against snakemake-storage-plugin-fs."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.servers import start_sshd      # noqa: E402
+
+TARGET_RATIO = 50.0
+
+SNAKEFILE = '''\
+import os
+
+STORE = getattr(storage, config["provider"])
+FILES, PARTS = int(config["files"]), int(config["parts"])
+
+
+def part_inputs(wildcards):
+    return STORE([f"{config['prefix']}/s{n:05d}.csv" for n in range(int(wildcards.part), FILES, PARTS)])
+
+
+rule all:
+    input: expand("results/part{part}.txt", part=range(PARTS))
+
+
+rule part:
+    input: part_inputs
+    output: "results/part{part}.txt"
+    run:
+        with open(output[0], "w") as out:
+            out.write(f"{len(input)} {sum(os.path.getsize(path) for path in input)}\\n")
+'''
+
+# Runs snakemake's own command line in this process, timing every DAG.retrieve_storage_inputs call (the stage-in
+# of a scheduler round: existence checks, the plugin's retrievals, Snakemake's bookkeeping) into argv[1]
+# after each call (snakemake may leave without running exit handlers).
+DRIVER = '''\
+import json, sys, time
+from snakemake.cli import main
+import snakemake.dag
+
+spent, original = [], snakemake.dag.DAG.retrieve_storage_inputs
+
+
+async def timed(self, *args, **kwargs):
+    started = time.perf_counter()
+    try:
+        return await original(self, *args, **kwargs)
+    finally:
+        spent.append(time.perf_counter() - started)
+        with open(OUT, "w") as out:
+            out.write(json.dumps(spent))
+
+
+OUT = sys.argv[1]
+snakemake.dag.DAG.retrieve_storage_inputs = timed
+sys.argv = ["snakemake", *sys.argv[2:]]
+main()
+'''
+
+
+@dataclass
+class Run:
+    """One snakemake run: which plugin and source, seconds in stage-in and in total, the transfer log line."""
+
+    name: str
+    stage_in_s: float
+    total_s: float
+    pallet_log: str
+
+
+def make_inputs(directory: Path, count: int, size: int) -> None:
+    """``count`` files of exactly ``size`` bytes (reused when already there)."""
+    marker = directory / f".made-{count}x{size}"
+    if marker.exists():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    for n in range(count):
+        line = f"{n},{3 * n},"
+        (directory / f"s{n:05d}.csv").write_text(line + "x" * (size - len(line) - 1) + "\n")
+    marker.touch()
+
+
+def run_workflow(work: Path, name: str, provider: str, prefix: str, files: int, extra: list[str]) -> Run:
+    """One fresh working directory, one snakemake run; the outputs are checked."""
+    workdir = work / "runs" / name
+    workdir.mkdir(parents=True)
+    (workdir / "Snakefile").write_text(SNAKEFILE)
+    (workdir / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "snakemake_staging")}
+    argv = [sys.executable, "driver.py", "stage-in.json", "--cores", "4", "--config", f"provider={provider}",
+            f"prefix={prefix}", f"files={files}", "parts=4", *extra]
+    started = time.perf_counter()
+    with open(workdir / "snakemake.log", "w") as log:
+        done = subprocess.run(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)
+    total = time.perf_counter() - started
+    text = (workdir / "snakemake.log").read_text()
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: snakemake failed ({done.returncode}):\n{text[-3000:]}")
+    counted = sum(int((workdir / "results" / f"part{p}.txt").read_text().split()[0]) for p in range(4))
+    if counted != files:
+        raise SystemExit(f"{name}: the workflow read {counted} inputs, not {files}")
+    pallet_log = next((line for line in text.splitlines() if "pallet: fetched" in line), "")
+    return Run(name, sum(json.loads((workdir / "stage-in.json").read_text())), total, pallet_log.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--files", type=int, default=20_000)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench-snakemake")
+    parser.add_argument("--no-ssh", dest="ssh", action="store_false", help="skip the ssh-loopback run")
+    parser.add_argument("--json", type=Path, help="write the runs and the ratio here")
+    args = parser.parse_args(argv)
+    work = args.workdir
+    inputs = work / "inputs"
+    make_inputs(inputs, args.files, args.size)
+    for previous in ("runs", "sshd"):                     # outputs and server keys of an earlier run
+        if (work / previous).exists():
+            subprocess.run(["rm", "-rf", "--", str(work / previous)], check=True)
+    runs = [run_workflow(work, "pallet-local", "pallet", f"file://{inputs}", args.files, []),
+            run_workflow(work, "fs-local", "fs", str(inputs), args.files, [])]
+    if args.ssh:
+        sshd = start_sshd(work / "sshd")
+        try:
+            flags = ["--storage-pallet-ssh-options", shlex.join(sshd.ssh_options),
+                     "--storage-pallet-remote-python", sys.executable]
+            runs.append(run_workflow(work, "pallet-ssh", "pallet", sshd.url(str(inputs)), args.files, flags))
+        finally:
+            sshd.stop()
+    ratio = runs[1].stage_in_s / runs[0].stage_in_s
+    print(f"stage-in of {args.files:,} x {args.size} B inputs (4 jobs, one scheduler round), local disk to local disk")
+    for run in runs:
+        print(f"  {run.name:<13} stage-in {run.stage_in_s:8.2f} s   whole run {run.total_s:8.2f} s   {run.pallet_log}")
+    verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
+    print(f"ratio fs / pallet (stage-in): {ratio:.1f}x  (target >= {TARGET_RATIO:.0f}x: {verdict})")
+    if args.json:
+        args.json.write_text(json.dumps({"files": args.files, "size": args.size, "ratio": ratio,
+                                         "runs": [asdict(r) for r in runs]}, indent=2))
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""10,000 tiny remote CSV inputs read by 10,000 Parsl apps, staged by PalletStaging in a few batches; sums go back."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import parsl
+from parsl import python_app
+from parsl.config import Config
+from parsl.data_provider.data_manager import default_staging
+from parsl.data_provider.files import File
+from parsl.executors import HighThroughputExecutor, ThreadPoolExecutor
+from parsl.providers import LocalProvider
+
+from pallet_parsl import PalletStaging
+from staging_core.options import StagingOptions
+
+
+@python_app
+def row_sum(inputs=()):
+    """One app per input: the sum of the numbers in one CSV file."""
+    with open(inputs[0]) as handle:
+        return sum(int(value) for line in handle for value in line.split(","))
+
+
+@python_app
+def report(total, outputs=()):
+    """Write the grand total to an output that goes back to the remote side."""
+    with open(outputs[0], "w") as handle:
+        handle.write(f"{total}\n")
+    return total
+
+
+def generate(directory: str, count: int) -> None:
+    """Write ``count`` tiny CSV files (100 per directory) for a try over ssh://localhost."""
+    for n in range(count):
+        path = os.path.join(directory, f"part{n // 100:03d}", f"row{n:05d}.csv")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(f"{n},{n % 7}\n")
+
+
+def config(args, staging: PalletStaging) -> Config:
+    providers = [staging, *default_staging]
+    if args.executor == "threads":
+        executor = ThreadPoolExecutor(label="work", max_threads=8, working_dir=args.workdir, storage_access=providers)
+    else:
+        executor = HighThroughputExecutor(label="work", working_dir=args.workdir, storage_access=providers,
+                                          provider=LocalProvider(init_blocks=1, max_blocks=1))
+    return Config(executors=[executor])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("remote", help="ssh://[user@]host[:port]/abs/dir holding partNNN/rowNNNNN.csv "
+                                       "(or globus://COLLECTION/abs/dir)")
+    parser.add_argument("--count", type=int, default=10_000)
+    parser.add_argument("--generate", metavar="DIR", help="first write the inputs into local DIR "
+                                                          "(the remote directory, when trying ssh://localhost)")
+    parser.add_argument("--executor", choices=("threads", "htex"), default="threads")
+    parser.add_argument("--workdir", default=os.path.abspath("parsl-work"), help="where local copies go")
+    parser.add_argument("--remote-python", default="python3", help="Python with pallet on the remote host")
+    args = parser.parse_args()
+    if args.generate:
+        generate(args.generate, args.count)
+    remote = args.remote.rstrip("/")
+    staging = PalletStaging(options=StagingOptions(remote_python=args.remote_python))
+    started = time.monotonic()
+    with parsl.load(config(args, staging)):
+        sums = [row_sum(inputs=[File(f"{remote}/part{n // 100:03d}/row{n:05d}.csv")]) for n in range(args.count)]
+        staging.flush()
+        total = sum(future.result() for future in sums)
+        written = report(total, outputs=[File(f"{remote}/total.txt")])
+        staging.flush()
+        written.outputs[0].result()
+    batches = [future.result() for future in staging.batches()]
+    print(f"{args.count} apps, total {total}, {time.monotonic() - started:.1f} s")
+    for done in batches:
+        print(f"  batch {done.number} ({done.direction}): {done.files} file(s), {done.strategy}, "
+              f"{done.transfers} transfer(s)")
+    print(f"result: {remote}/total.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

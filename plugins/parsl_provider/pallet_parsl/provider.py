@@ -1,0 +1,198 @@
+"""PalletStaging: a Parsl staging provider that stages many files per transfer, in batches planned by pallet."""
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from concurrent.futures import Future
+from typing import Callable, Sequence
+
+import parsl
+from parsl.app.futures import DataFuture
+from parsl.data_provider.files import File
+from parsl.data_provider.staging import Staging
+from parsl.utils import RepresentationMixin
+
+from bundles.errors import UsageError
+from staging_core.options import StagingOptions
+
+from .batches import Batch, Batcher, BatchKey, Member
+from .tasks import UnpackPlan, move_batch, send_batch, unpack_batch
+
+DEFAULT_SCHEMES = ("ssh", "gsiftp", "globus")
+
+
+class PalletStaging(Staging, RepresentationMixin):
+    """Stage app inputs and outputs at pallet URLs in batches: one planned transfer per batch, not per file.
+
+    List it first in an executor's ``storage_access`` (before Parsl's
+    defaults, which it leaves ``file``, ``http(s)``, ``ftp`` and ``zip``):
+    ``storage_access=[PalletStaging(), *default_staging]``.
+
+    - ``schemes``: the URL schemes it claims (``ssh://[user@]host[:port]/abs``,
+      ``gsiftp://``, ``globus://COLLECTION/abs``; ``ftp`` may be added).
+    - ``local_root``: where local copies go; None: the executor's
+      ``working_dir``, or the submitting process's current directory. A
+      file at ``scheme://host[:port]/a/b`` is at ``ROOT/host[:port]/a/b``:
+      the remote tree is kept, so equal names in different directories
+      never collide. It must be visible to the workers (shared file system).
+    - ``window``, ``max_files``, ``max_bytes``: a batch closes that many
+      seconds after its first file, at that many files, or at that many
+      bytes of known sizes (``size_hint``), whichever comes first; ``flush()``
+      closes every open batch now.
+    - ``size_hint(url)``: the size of a file when the workflow knows it
+      without I/O (e.g. from a manifest), else None; with every size of a
+      batch known, the plan needs no remote listing.
+    - ``options``: the StagingOptions of every fetch and send (strategy,
+      ``remote_python``, ``ssh_options``, ``pack_via`` for GridFTP/Globus
+      sources, retries inside a task ...).
+    - ``mover``: label of the executor that runs the plan-and-move tasks;
+      None: the app's executor (use a ThreadPoolExecutor on the submit host
+      when compute nodes cannot reach the remote side).
+    - ``unpack_executor``: label of the executor that runs the unpack tasks;
+      None: the app's executor. An MPIExecutor runs ``mpi_stager unpack``
+      under ``mpi_launcher`` (``{ranks}`` becomes ``$PARSL_NUM_RANKS``) with
+      ``mpi_ranks`` ranks on one node; any other runs it as one process
+      with ``unpack_workers`` worker processes.
+
+    ``stage_in`` only records the file: it returns a DataFuture over the
+    batch's unpack task (or, for a file that is an upstream app's output,
+    over its own future, released when that app's output is ready).
+    Each incoming batch is two Parsl tasks, plan-and-move then unpack;
+    each outgoing batch one send task, run when every app writing into it
+    has finished (outputs of failed apps are not sent). All carry
+    ``_parsl_staging_inhibit=True``, are retried under ``Config.retries``
+    and are idempotent. A failed batch fails every app reading its files
+    with a DependencyError whose cause is a BatchError naming the batch
+    and what went wrong.
+    """
+
+    def __init__(self, schemes: Sequence[str] = DEFAULT_SCHEMES, local_root: str | None = None,
+                 window: float = 2.0, max_files: int = 10_000, max_bytes: int = 1 << 30,
+                 size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = StagingOptions(),
+                 mover: str | None = None, unpack_executor: str | None = None, mpi_ranks: int = 2,
+                 mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1):
+        if window <= 0 or max_files < 1 or max_bytes < 1 or mpi_ranks < 1 or unpack_workers < 1:
+            raise UsageError("window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
+        self.schemes, self.local_root, self.size_hint = tuple(schemes), local_root, size_hint
+        self.window, self.max_files, self.max_bytes = window, max_files, max_bytes
+        self.options, self.mover, self.unpack_executor = options, mover, unpack_executor
+        self.mpi_ranks, self.mpi_launcher, self.unpack_workers = mpi_ranks, mpi_launcher, unpack_workers
+        self._batcher = Batcher(window, max_files, max_bytes, options)
+        self._lock = threading.Lock()
+        self._staged: dict[str, tuple[Future, int]] = {}       # local path -> what its DataFutures follow
+        self._produced: set[str] = set()                       # local paths of outputs staged out here
+        self._made_dirs: set[str] = set()
+        self._apps: dict[tuple, object] = {}
+
+    # ------------------------------------------------------------ the Staging interface
+
+    def can_stage_in(self, file: File) -> bool:
+        return file.scheme in self.schemes
+
+    def can_stage_out(self, file: File) -> bool:
+        return file.scheme in self.schemes
+
+    def stage_in(self, dm, executor: str, file: File, parent_fut: Future | None) -> DataFuture:
+        """Record ``file`` for the open batch and set its ``local_path``; no I/O, no waiting."""
+        host_root = self._host_root(dm, executor, file)
+        file.local_path = _below(host_root, file.path)
+        if file.local_path in self._produced and parent_fut is not None:
+            return DataFuture(parent_fut, file, tid=parent_fut.tid)      # written here by an upstream app
+        with self._lock:
+            known = self._staged.get(file.local_path)
+        if known is None:
+            gated = parent_fut is not None and not (parent_fut.done() and parent_fut.exception() is None)
+            member = Member(file.path, file.local_path, self._size(file), parent_fut if gated else None,
+                            Future() if gated else None)
+            key = BatchKey("in", executor, file.scheme, file.netloc, gated)
+            known = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
+            self._remember(file.local_path, known)
+        return DataFuture(known[0], file, tid=known[1])
+
+    def stage_out(self, dm, executor: str, file: File, app_fu: Future) -> Future:
+        """Set ``local_path`` (its directory is created) and add the file to the open outgoing batch, which is
+        sent once every app writing into it has finished; return the file's own future."""
+        host_root = self._host_root(dm, executor, file)
+        file.local_path = _below(host_root, file.path)
+        self._make_parent(file.local_path)
+        member = Member(file.path, file.local_path, self._size(file), app_fu, Future())
+        key = BatchKey("out", executor, file.scheme, file.netloc, True)
+        future, _ = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
+        self._produced.add(file.local_path)
+        return future
+
+    def flush(self) -> None:
+        """Close every open batch now (its tasks start as soon as their inputs allow)."""
+        self._batcher.flush()
+
+    def batches(self) -> list[Future]:
+        """The future of every batch opened so far, in order; each resolves to a BatchDone."""
+        return [batch.done for batch in self._batcher.batches]
+
+    # ------------------------------------------------------------ batches become tasks
+
+    def _open_batch(self, dfk, batch: Batch) -> Future:
+        """Submit the tasks of a new batch, waiting for its manifest; return the future of the last."""
+        mover = self.mover or batch.key.executor
+        if batch.key.direction == "out":
+            return self._app(dfk, send_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
+                                                     **_resources(dfk, mover, 1))
+        moved = self._app(dfk, move_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
+                                                  **_resources(dfk, mover, 1))
+        unpacker = self.unpack_executor or batch.key.executor
+        how = UnpackPlan(self.mpi_launcher if _is_mpi(dfk, unpacker) else None, self.unpack_workers)
+        return self._app(dfk, unpack_batch, unpacker)(moved, how, _parsl_staging_inhibit=True,
+                                                      **_resources(dfk, unpacker, self.mpi_ranks))
+
+    def _app(self, dfk, function, label: str):
+        key = (id(dfk), function.__name__, label)
+        if key not in self._apps:
+            if label not in dfk.executors:
+                raise UsageError(f"PalletStaging: no executor labelled {label!r}",
+                                 hint=f"executors: {', '.join(sorted(dfk.executors))}")
+            self._apps[key] = parsl.python_app(executors=[label], data_flow_kernel=dfk)(function)
+        return self._apps[key]
+
+    # ------------------------------------------------------------ paths
+
+    def _host_root(self, dm, executor: str, file: File) -> str:
+        root = self.local_root or getattr(dm.dfk.executors[executor], "working_dir", None) or os.getcwd()
+        return os.path.join(os.path.abspath(root), file.netloc.rpartition("@")[2])
+
+    def _size(self, file: File) -> int | None:
+        return self.size_hint(file.url) if self.size_hint else None
+
+    def _remember(self, local: str, known: tuple[Future, int]) -> None:
+        """De-duplicate by local path; forget a file whose batch failed, so a later app tries again."""
+        with self._lock:
+            self._staged[local] = known
+
+        def forget(done: Future) -> None:
+            if done.exception() is not None:
+                with self._lock:
+                    if self._staged.get(local) is known:
+                        del self._staged[local]
+        known[0].add_done_callback(forget)
+
+    def _make_parent(self, path: str) -> None:
+        parent = os.path.dirname(path)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
+
+
+def _below(host_root: str, remote_path: str) -> str:
+    """The local copy of ``remote_path``: the same absolute path, re-rooted at ``host_root``."""
+    return os.path.join(host_root, posixpath.normpath("/" + remote_path).lstrip("/"))
+
+
+def _is_mpi(dfk, label: str) -> bool:
+    return bool(getattr(dfk.executors.get(label), "enable_mpi_mode", False))
+
+
+def _resources(dfk, label: str, ranks: int) -> dict:
+    """An MPIExecutor needs a resource specification on every task (one node, ``ranks`` ranks); others none."""
+    if not _is_mpi(dfk, label):
+        return {}
+    return {"parsl_resource_specification": {"num_nodes": 1, "ranks_per_node": ranks, "num_ranks": ranks}}

@@ -1,0 +1,282 @@
+"""The bodies of the Parsl tasks a batch becomes: plan and move, unpack (serially or under MPI), send.
+
+Each also takes ``_parsl_staging_inhibit`` and ``parsl_resource_specification``: Parsl hands a task's
+keyword arguments to its function, these two included.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from bundles.errors import PalletError, SourceError, UsageError
+from staging_core.inventory import Inventory
+from staging_core.locking import DestinationLock
+from staging_core.options import StagingOptions
+from staging_core.planner import plan
+from staging_core.profiles import load_profile
+from staging_core.routes import closing, pack_route, run_local
+from staging_core.selection import fetch, send
+from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
+from staging_core.transports.registry import open_transport
+
+MARKER = ".pallet/parsl-batch-{}.json"
+INCOMING = ".pallet/incoming/parsl-{}"
+
+
+class BatchError(PalletError):
+    """A batch could not be staged; every app reading one of its files fails with this as its cause.
+
+    ``number`` is the batch's number in this run, ``files`` how many files
+    it held, ``cause`` the error that stopped it (also ``__cause__``).
+    """
+
+    def __init__(self, message: str, path=None, hint=None, number: int = 0, files: int = 0,
+                 cause: BaseException | None = None):
+        super().__init__(message, path, hint)
+        self.number, self.files, self.cause = number, files, cause
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One sealed batch, as its tasks receive it.
+
+    ``direction`` is 'in' (fetch to this side) or 'out' (send back);
+    ``items`` are paths relative to both ``remote_root`` (a pallet URL) and
+    ``local_root`` (a local directory: the remote tree is kept below it);
+    ``sizes`` are known sizes in the order of ``items``, or None;
+    ``batch_id`` depends only on the direction, the roots and the set of
+    items, so a rerun of the same batch finds its completion marker.
+    """
+
+    number: int
+    batch_id: str
+    direction: str
+    remote_root: str
+    local_root: str
+    items: tuple[str, ...]
+    sizes: tuple[int, ...] | None
+    options: StagingOptions
+
+    @staticmethod
+    def ident(direction: str, remote_root: str, local_root: str, items) -> str:
+        digest = hashlib.sha256("\0".join([direction, remote_root, local_root, *sorted(items)]).encode())
+        return digest.hexdigest()[:20]
+
+    def describe(self) -> str:
+        ends = (self.remote_root, self.local_root) if self.direction == "in" else (self.local_root, self.remote_root)
+        return f"pallet batch {self.number} ({len(self.items)} file(s) from {ends[0]} to {ends[1]})"
+
+
+@dataclass(frozen=True)
+class UnpackPlan:
+    """How the unpack task runs ``mpi_stager unpack``: under ``launcher`` (a template whose ``{ranks}`` becomes
+    ``$PARSL_NUM_RANKS``, set by an MPIExecutor) or, when it is None, as one process with ``workers``."""
+
+    launcher: str | None = None
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What the move task did: 'individual' (files already in place), 'bundle' (``bundle`` fetched, to be
+    unpacked) or 'done before' (the completion marker was there); transport transfers made; file bytes sent;
+    its wall seconds."""
+
+    spec: BatchSpec
+    strategy: str
+    transfers: int
+    bundle: str | None = None
+    bytes_sent: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """A finished batch: its number, direction, files, strategy, transfers made, file bytes the transport sent
+    (None when it cannot tell), shards an earlier run had unpacked, unpack ranks and wall seconds of its tasks."""
+
+    number: int
+    direction: str
+    files: int
+    strategy: str
+    transfers: int
+    bytes_sent: int | None = None
+    skipped_shards: int = 0
+    ranks: int = 0
+    seconds: float = 0.0
+
+
+def move_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
+               parsl_resource_specification: dict | None = None) -> Moved:
+    """First task of an incoming batch: plan it and bring it here, without unpacking.
+
+    Returns at once when the batch's completion marker exists (a rerun).
+    The planner chooses (unless ``spec.options.strategy`` says): individual
+    fetches the files straight into ``local_root`` in one transfer; bundle
+    has the source's pack route pack just these items and fetches bundle
+    + index in one transfer into ``local_root/.pallet/incoming/parsl-ID/``
+    (a rerun finds it there: rsync sends no data again). Sources with no
+    pack route (GridFTP, Globus without ``pack_via``) go individually.
+    Raises BatchError naming the batch and the cause.
+    """
+    if not spec.items or os.path.exists(os.path.join(spec.local_root, MARKER.format(spec.batch_id))):
+        return Moved(spec, "done before", 0)
+    started = time.monotonic()
+    try:
+        moved = _move(spec)
+    except PalletError as exc:
+        raise _failed(spec, exc) from exc
+    return replace(moved, seconds=time.monotonic() - started)
+
+
+def unpack_batch(moved: Moved, how: UnpackPlan, _parsl_staging_inhibit: bool = True,
+                 parsl_resource_specification: dict | None = None) -> BatchDone:
+    """Second task of an incoming batch: unpack its bundle (if any) into ``local_root``, check every file is
+    there and write the completion marker. ``python -m mpi_stager unpack`` runs as a subprocess, under the
+    MPI launcher when ``how.launcher`` is set; its journal skips shards an earlier attempt finished. The
+    bundle is deleted once unpacked. Unpacks into one directory take turns on its pallet lock (as fetches
+    do). Raises BatchError naming the batch and the cause."""
+    started, spec = time.monotonic(), moved.spec
+    if moved.strategy == "done before":
+        return BatchDone(spec.number, "in", len(spec.items), moved.strategy, 0, 0)
+    summary = {"shards_skipped": 0, "ranks": 0}
+    try:
+        if moved.bundle:
+            with _local_lock(spec.local_root):
+                summary = _summary(run_local(unpack_argv(how, moved.bundle, spec.local_root)))
+            shutil.rmtree(os.path.dirname(moved.bundle), ignore_errors=True)
+        _check_present(spec)
+    except PalletError as exc:
+        raise _failed(spec, exc) from exc
+    _write_marker(spec, moved.strategy)
+    return BatchDone(spec.number, "in", len(spec.items), moved.strategy, moved.transfers, moved.bytes_sent,
+                     summary["shards_skipped"], summary["ranks"], moved.seconds + time.monotonic() - started)
+
+
+def send_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
+               parsl_resource_specification: dict | None = None) -> BatchDone:
+    """The task of an outgoing batch: send the outputs of the apps that succeeded (``spec.items``) to
+    ``remote_root`` in one planned operation (staging_core.selection.send: rsync skips what is already
+    there, a bundle is unpacked by the destination's route, resumably). Raises BatchError."""
+    started = time.monotonic()
+    if not spec.items:
+        return BatchDone(spec.number, "out", 0, "nothing to send", 0, 0)
+    try:
+        result = send(spec.local_root, spec.items, spec.remote_root, replace(spec.options, pack_via=None))
+    except PalletError as exc:
+        raise _failed(spec, exc) from exc
+    return BatchDone(spec.number, "out", len(spec.items), result.strategy, result.transfers, result.bytes_sent,
+                     result.skipped_shards, 0, time.monotonic() - started)
+
+
+def unpack_argv(how: UnpackPlan, bundle: str, dest: str) -> list[str]:
+    """``[launcher] python -m mpi_stager unpack --json ...``; UsageError if the launcher needs
+    ``$PARSL_NUM_RANKS`` and the task did not run under an MPIExecutor."""
+    stager = [sys.executable, "-m", "mpi_stager", "unpack", "--json"]
+    if how.launcher is None:
+        return [*stager, "--workers", str(how.workers), bundle, dest]
+    ranks = os.environ.get("PARSL_NUM_RANKS")
+    if not ranks:
+        raise UsageError("$PARSL_NUM_RANKS is not set: the unpack did not run under an MPIExecutor",
+                         hint="unpack_executor must name an MPIExecutor label")
+    return [*shlex.split(how.launcher.format(ranks=ranks)), *stager, bundle, dest]
+
+
+def _local_lock(dest: str) -> DestinationLock:
+    """DEST's pallet lock, waited for: unpacks (and fetches) into one directory take turns, since an unpack's
+    ``DEST/.pallet-incomplete`` is per directory, not per bundle."""
+    local = Endpoint("file", dest)
+    return DestinationLock(local, open_transport(local), wait=True)
+
+
+def _summary(output: bytes) -> dict:
+    """The JSON summary mpi_stager printed last (rank 0)."""
+    try:
+        return json.loads(output.splitlines()[-1])
+    except (IndexError, ValueError):
+        raise PalletError("mpi_stager unpack printed no summary", hint="check pallet on the workers") from None
+
+
+def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
+    return BatchError(f"{spec.describe()} failed: {exc}", hint="every app reading these files fails with this "
+                      "cause; fix it and rerun: files and shards already staged are not sent again",
+                      number=spec.number, files=len(spec.items), cause=exc)
+
+
+def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
+    if endpoint.scheme == "ssh":
+        return open_transport(endpoint, ssh_options=list(options.ssh_options))
+    return open_transport(endpoint)
+
+
+def _move(spec: BatchSpec) -> Moved:
+    options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
+    endpoint = parse_url(spec.remote_root)
+    with _open(endpoint, options) as transport, closing(pack_route(endpoint, transport, options)) as route:
+        strategy, sizes = _strategy(spec, transport, route is not None)
+        if strategy == "individual":
+            aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
+            result = fetch(spec.remote_root, spec.items, spec.local_root,
+                           replace(options, strategy="individual"), aligned)
+            return Moved(spec, "individual", result.transfers, None, result.bytes_sent)
+        incoming = os.path.join(spec.local_root, INCOMING.format(spec.batch_id))
+        os.makedirs(incoming, exist_ok=True)
+        try:
+            bundle = route.pack(options.codec or "zstd", list(spec.items))
+            name = posixpath.basename(bundle)
+            fetched = transport.transfer(Direction.PULL, incoming, posixpath.dirname(bundle), [name, name + ".pidx"])
+            if not fetched.ok:
+                raise next(iter(fetched.failed.values()))
+        finally:
+            route.cleanup()
+    return Moved(spec, "bundle", 1, os.path.join(incoming, name), fetched.bytes_sent)
+
+
+def _strategy(spec: BatchSpec, transport: Transport, has_route: bool) -> tuple[str, list[int] | None]:
+    """'individual' or 'bundle' (a hybrid plan runs as a bundle) and the sizes known or listed to decide it.
+    Without a pack route there is no choice; an explicit strategy needs no sizes."""
+    options, sizes = spec.options, None if spec.sizes is None else list(spec.sizes)
+    if not has_route or options.strategy == "individual":
+        return "individual", sizes
+    if options.strategy != "auto":
+        return "bundle", sizes
+    if sizes is None:
+        sizes = _listed_sizes(transport.list(parse_url(spec.remote_root).path), spec)
+    chosen = plan(Inventory(spec.remote_root, sizes, options.large_file_bytes).stats, load_profile(options.profile),
+                  0.5, max(1, options.ranks), True)
+    return ("individual" if chosen.strategy == "individual" else "bundle"), sizes
+
+
+def _listed_sizes(entries: list[RemoteEntry], spec: BatchSpec) -> list[int]:
+    """Sizes of the files the items select (one per item when all are files); SourceError names missing ones."""
+    kinds = {entry.path: entry for entry in entries}
+    missing = [item for item in spec.items if item not in kinds]
+    if missing:
+        raise SourceError(f"{len(missing)} file(s) not found: {', '.join(missing[:10])}", spec.remote_root,
+                          "check the URLs given to the apps")
+    if all(kinds[item].kind == "f" for item in spec.items):
+        return [kinds[item].size for item in spec.items]
+    selected, under = set(spec.items), tuple(item + "/" for item in spec.items)
+    return [e.size for e in entries if e.kind == "f" and (e.path in selected or e.path.startswith(under))]
+
+
+def _check_present(spec: BatchSpec) -> None:
+    missing = [item for item in spec.items if not os.path.lexists(os.path.join(spec.local_root, item))]
+    if missing:
+        raise SourceError(f"{len(missing)} file(s) missing after the transfer: {', '.join(missing[:10])}",
+                          spec.local_root, "see the transfer's errors; rerun to fetch the rest")
+
+
+def _write_marker(spec: BatchSpec, strategy: str) -> None:
+    path = os.path.join(spec.local_root, MARKER.format(spec.batch_id))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        json.dump({"remote_root": spec.remote_root, "files": len(spec.items), "strategy": strategy}, handle)
+    os.replace(path + ".tmp", path)

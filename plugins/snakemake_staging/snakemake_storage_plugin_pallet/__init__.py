@@ -1,0 +1,6 @@
+"""Snakemake storage plugin `pallet`: remote inputs of a scheduler round fetched, and outputs sent, as one planned operation."""
+from .provider import StorageProvider
+from .settings import StorageProviderSettings
+from .storage_object import StorageObject
+
+__all__ = ["StorageObject", "StorageProvider", "StorageProviderSettings"]

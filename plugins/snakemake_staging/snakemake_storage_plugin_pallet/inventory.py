@@ -1,0 +1,214 @@
+"""What exists remotely: one recursive listing per parent directory answers exists/mtime/size for all its siblings."""
+from __future__ import annotations
+
+import posixpath
+import threading
+from dataclasses import dataclass, field, replace
+
+from staging_core.options import StagingOptions
+from staging_core.transports.base import Endpoint, RemoteEntry, Transport
+from staging_core.transports.errors import RemotePathMissingError, TransportError
+from staging_core.transports.registry import open_transport
+
+TIMESTAMP = ".snakemake_timestamp"      # Snakemake's mark of when a directory output was finished
+HostKey = tuple[str, str | None, int | None, str | None]
+
+
+def host_key(endpoint: Endpoint) -> HostKey:
+    """What identifies one connection: scheme, host, port and user."""
+    return (endpoint.scheme, endpoint.host, endpoint.port, endpoint.user)
+
+
+def seconds(mtime_ns: int) -> float:
+    """An mtime as Snakemake compares it: truncated to whole microseconds, then turned into float seconds the
+    way ``os.stat().st_mtime`` does, so a local copy carrying the remote time never looks older."""
+    whole, fraction = divmod(mtime_ns // 1000 * 1000, 1_000_000_000)
+    return whole + fraction * 1e-9
+
+
+@dataclass
+class Listing:
+    """A recursive listing of the directory ``root``: entries by relative path (none if it does not exist).
+
+    ``stale`` holds relative paths this process has written or removed
+    since: they, and everything below them, are asked for afresh.
+    ``error`` keeps a failed listing's error so that thousands of lookups do
+    not retry an unreachable host thousands of times.
+    """
+
+    root: str
+    entries: dict[str, RemoteEntry] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)
+    error: TransportError | None = None
+    _by_dir: dict[str, list[str]] | None = field(default=None, repr=False)
+
+    def siblings(self, rel_dir: str) -> list[str]:
+        """The relative paths of the entries directly in ``rel_dir`` ('.' for the root), indexed on first use."""
+        if self._by_dir is None:
+            self._by_dir = {}
+            for rel in self.entries:
+                self._by_dir.setdefault(posixpath.dirname(rel) or ".", []).append(rel)
+        return self._by_dir.get(rel_dir, [])
+
+    def record(self, rel: str, entry: RemoteEntry) -> None:
+        self.entries[rel] = entry
+        self._by_dir = None
+
+    def is_stale(self, rel: str) -> bool:
+        while rel not in ("", "."):
+            if rel in self.stale:
+                return True
+            rel = posixpath.dirname(rel)
+        return False
+
+
+class RemoteInventory:
+    """Transports (one per host) and directory listings shared by all objects of one provider.
+
+    - ``lookup(endpoint, trust_absence)`` returns the RemoteEntry at
+      ``endpoint.path`` or None. It answers from a cached listing of any
+      ancestor directory; otherwise it lists the parent directory once,
+      recursively, and keeps that listing: every sibling, and everything
+      below the parent, is then known without another remote call (the
+      root ``/`` is never listed; objects right below it are stat'ed). An
+      absence read from a listing made by this very call, or with
+      ``trust_absence`` (Snakemake's DAG phase), is final; an absence read
+      from an older listing is confirmed by one ``stat``, since remote jobs
+      may have written the file since. Paths written or removed through
+      :meth:`forget` are always stat'ed (listed, for :meth:`children`).
+    - ``children(endpoint)`` lists everything below a directory, paths
+      relative to it.
+    - Errors are TransportError subclasses naming the path and the cause; a
+      failed listing is remembered and raised again until ``forget``.
+    - Thread-safe: lookups come from Snakemake's event loop and from batch
+      worker threads; calls to one host are serialised on its transport.
+    """
+
+    def __init__(self, options: StagingOptions):
+        self.options = options
+        self._transports: dict[HostKey, Transport] = {}
+        self._locks: dict[HostKey, threading.RLock] = {}
+        self._listings: dict[tuple[HostKey, str], Listing] = {}
+        self._guard = threading.Lock()
+
+    def lookup(self, endpoint: Endpoint, trust_absence: bool = False) -> RemoteEntry | None:
+        key = host_key(endpoint)
+        with self._lock(key):
+            listing, fresh = self._covering(endpoint), False
+            if listing is None and posixpath.dirname(endpoint.path) != "/":
+                listing, fresh = self._list(replace(endpoint, path=posixpath.dirname(endpoint.path))), True
+            if listing is None:
+                return self._transport(endpoint).stat(endpoint.path)
+            if listing.error is not None:
+                raise listing.error.with_traceback(None)
+            rel = relative(endpoint.path, listing.root)
+            if listing.is_stale(rel):
+                return self._transport(endpoint).stat(endpoint.path)
+            entry = listing.entries.get(rel)
+            if entry is None and not fresh and not trust_absence:
+                entry = self._transport(endpoint).stat(endpoint.path)
+                if entry is not None:
+                    listing.record(rel, entry)
+            return entry
+
+    def children(self, endpoint: Endpoint) -> list[RemoteEntry]:
+        """Every entry below the directory ``endpoint.path``, paths relative to it (from the cache when known)."""
+        key = host_key(endpoint)
+        with self._lock(key):
+            listing = self._covering(endpoint)
+            if listing is None or listing.error is not None or \
+                    listing.is_stale(relative(endpoint.path, listing.root)):
+                return self._transport(endpoint).list(endpoint.path)
+            prefix = relative(endpoint.path, listing.root) + "/"
+            return [replace(entry, path=rel[len(prefix):]) for rel, entry in listing.entries.items()
+                    if rel.startswith(prefix)]
+
+    def siblings(self, endpoint: Endpoint) -> list[tuple[str, RemoteEntry, int]]:
+        """(absolute path, entry, Snakemake mtime in ns) of each entry the cache knows in ``endpoint``'s
+        directory, the object itself included; empty when that directory is not cached. No remote call."""
+        with self._lock(host_key(endpoint)):
+            listing = self._covering(endpoint)
+            if listing is None or listing.error is not None:
+                return []
+            rel_dir = posixpath.relpath(posixpath.dirname(endpoint.path), listing.root)
+            return [(posixpath.join(listing.root, rel), listing.entries[rel],
+                     _timestamp(listing.entries.get(posixpath.join(rel, TIMESTAMP)), listing.entries[rel]))
+                    for rel in listing.siblings(rel_dir) if not listing.is_stale(rel)]
+
+    def mtime_ns(self, endpoint: Endpoint, entry: RemoteEntry) -> int:
+        """The mtime Snakemake compares for ``entry`` at ``endpoint``: a directory's is that of the
+        ``.snakemake_timestamp`` file Snakemake leaves in directory outputs, when there is one."""
+        if entry.kind != "d":
+            return entry.mtime_ns
+        return _timestamp(self.lookup(endpoint.join(TIMESTAMP), trust_absence=True), entry)
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """Mark ``endpoint.path`` (and what is below it) as changed by this process: ask for it afresh."""
+        key = host_key(endpoint)
+        with self._lock(key):
+            for (owner, root), listing in list(self._listings.items()):
+                if owner == key and endpoint.path.startswith(root.rstrip("/") + "/"):
+                    listing.stale.add(relative(endpoint.path, root))
+            for owner, root in [k for k in self._listings if k[0] == key and _within(k[1], endpoint.path)]:
+                del self._listings[(owner, root)]
+
+    def run(self, endpoint: Endpoint, argv: list[str]) -> bytes:
+        """Run ``argv`` on ``endpoint``'s host (NotSupportedError where the transport cannot run commands)."""
+        with self._lock(host_key(endpoint)):
+            return self._transport(endpoint).run(argv)
+
+    def close(self) -> None:
+        """Close every transport (ssh ControlMaster connections); the inventory can still be used after."""
+        with self._guard:
+            transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            transport.close()
+
+    # ------------------------------------------------------------ internals (host lock held)
+
+    def _lock(self, key: HostKey) -> threading.RLock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.RLock())
+
+    def _transport(self, endpoint: Endpoint) -> Transport:
+        key = host_key(endpoint)
+        if key not in self._transports:
+            root = replace(endpoint, path="/")
+            self._transports[key] = (open_transport(root, ssh_options=list(self.options.ssh_options))
+                                     if endpoint.scheme == "ssh" else open_transport(root))
+        return self._transports[key]
+
+    def _covering(self, endpoint: Endpoint) -> Listing | None:
+        key, path = host_key(endpoint), endpoint.path
+        while path != "/":
+            path = posixpath.dirname(path)
+            listing = self._listings.get((key, path))
+            if listing is not None:
+                return listing
+        return None
+
+    def _list(self, directory: Endpoint) -> Listing:
+        listing = Listing(directory.path)
+        try:
+            listing.entries = {entry.path: entry for entry in self._transport(directory).list(directory.path)}
+        except RemotePathMissingError:
+            pass                                    # the parent does not exist: neither do its children
+        except TransportError as exc:
+            listing.error = exc
+        self._listings[(host_key(directory), directory.path)] = listing
+        if listing.error is not None:
+            raise listing.error
+        return listing
+
+
+def relative(path: str, root: str) -> str:
+    """``path`` relative to its ancestor ``root`` (both normalised): posixpath.relpath, without its cost."""
+    return path[len(root) + 1:] if root != "/" else path[1:]
+
+
+def _timestamp(stamp: RemoteEntry | None, entry: RemoteEntry) -> int:
+    return stamp.mtime_ns if stamp is not None and entry.kind == "d" else entry.mtime_ns
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")

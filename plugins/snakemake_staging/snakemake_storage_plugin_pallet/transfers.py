@@ -1,0 +1,263 @@
+"""Blocking batch work: the objects of a batch fetched or sent with one planned pallet operation per location."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import shutil
+import threading
+import time
+from dataclasses import dataclass, replace
+from itertools import groupby
+
+from bundles.errors import DestinationError, PalletError, SourceError
+from staging_core.options import StagingOptions, StagingResult
+from staging_core.scratch import scratch
+from staging_core.selection import fetch, send
+from staging_core.transports.base import Endpoint, RemoteEntry, local_tree_items
+
+from .inventory import RemoteInventory, host_key, relative
+
+SHOWN = 5       # objects named in one error message
+# One pallet operation at a time in this process: bundles.parallel hands each pack/unpack its state through
+# module globals, so two operations in two threads would read each other's bundles.
+_ONE_OPERATION = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One object of a batch: its query (for messages), where it lives remotely, and its absolute local path."""
+
+    query: str
+    remote: Endpoint
+    local: str
+
+
+class BatchFailed(PalletError):
+    """A batch's operation failed: ``queries`` are the objects it was moving, ``cause`` the error."""
+
+    def __init__(self, action: str, queries: list[str], cause: Exception):
+        self.action, self.queries, self.cause = action, queries, cause
+        super().__init__(f"could not {action} {len(queries)} object(s)")
+
+    def for_object(self, query: str) -> str:
+        """The message for one object of the batch: it first, then some of the others, then the cause."""
+        others = [q for q in self.queries if q != query]
+        text = f"pallet could not {self.action} {query}"
+        if others:
+            listed = ", ".join(others[:SHOWN]) + (f" and {len(others) - SHOWN} more" if len(others) > SHOWN else "")
+            text += f" (the same operation also carried {listed}; none of them was left half-written)"
+        return f"{text}: {self.cause}"
+
+
+class Stager:
+    """Runs the batches of one provider.
+
+    ``retrieve(requests)`` / ``store(requests)`` group the requests by
+    location (host, and top-level directory so that no operation is rooted
+    at ``/``) and run one ``staging_core.selection.fetch`` / ``send`` per
+    group, rooted at the deepest directory the group's objects share. A
+    retrieval lands in a scratch directory under ``scratch_root`` and is
+    renamed into each object's local path only when the whole group is
+    there, carrying the remote modes and mtimes; if anything fails, the
+    group's local paths are removed. Both return ``{index: BatchFailed}``
+    for the requests of failed groups and never raise. Operations run one
+    at a time in the process; batches wait for each other.
+    """
+
+    def __init__(self, inventory: RemoteInventory, options: StagingOptions, scratch_root: str,
+                 logger: logging.Logger, wait_for_space: int | None = None):
+        self.inventory, self.options, self.scratch_root, self.logger = inventory, options, scratch_root, logger
+        self.wait_for_space = wait_for_space
+
+    def retrieve(self, requests: list[Request]) -> dict[int, BatchFailed]:
+        return self._each_group(requests, "retrieve", self._retrieve_group)
+
+    def store(self, requests: list[Request]) -> dict[int, BatchFailed]:
+        return self._each_group(requests, "store", self._store_group)
+
+    def _each_group(self, requests: list[Request], action: str, work) -> dict[int, BatchFailed]:
+        failures: dict[int, BatchFailed] = {}
+        indexed = sorted(enumerate(requests), key=lambda pair: _location(pair[1]))
+        for _, members in groupby(indexed, key=lambda pair: _location(pair[1])):
+            members = list(members)
+            group = [request for _, request in members]
+            try:
+                work(group)
+            except (PalletError, OSError) as exc:
+                failure = BatchFailed(action, [r.query for r in group], exc)
+                failures.update((n, failure) for n, _ in members)
+        return failures
+
+    # ------------------------------------------------------------ retrieval
+
+    def _retrieve_group(self, group: list[Request]) -> None:
+        root = _common_root(group)
+        items, sizes, directories = self._selection(group, root)
+        self._ensure_space(sum(sizes))
+        source = replace(group[0].remote, path=root).url()
+        try:
+            with scratch(".pallet-fetch-", self.scratch_root) as landing, _ONE_OPERATION:
+                result = fetch(source, items, landing, self.options, sizes=sizes)
+                _place(group, root, landing, directories)
+        except Exception:
+            for request in group:
+                remove_local(request.local)
+            raise
+        self._report("fetched", len(group), source, result)
+
+    def _selection(self, group: list[Request], root: str) -> tuple[list[str], list[int], set[str]]:
+        """The items to fetch, their sizes, and the remote paths of the directory objects: a file is its own
+        item; a directory brings everything below it that is not a parent of something else (parents come
+        along). SourceError names the objects that do not exist."""
+        items, sizes, missing, directories = [], [], [], set()
+        for request in group:
+            entry = self.inventory.lookup(request.remote)
+            rel = relative(request.remote.path, root)
+            if entry is None:
+                missing.append(request.query)
+            elif entry.kind == "d":
+                directories.add(request.remote.path)
+                leaves = _leaves(self.inventory.children(request.remote))
+                items += [posixpath.join(rel, e.path) for e in leaves] or [rel]
+                sizes += [e.size for e in leaves] or [0]
+            else:
+                items.append(rel)
+                sizes.append(entry.size)
+        if missing:
+            raise SourceError(f"{len(missing)} object(s) do not exist: {', '.join(missing[:SHOWN])}"
+                              + (" ..." if len(missing) > SHOWN else ""),
+                              hint="check the URL, and that the rule making it has run")
+        return items, sizes, directories
+
+    def _ensure_space(self, nbytes: int) -> None:
+        """Wait up to ``wait_for_space`` seconds (Snakemake's --wait-for-free-local-storage) for ``nbytes`` to
+        fit below the local prefix; DestinationError if they do not."""
+        deadline = time.monotonic() + (self.wait_for_space or 0)
+        while (free := shutil.disk_usage(self.scratch_root).free) < nbytes:
+            if time.monotonic() >= deadline:
+                raise DestinationError(f"{nbytes} bytes to fetch, {free} bytes free", self.scratch_root,
+                                       "free space, wait for it with --wait-for-free-local-storage SECONDS, or cap "
+                                       "batches with --storage-pallet-batch-max-bytes")
+            self.logger.info(f"pallet: waiting for {nbytes} bytes of free space below {self.scratch_root}")
+            time.sleep(60 if (self.wait_for_space or 0) > 60 else 1)
+
+    # ------------------------------------------------------------ stores
+
+    def _store_group(self, group: list[Request]) -> None:
+        root = _common_root(group)
+        rels = [relative(r.remote.path, root) for r in group]
+        absent = [r.local for r in group if not os.path.lexists(r.local)]
+        if absent:
+            raise SourceError(f"local file(s) missing: {', '.join(absent[:SHOWN])}", hint="the job did not write them")
+        items = [item for rel, r in zip(rels, group) for item in _expand_local(rel, r.local)]
+        dest = replace(group[0].remote, path=root).url()
+        base = _shared_base(group, rels)
+        try:
+            if base is not None:
+                with _ONE_OPERATION:
+                    result = send(base, items, dest, self.options)
+            else:
+                with scratch(".pallet-send-", self.scratch_root) as staged, _ONE_OPERATION:
+                    for rel, request in zip(rels, group):
+                        _link_copy(request.local, os.path.join(staged, rel))
+                    result = send(staged, items, dest, self.options)
+        finally:
+            for request in group:
+                self.inventory.forget(request.remote)
+        self._report("sent", len(group), dest, result)
+
+    def _report(self, verb: str, objects: int, where: str, result: StagingResult) -> None:
+        self.logger.info(f"pallet: {verb} {objects} object(s) ({result.files} files, {result.file_bytes} bytes) "
+                         f"{'from' if verb == 'fetched' else 'to'} {where}: {result.strategy}, "
+                         f"{result.transfers} transfer(s), {result.seconds:.2f} s")
+
+
+def _leaves(entries: list[RemoteEntry]) -> list[RemoteEntry]:
+    parents = {posixpath.dirname(e.path) for e in entries}
+    return [e for e in entries if e.kind != "d" or e.path not in parents]
+
+
+def _location(request: Request) -> tuple:
+    top = request.remote.path.split("/")[1]
+    return tuple("" if part is None else str(part) for part in host_key(request.remote)) + (top,)
+
+
+def _common_root(group: list[Request]) -> str:
+    return posixpath.commonpath([posixpath.dirname(r.remote.path) for r in group])
+
+
+def _place(group: list[Request], root: str, landing: str, directories: set[str]) -> None:
+    """Move each object from ``landing`` to its local path; objects inside a directory object of the group,
+    or asked for twice, are copied."""
+    nested = [r for r in group if directories and any(r.remote.path.startswith(d + "/") for d in directories)]
+    inside = set(nested)
+    placed: dict[str, str] = {}
+    for request in nested + [r for r in group if r not in inside]:
+        first = placed.get(request.remote.path)
+        if first == request.local:
+            continue
+        landed = os.path.join(landing, relative(request.remote.path, root))
+        if first is not None or request in inside:
+            remove_local(request.local)
+            _link_copy(first or landed, request.local, link=False)
+        else:
+            _move(landed, request.local)
+        placed.setdefault(request.remote.path, request.local)
+
+
+def _move(source: str, target: str) -> None:
+    """Rename ``source`` to ``target``, replacing whatever is there and making its parent if needed."""
+    try:
+        os.replace(source, target)                   # the usual case: a file onto nothing or onto its old copy
+    except OSError:
+        remove_local(target)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(source, target)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.move(source, target)
+
+
+def remove_local(path: str) -> None:
+    """Remove a local file, symlink or tree if it is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _link_copy(source: str, target: str, link: bool = True) -> None:
+    """Hard-link (else copy) a file or a tree, keeping modes and mtimes."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.isdir(source) and not os.path.islink(source):
+        shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy if link else shutil.copy2)
+    elif link:
+        _link_or_copy(source, target)
+    else:
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _expand_local(rel: str, local: str) -> list[str]:
+    """A file's item; for a directory, everything below it that is not a parent of something else."""
+    if os.path.isdir(local) and not os.path.islink(local):
+        below = local_tree_items(local)
+        parents = {posixpath.dirname(item) for item in below}
+        return [posixpath.join(rel, item) for item in below if item not in parents] or [rel]
+    return [rel]
+
+
+def _shared_base(group: list[Request], rels: list[str]) -> str | None:
+    """The local directory B with B/rel == local path for every object (Snakemake's usual layout), else None."""
+    bases = {r.local[:-len(rel)].rstrip("/") if r.local.endswith("/" + rel) else None for r, rel in zip(group, rels)}
+    return bases.pop() if len(bases) == 1 and None not in bases else None
