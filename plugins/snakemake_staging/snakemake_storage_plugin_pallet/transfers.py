@@ -43,11 +43,12 @@ class BatchFailed(PalletError):
 
     def for_object(self, query: str) -> str:
         """The message for one object of the batch: it first, then some of the others, then the cause."""
-        others = [q for q in self.queries if q != query]
+        others = [q for q in self.queries[:SHOWN + 1] if q != query][:SHOWN]
+        more = len(self.queries) - 1 - len(others)
         text = f"pallet could not {self.action} {query}"
         if others:
-            listed = ", ".join(others[:SHOWN]) + (f" and {len(others) - SHOWN} more" if len(others) > SHOWN else "")
-            text += f" (the same operation also carried {listed}; none of them was left half-written)"
+            listed = ", ".join(others) + (f" and {more} more" if more > 0 else "")
+            text += f" (the same operation also carried {listed})"
         return f"{text}: {self.cause}"
 
 
