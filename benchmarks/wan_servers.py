@@ -13,7 +13,7 @@ from pathlib import Path
 
 from wan import NS_IP, WanLink
 
-from tests.servers import free_port, stop_process
+from tests.servers import free_port, sshd_setup, stop_process
 
 SSH_USER = os.environ.get("USER") or "root"
 
@@ -72,23 +72,10 @@ class NetnsGridFTP:
 
 def start_netns_sshd(link: WanLink, workdir: Path) -> NetnsSSHD:
     """sshd in the namespace on NS_IP with generated host and user keys (UsePAM no, StrictModes no)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    host_key, user_key = workdir / "host_ed25519", workdir / "user_ed25519"
-    for key in (host_key, user_key):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    (workdir / "authorized_keys").write_text((workdir / "user_ed25519.pub").read_text())
     port = free_port()
-    config = workdir / "sshd_config"
-    config.write_text("\n".join([
-        f"Port {port}", f"ListenAddress {NS_IP}", f"HostKey {host_key}", f"PidFile {workdir}/sshd.pid",
-        f"AuthorizedKeysFile {workdir}/authorized_keys", "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
-        "MaxSessions 100", "MaxStartups 100:30:200", "Subsystem sftp internal-sftp", "LogLevel ERROR", ""]))
-    os.makedirs("/run/sshd", exist_ok=True)
+    config, options = sshd_setup(workdir, NS_IP, port)
     process = _start(link.ns(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]), workdir / "sshd.log", workdir)
     _wait_for_port(NS_IP, port, process, workdir / "sshd.log")
-    options = ["-i", str(user_key), "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
-               "-o", f"UserKnownHostsFile={workdir}/known_hosts", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes"]
     return NetnsSSHD(NS_IP, port, SSH_USER, process, options)
 
 

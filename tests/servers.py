@@ -60,26 +60,33 @@ def start_sshd(workdir: Path, extra_config: tuple[str, ...] = ()) -> SSHServer:
     """Start sshd on a free loopback port with generated host and user keys (UsePAM no, StrictModes no).
     Sessions accept SLURM_CONF from the client (``-o SetEnv=SLURM_CONF=...``) to reach a test's own Slurm.
     ``extra_config`` lines are added to its sshd_config (e.g. ``SetEnv HOME=DIR``)."""
+    port = free_port()
+    config, options = sshd_setup(workdir, "127.0.0.1", port, ("AcceptEnv SLURM_CONF", *extra_config))
+    process = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_port(port, process)
+    return SSHServer(port, os.environ.get("USER") or "root", workdir / "user_ed25519", process, options)
+
+
+def sshd_setup(workdir: Path, address: str, port: int, extra_config: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
+    """Generate host and user keys in ``workdir`` and an sshd_config listening on ``address``:``port``;
+    return the config's path and the ssh client options that log in with the user key."""
     workdir.mkdir(parents=True, exist_ok=True)
     host_key, user_key = workdir / "host_ed25519", workdir / "user_ed25519"
     for key in (host_key, user_key):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     (workdir / "authorized_keys").write_text((workdir / "user_ed25519.pub").read_text())
-    port = free_port()
     config = workdir / "sshd_config"
     config.write_text("\n".join([
-        f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}", f"PidFile {workdir}/sshd.pid",
+        f"Port {port}", f"ListenAddress {address}", f"HostKey {host_key}", f"PidFile {workdir}/sshd.pid",
         f"AuthorizedKeysFile {workdir}/authorized_keys", "PasswordAuthentication no",
         "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
         "MaxSessions 100", "MaxStartups 100:30:200", "Subsystem sftp internal-sftp", "LogLevel ERROR",
-        "AcceptEnv SLURM_CONF", *extra_config, ""]))
+        *extra_config, ""]))
     os.makedirs("/run/sshd", exist_ok=True)
-    process = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_for_port(port, process)
     options = ["-i", str(user_key), "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
                "-o", f"UserKnownHostsFile={workdir}/known_hosts", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes"]
-    return SSHServer(port, os.environ.get("USER") or "root", user_key, process, options)
+    return config, options
 
 
 @dataclass
