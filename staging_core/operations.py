@@ -231,11 +231,18 @@ def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOption
 
 
 def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[str] | None) -> TransferResult:
-    result = transport.transfer(Direction.PUSH, src, endpoint.path, items)
+    return _transfer_all(transport, Direction.PUSH, src, endpoint, items)
+
+
+def _transfer_all(transport: Transport, direction: Direction, local: str, endpoint: Endpoint,
+                  items: list[str] | None) -> TransferResult:
+    """One batch transfer; raise a TransportError naming the files if any failed."""
+    result = transport.transfer(direction, local, endpoint.path, items)
     if not result.ok:
         names = ", ".join(sorted(result.failed)[:10])
+        rest = "send" if direction is Direction.PUSH else "fetch"
         raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
-                             "see the first error above; rerun to send the rest", retryable=False)
+                             f"see the first error above; rerun to {rest} the rest", retryable=False)
     return result
 
 
@@ -283,11 +290,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
     if strategy == "individual":
         run.route = "individual"
         with _Stage(run, progress, "transfer"):
-            result = transport.transfer(Direction.PULL, dest, endpoint.path, None if items is None else list(items))
-        if not result.ok:
-            names = ", ".join(sorted(result.failed)[:10])
-            raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
-                                 "see the first error above; rerun to fetch the rest")
+            result = _transfer_all(transport, Direction.PULL, dest, endpoint, None if items is None else list(items))
         run.count(result)
         return run
     codec = options.codec or "zstd"
