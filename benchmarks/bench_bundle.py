@@ -81,12 +81,14 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Settings:
-    """Where run outputs go, repetitions, idle wait before each run, reruns allowed for a noisy run."""
+    """Where run outputs go (unpacks: ``unpack_dir``), repetitions, idle wait before each run, reruns allowed
+    for a noisy run."""
 
     runs_dir: Path
     repeat: int
     idle_wait: float
     retries: int
+    unpack_dir: Path
 
 
 @dataclass
@@ -222,7 +224,7 @@ def compare_pack(load: Workload, src: Path, settings: Settings) -> tuple[Compari
 def compare_unpack(load: Workload, bundle: Path, tarball: Path, settings: Settings) -> Comparison:
     """`pallet unpack` (verifying) vs `zstd -dc | tar -x`, each rep into a fresh directory."""
     def dest(tool: str, rep: int) -> Path:
-        return settings.runs_dir / f"unpack-{load.name.lower()}-{tool}-{rep}"
+        return settings.unpack_dir / f"unpack-{load.name.lower()}-{tool}-{rep}"
 
     def commands(rep: int):
         dest("pallet", rep).mkdir()
@@ -386,6 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--index-entries", type=int, default=INDEX_ENTRIES, help="synthetic index size")
     parser.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
                         help="before each timed run, wait up to S seconds for the machine to go idle (default: 0)")
+    parser.add_argument("--unpack-into", type=Path, metavar="DIR",
+                        help="unpack into new directories under DIR (e.g. /dev/shm, which takes the disk's file "
+                             "create rate out of the comparison); default: the run directory under --workdir")
     parser.add_argument("--retries", type=int, default=2, metavar="N",
                         help=f"rerun a timed run up to N times if other processes used > {NOISE_LIMIT} CPU meanwhile")
     args = parser.parse_args(argv)
@@ -404,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     w1, w2 = workloads(args.quick)
     sources = {w.name: ensure_workload(args.workdir, w) for w in (w1, w2)}
     runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=args.workdir))
+    unpack_dir = Path(tempfile.mkdtemp(prefix="unpacks-", dir=args.unpack_into)) if args.unpack_into else runs_dir
     try:
-        print(f"\nruns in {runs_dir} ({args.repeat} repetitions, {os.cpu_count()} CPUs)")
-        settings = Settings(runs_dir, args.repeat, args.idle_wait, args.retries)
+        print(f"\nruns in {runs_dir}, unpacks in {unpack_dir} ({args.repeat} repetitions, {os.cpu_count()} CPUs)")
+        settings = Settings(runs_dir, args.repeat, args.idle_wait, args.retries, unpack_dir)
         pack1, bundle1, tarball1 = compare_pack(w1, sources["W1"], settings)
         pack2, _, _ = compare_pack(w2, sources["W2"], settings)
         unpack1 = compare_unpack(w1, bundle1, tarball1, settings)
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         rss = index_rss(runs_dir, args.index_entries)
     finally:        # only after every timing: deleting big trees slows file creation for a while
         shutil.rmtree(runs_dir, ignore_errors=True)
+        shutil.rmtree(unpack_dir, ignore_errors=True)
     comparisons = [pack1, pack2, unpack1]
     print_report(comparisons, rss, version)
     if args.json:

@@ -87,3 +87,7 @@ class UnsafeMemberError(BundleError):
 
     def __str__(self) -> str:
         return PalletError.__str__(self)
+
+
+class WorkerError(PalletError):
+    """A worker process of a pool ended without answering (killed, out of memory, or broken install)."""

@@ -98,6 +98,7 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
     data = memoryview(data)
     files = nbytes = 0
     bad: list[str] = []
+    umask = current_umask()
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
         if index.kinds[i] != Kind.FILE:
             continue
@@ -106,7 +107,7 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
         if len(content) != size or (verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]):
             bad.append(os.fsdecode(index.paths[i]))
             continue
-        write_file(root + index.paths[i], content, index.modes[i], index.mtimes[i])
+        write_file(root + index.paths[i], content, index.modes[i], index.mtimes[i], umask)
         files, nbytes = files + 1, nbytes + size
     if bad:
         raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, _REFETCH, bad)
@@ -184,32 +185,52 @@ def finish_tree(index: Index, dest: str) -> None:
         os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
 
 
-def create_file(path: bytes) -> int:
-    """Open a new, empty file at ``path`` for writing and return its descriptor.
+def create_file(path: bytes, mode: int = 0o600) -> int:
+    """Open a new, empty file at ``path`` (``mode``, less the umask) for writing and return its descriptor.
 
     Whatever is already there (a stale file, or a symlink or hard link that
     may lead outside the destination) is unlinked first, never written through.
     """
     try:
-        return os.open(path, _OPEN_FLAGS, 0o600)
+        return os.open(path, _OPEN_FLAGS, mode)
     except FileExistsError:
         remove_stale(path)
     except OSError as exc:
         raise destination_error(exc, path) from None
     try:
-        return os.open(path, _OPEN_FLAGS, 0o600)
+        return os.open(path, _OPEN_FLAGS, mode)
     except OSError as exc:
         raise destination_error(exc, path) from None
 
 
-def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int) -> None:
-    fd = create_file(path)
+def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int, umask: int | None = None) -> None:
+    """Create ``path`` holding ``content`` with the safe form of ``mode`` and ``mtime_ns``.
+
+    With the process's ``umask`` known (see :func:`current_umask`), a mode the
+    umask leaves intact is given at creation and no ``fchmod`` is needed.
+    """
+    wanted = safe_mode(mode)
+    direct = umask is not None and not wanted & umask
+    fd = create_file(path, wanted if direct else 0o600)
     try:
         _write_all(fd, content, path)
-        os.fchmod(fd, safe_mode(mode))
+        if not direct:
+            os.fchmod(fd, wanted)
         os.utime(fd, ns=(mtime_ns, mtime_ns))
     finally:
         os.close(fd)
+
+
+def current_umask() -> int | None:
+    """This process's umask, read from /proc without changing it (so safe with threads); None if unknown."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _write_all(fd: int, content, path: bytes) -> None:

@@ -136,6 +136,20 @@ class Index:
     def shard_entries(self, shard: Shard):
         return (self.entry(i) for i in range(shard.first_entry, shard.first_entry + shard.entry_count))
 
+    def slice(self, first: int, count: int) -> "Index":
+        """A new Index of entries ``first .. first+count-1`` only, renumbered from 0, with no shards.
+
+        It carries exactly what a worker needs to build, extract or check one
+        shard; ``link_group`` values still name entries of the whole index.
+        """
+        end = first + count
+        part = Index(self.codec, self.level, self.shard_size)
+        for name in ("paths", "kinds", "modes", "mtimes", "sizes", "links", "link_groups", "shard_of",
+                     "offsets", "data_offsets"):
+            setattr(part, name, getattr(self, name)[first:end])
+        part.hashes = self.hashes[first * HASH_SIZE:end * HASH_SIZE]
+        return part
+
     @property
     def total_file_bytes(self) -> int:
         return sum(s.file_bytes for s in self.shards)

@@ -5,10 +5,11 @@ import os
 import stat
 from array import array
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import SourceError
 from .index import Index
-from .parallel import ordered_map
+from .parallel import WorkerPool, jobs_for
 from .tarformat import Kind
 
 
@@ -20,13 +21,15 @@ class SourceTree:
     index: Index
 
 
-def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
-         exclude: frozenset[bytes] = frozenset(), include: frozenset[bytes] | None = None) -> SourceTree:
+def scan(src: str | os.PathLike, codec: str, level: int, exclude: frozenset[bytes] = frozenset(),
+         include: frozenset[bytes] | None = None, pool: WorkerPool | None = None) -> SourceTree:
     """Walk ``src`` (a directory or one file) into an Index holding its entries in stream order.
 
     Only entry columns are filled (hashes, shards and offsets come from the
-    writer). Names are listed by one process, their ``lstat`` calls are
-    shared by ``jobs`` workers. Raises SourceError for a missing or
+    writer). Names are listed by this thread. A ``pool`` (the packer's) is
+    started as soon as the walk has found enough names for packing them to
+    use workers, so that the workers start while the walk goes on; they
+    then share the ``lstat`` calls. Otherwise those run in this thread. Raises SourceError for a missing or
     unreadable source, and one SourceError listing every special file
     (device, FIFO, socket) and every symlink pointing outside the tree,
     since no bundle may carry those. ``exclude`` holds relative names
@@ -45,7 +48,7 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", src, "check its permissions") from None
     if stat.S_ISDIR(st.st_mode):
-        root, names = top, (_walk(top) if include is None else _selected(top, include))
+        root, names = top, (_walk(top, _warm_up(pool)) if include is None else _selected(top, include))
         if exclude:
             names = [name for name in names if name not in exclude]
     else:
@@ -55,8 +58,11 @@ def scan(src: str | os.PathLike, codec: str, level: int, jobs: int = 1,
     index.paths = names
     problems: list[str] = []
     multi_linked: list[tuple[int, int, int]] = []
-    for chunk in ordered_map(_stat_chunk, range(0, len(names), _STAT_CHUNK),
-                             jobs if len(names) > 4 * _STAT_CHUNK else 1, _init_stat, (root, names)):
+    if pool is not None:
+        _warm_up(pool)(len(names))
+    chunks = (StatChunk(root, start, names[start:start + _STAT_CHUNK]) for start in range(0, len(names), _STAT_CHUNK))
+    inline = pool is None or not pool.started
+    for chunk in (map(_stat_chunk, chunks) if inline else pool.map(_stat_chunk, chunks)):
         _add_chunk(index, chunk, multi_linked, problems)
     _link_hard_links(index, multi_linked)
     if problems:
@@ -109,12 +115,21 @@ def _emit(root: bytes, node: dict, prefix: bytes, names: list[bytes]) -> None:
             _emit(root, node[name], path + b"/", names)
 
 
-def _walk(root: bytes) -> list[bytes]:
+def _warm_up(pool: WorkerPool | None) -> Callable[[int], None]:
+    """A callback that starts ``pool`` once a walk has found enough names for packing to use workers."""
+    def found(count: int) -> None:
+        if pool is not None and not pool.started and jobs_for(count * PACK_SECONDS_PER_ENTRY, 0) > 1:
+            pool.start()
+    return found
+
+
+def _walk(root: bytes, found: Callable[[int], None] = lambda count: None) -> list[bytes]:
     """Relative names under ``root`` in stream order: each directory, then its files, then its subdirectories.
 
     This is depth-first preorder with names sorted, the order tar itself
     writes, so every directory precedes its contents and tar restores
-    directory times correctly.
+    directory times correctly. ``found`` is told the number of names after
+    each directory.
     """
     names, stack = [], [b""]
     while stack:
@@ -131,12 +146,22 @@ def _walk(root: bytes) -> list[bytes]:
         prefix = current + b"/" if current else b""
         names.extend(prefix + name for name, is_dir in children if not is_dir)
         stack.extend(prefix + name for name, is_dir in reversed(children) if is_dir)
+        found(len(names))
     return names
 
 
 _STAT_CHUNK = 4096
+PACK_SECONDS_PER_ENTRY = 12e-6      # lstat, header, open/read/close and hash of one small file, in Python
 _MIN_MTIME, _MAX_MTIME = -(2**63), 2**63 - 1
-_stat_state: tuple[bytes, list[bytes]] | None = None
+
+
+@dataclass(frozen=True)
+class StatChunk:
+    """Names to lstat, relative to ``root``; ``start`` is the entry number of the first one."""
+
+    root: bytes
+    start: int
+    names: list[bytes]
 
 
 @dataclass
@@ -153,17 +178,11 @@ class _ChunkStats:
     problems: list
 
 
-def _init_stat(root: bytes, names: list[bytes]) -> None:
-    global _stat_state
-    _stat_state = (root, names)
-
-
-def _stat_chunk(start: int) -> _ChunkStats:
-    """lstat (and readlink) one chunk of names in a worker."""
-    root, names = _stat_state
-    root += b"/"
-    out = _ChunkStats(start, array("B"), array("I"), array("q"), array("Q"), [], [], [])
-    for n, rel in enumerate(names[start:start + _STAT_CHUNK], start):
+def _stat_chunk(chunk: StatChunk) -> _ChunkStats:
+    """lstat (and readlink) one chunk of names, in a worker or inline."""
+    root = chunk.root + b"/"
+    out = _ChunkStats(chunk.start, array("B"), array("I"), array("q"), array("Q"), [], [], [])
+    for n, rel in enumerate(chunk.names, chunk.start):
         path = root + rel
         try:
             st = os.lstat(path)

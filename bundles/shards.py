@@ -1,6 +1,7 @@
 """Shards: where the stream is cut, and how one shard is built from the source and compressed."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from array import array
 from dataclasses import dataclass
@@ -104,18 +105,28 @@ def record_shard(index: Index, plan: ShardPlan, built: BuiltShard, shard: Shard)
     index.shards.append(shard)
 
 
-_worker_state: tuple[SourceTree, Codec] | None = None
+@dataclass(frozen=True)
+class ShardSource:
+    """What a worker needs to build one small shard: the source root, only the shard's entries, codec, plan.
+
+    ``plan.first`` is 0: entries are numbered within ``tree.index``, a slice
+    of the whole index (see :meth:`bundles.index.Index.slice`).
+    """
+
+    tree: SourceTree
+    codec: Codec
+    plan: ShardPlan
 
 
-def init_worker(tree: SourceTree, codec: Codec) -> None:
-    global _worker_state
-    _worker_state = (tree, codec)
+def shard_source(tree: SourceTree, codec: Codec, plan: ShardPlan) -> ShardSource:
+    """The self-contained description of shard ``plan`` of ``tree``."""
+    part = SourceTree(tree.root, tree.index.slice(plan.first, plan.count))
+    return ShardSource(part, codec, dataclasses.replace(plan, first=0))
 
 
-def build_in_worker(plan: ShardPlan) -> BuiltShard:
-    """Build a shard from the state set by init_worker (for ordered_map)."""
-    tree, codec = _worker_state
-    return build_small_shard(tree, codec, plan)
+def build_from_source(source: ShardSource) -> BuiltShard:
+    """Build a small shard from its self-contained description, in a worker or inline."""
+    return build_small_shard(source.tree, source.codec, source.plan)
 
 
 def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltShard:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from dataclasses import dataclass
 
 from . import plain
-from .extract import check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
+from .extract import ShardOutcome, check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
 from .index import Index
-from .parallel import default_jobs, ordered_map
+from .jobs import ShardJob, shard_jobs
+from .parallel import WorkerPool, jobs_for
 from .progress import NoProgress, Progress
 from .reader import Bundle
 
@@ -52,7 +54,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
     started = time.monotonic()
     dest = os.fspath(dest)
     progress = progress or NoProgress()
-    with Bundle.open(bundle_path) as bundle:
+    with Bundle.open(bundle_path) as bundle, WorkerPool(_unpack_jobs(bundle.index, options)) as pool:
+        pool.start()        # the workers start while the index is checked and the directories made
         if bundle.index is not None:
             check_index(bundle.index, bundle.path)
         else:
@@ -67,23 +70,29 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
                 stats = plain.extract_plain(bundle, dest, progress)
                 result = UnpackResult(dest, stats.entries, stats.files, stats.file_bytes, 0, False, False, 0.0)
             else:
-                result = _unpack_indexed(bundle, dest, options, progress)
+                result = _unpack_indexed(bundle, dest, options, progress, pool)
         finally:
             progress.finish()
     os.unlink(marker)
     return UnpackResult(**{**result.__dict__, "seconds": time.monotonic() - started})
 
 
-def _unpack_indexed(bundle: Bundle, dest: str, options: UnpackOptions, progress: Progress) -> UnpackResult:
+def _unpack_jobs(index: Index | None, options: UnpackOptions) -> int:
+    """Workers for an indexed bundle (a plain archive is extracted in this thread)."""
+    if index is None:
+        return 1
+    return min(jobs_for(sum(map(shard_cost, index.shards)), options.jobs), max(1, len(index.shards)))
+
+
+def _unpack_indexed(bundle: Bundle, dest: str, options: UnpackOptions, progress: Progress,
+                    pool: WorkerPool) -> UnpackResult:
     index = bundle.index
     progress.start("unpack", len(index), index.total_file_bytes)
     make_directories(index, dest)
-    jobs = min(options.jobs or default_jobs(), max(1, len(index.shards)))
     order = sorted(index.shards, key=shard_cost, reverse=True)
     files = nbytes = 0
-    outcomes = ordered_map(_extract_in_worker, order, jobs, _init_worker, (bundle, index, dest, options.verify),
-                           window=len(order) or 1)
-    for outcome in outcomes:
+    for outcome in pool.map(partial(_extract_job, dest=dest, verify=options.verify), shard_jobs(bundle, order),
+                            ordered=False):
         files += outcome.files
         nbytes += outcome.file_bytes
         progress.advance(index.shards[outcome.shard].entry_count, outcome.file_bytes)
@@ -100,14 +109,7 @@ def shard_cost(shard) -> float:
     return SECONDS_PER_FILE * shard.entry_count + SECONDS_PER_BYTE * shard.raw_size
 
 
-_worker_args: tuple | None = None
-
-
-def _init_worker(bundle: Bundle, index: Index, dest: str, verify: bool) -> None:
-    global _worker_args
-    _worker_args = (bundle, index, dest, verify)
-
-
-def _extract_in_worker(shard):
-    bundle, index, dest, verify = _worker_args
-    return extract_shard(bundle, index, shard, dest, verify)
+def _extract_job(job: ShardJob, dest: str, verify: bool) -> ShardOutcome:
+    """Extract one shard, in a worker or inline."""
+    with job.bundle.open() as bundle:
+        return extract_shard(bundle, job.entries, job.shard, dest, verify)

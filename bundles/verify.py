@@ -9,11 +9,12 @@ from . import container
 from .errors import BundleError
 from .extract import RangeReader, hash_range, is_streamed
 from .index import Index, Shard, content_hash, new_hasher
-from .parallel import default_jobs, ordered_map
+from .jobs import ShardJob, shard_jobs
+from .parallel import WorkerPool, jobs_for
 from .reader import Bundle
 from .safety import safe_mode
 from .tarformat import END_OF_ARCHIVE, Kind, member_header
-from .unpack import INCOMPLETE_MARKER, STATE_DIR
+from .unpack import INCOMPLETE_MARKER, STATE_DIR, shard_cost
 
 
 @dataclass
@@ -43,9 +44,10 @@ def verify_bundle(bundle: Bundle, jobs: int = 0) -> VerifyReport:
     report = VerifyReport(shards=len(index.shards), entries=len(index))
     report.problems += _sidecar_problems(bundle)
     report.problems += _index_section_problems(bundle, index)
-    jobs = min(jobs or default_jobs(), max(1, len(index.shards)))
-    for problems in ordered_map(_check_in_worker, index.shards, jobs, _init_worker, (bundle, index)):
-        report.problems += problems
+    jobs = min(jobs_for(sum(map(shard_cost, index.shards)), jobs), max(1, len(index.shards)))
+    with WorkerPool(jobs) as pool:
+        for problems in pool.map(_check_job, shard_jobs(bundle, index.shards)):
+            report.problems += problems
     expected_end = index.shards[-1].offset + index.shards[-1].length if index.shards else 0
     if index.shards and expected_end > bundle.size:
         report.problems.append(f"bundle is truncated: shards end at byte {expected_end}, file has {bundle.size}")
@@ -70,23 +72,20 @@ def _index_section_problems(bundle: Bundle, index: Index) -> list[str]:
     return [f"the embedded index or its locator after byte {end} is damaged, missing or cut short"]
 
 
-_state: tuple | None = None
+def _check_job(job: ShardJob) -> list[str]:
+    """Check one shard, in a worker or inline."""
+    try:
+        bundle = job.bundle.open()
+    except BundleError as exc:
+        return [f"shard {job.shard.number}: {exc}"]
+    with bundle:
+        return check_shard(bundle, job.entries, job.shard, job.last)
 
 
-def _init_worker(bundle: Bundle, index: Index) -> None:
-    global _state
-    _state = (bundle, index)
-
-
-def _check_in_worker(shard: Shard) -> list[str]:
-    bundle, index = _state
-    return check_shard(bundle, index, shard)
-
-
-def check_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
-    """Return the problems of one shard: its hash, decompression, headers and file hashes."""
+def check_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[str]:
+    """Return the problems of one shard (the ``last`` one ends the archive): hash, decompression, headers, files."""
     if is_streamed(index, shard):
-        return _check_streamed_shard(bundle, index, shard)
+        return _check_streamed_shard(bundle, index, shard, last)
     try:
         compressed = bundle.read_shard(shard)
     except BundleError as exc:
@@ -100,7 +99,7 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
         return problems + [f"shard {shard.number}: {exc.message}; {_holds(index, shard)}"]
     for i in _entry_range(shard):
         problems += _entry_problems(index, i, data)
-    if shard.number == len(index.shards) - 1 and not _tail_matches(index, shard, data):
+    if last and not _tail_matches(index, shard, data):
         problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     return problems
 
@@ -113,7 +112,7 @@ def _tail_matches(index: Index, shard: Shard, data: bytes) -> bool:
     return data[end:] == END_OF_ARCHIVE
 
 
-def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[str]:
+def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[str]:
     """Check a one-file shard without holding it in memory."""
     entry = index.entry(shard.first_entry)
     reader = RangeReader(bundle.fd, shard.offset, shard.length)
@@ -131,8 +130,8 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard) -> list[st
             hasher.update(chunk)
             remaining -= len(chunk)
         stream.read(-entry.size % 512)
-        rest = stream.read(1 << 30) if shard.number == len(index.shards) - 1 else b""
-        if rest != (END_OF_ARCHIVE if shard.number == len(index.shards) - 1 else b""):
+        rest = stream.read(1 << 30) if last else b""
+        if rest != (END_OF_ARCHIVE if last else b""):
             problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
         problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")

@@ -10,11 +10,11 @@ from . import container
 from .codecs import Codec, get_codec
 from .errors import DestinationError, PalletError
 from .index import Index
-from .parallel import default_jobs, ordered_map
+from .parallel import WorkerPool, default_jobs, jobs_for, pool_for
 from .progress import NoProgress, Progress
-from .scan import SourceTree, scan
-from .shards import (BuiltShard, ShardPlan, auto_shard_size, build_in_worker, build_streamed_shard, init_worker,
-                     place_shard, plan_shards, reset_columns)
+from .scan import PACK_SECONDS_PER_ENTRY, SourceTree, scan
+from .shards import (BuiltShard, ShardPlan, auto_shard_size, build_from_source, build_streamed_shard, place_shard,
+                     plan_shards, reset_columns, shard_source)
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,15 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     """
     started = time.monotonic()
     codec = get_codec(options.codec, options.level)
-    jobs = options.jobs or default_jobs()
     bundle = os.fspath(bundle)
     check_destination(bundle)
-    tree = scan(src, codec.name, codec.level, jobs, options.exclude, options.include)
+    with WorkerPool(options.jobs or default_jobs()) as pool:
+        tree = scan(src, codec.name, codec.level, options.exclude, options.include, pool)
+        return _write_bundle(tree, bundle, codec, options, progress, pool, started)
+
+
+def _write_bundle(tree: SourceTree, bundle: str, codec: Codec, options: PackOptions, progress: Progress | None,
+                  pool: WorkerPool, started: float) -> PackResult:
     index = tree.index
     index.shard_size = options.shard_size or auto_shard_size(index)
     plans = plan_shards(index, index.shard_size)
@@ -66,7 +71,7 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     tmp = temp_name(bundle)
     try:
         with open(tmp, "w+b") as out:     # read back to hash streamed shards
-            _write_shards(tree, plans, codec, jobs, out, progress)
+            _write_shards(tree, plans, codec, options.jobs, pool, out, progress)
             payload = index.to_bytes()
             out.write(container.index_section(codec.name, payload, out.tell()))
             size = out.tell()
@@ -81,21 +86,26 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     return PackResult(bundle, sidecar, index, size, time.monotonic() - started)
 
 
-def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int, out, progress) -> None:
+def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int, pool: WorkerPool, out,
+                  progress) -> None:
     reset_columns(tree.index)
     offset = out.tell()
-    for plan, built in iter_shards(tree, plans, codec, jobs, lambda plan: out):
+    for plan, built in iter_shards(tree, plans, codec, jobs, lambda plan: out, pool):
         place_shard(tree.index, plan, built, out, offset)
         offset = out.tell()
         progress.advance(plan.count, built.file_bytes)
 
 
 def iter_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int,
-                sink: Callable[[ShardPlan], BinaryIO]) -> Iterator[tuple[ShardPlan, BuiltShard]]:
+                sink: Callable[[ShardPlan], BinaryIO],
+                pool: WorkerPool | None = None) -> Iterator[tuple[ShardPlan, BuiltShard]]:
     """Build the shards of ``plans`` and yield ``(plan, built)`` in plan order.
 
-    Small shards are built by ``jobs`` forked workers, at most ``2·jobs``
-    ahead of the consumer, and carry their compressed bytes. A big shard
+    Small shards are built by the workers of ``pool`` (or of a pool made
+    for this call), at most two per worker ahead of the consumer, and carry
+    their compressed bytes; ``jobs`` is the user's request (0: automatic,
+    which builds them inline when the tree is small; see
+    :func:`bundles.parallel.jobs_for`). A big shard
     (one large file) is compressed with ``jobs`` threads straight onto
     ``sink(plan)`` — called just before, once the previous shard has been
     consumed — and its BuiltShard holds no bytes. The bytes depend only on
@@ -103,12 +113,16 @@ def iter_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: in
     index is not touched (see :func:`bundles.shards.record_shard`). Closing
     the generator early stops the workers.
     """
-    small = ordered_map(build_in_worker, [p for p in plans if not p.big], jobs, init_worker, (tree, codec))
-    try:
-        for plan in plans:
-            yield plan, build_streamed_shard(tree, plan, codec, jobs, sink(plan)) if plan.big else next(small)
-    finally:
-        small.close()
+    small_plans = [p for p in plans if not p.big]
+    wanted = jobs_for(sum(p.count for p in small_plans) * PACK_SECONDS_PER_ENTRY, jobs)
+    threads = jobs or default_jobs()
+    with pool_for(pool, wanted) as workers:
+        small = workers.map(build_from_source, (shard_source(tree, codec, p) for p in small_plans), wanted == 1)
+        try:
+            for plan in plans:
+                yield plan, build_streamed_shard(tree, plan, codec, threads, sink(plan)) if plan.big else next(small)
+        finally:
+            small.close()
 
 
 def write_sidecar(bundle: str, payload: bytes) -> str:

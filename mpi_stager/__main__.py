@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto",
                         help="communicator: mpi when started by mpirun/srun (auto), or serial")
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="worker processes when running as a single rank (default 1; 0: one per CPU)")
+                        help="at most N worker processes when running as a single rank (default 1; 0: one per CPU; "
+                             "a bundle too small to repay their start is unpacked inline)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     receive = commands.add_parser("receive", help="unpack a bundle stream read from stdin into DEST as it arrives",
                                   description="Read a bundle stream (docs/bundle-format.md, 'Bundle stream v1') "

@@ -72,7 +72,7 @@ def pack_parallel(comm: Communicator, src: str, bundle: str, options: PackOption
 def _scan_on_root(src, bundle, codec, include):
     try:
         check_destination(bundle)
-        return scan(src, codec.name, codec.level, 1, include=include)
+        return scan(src, codec.name, codec.level, include=include)
     except PalletError as exc:
         return str(exc)
 

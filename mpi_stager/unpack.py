@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from dataclasses import dataclass, field
 
 from bundles.errors import CorruptBundleError, PalletError
 from bundles.extract import check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
-from bundles.parallel import ordered_map
+from bundles.jobs import ShardJob, shard_jobs
+from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
-from bundles.unpack import INCOMPLETE_MARKER
+from bundles.unpack import INCOMPLETE_MARKER, shard_cost
 
 from .comm import POISON, Communicator
 from .journal import Journal, new_run_name
@@ -18,7 +20,8 @@ from .schedule import assign_shards
 
 @dataclass(frozen=True)
 class StagerOptions:
-    """Unpack options: hash checks, journal location (None: under DEST), worker processes per rank."""
+    """Unpack options: hash checks, journal location (None: under DEST), and at most how many worker
+    processes one rank alone uses (fewer for a small bundle, none below the size that repays their start)."""
 
     verify: bool = True
     journal_dir: str | None = None
@@ -175,35 +178,30 @@ def _extract_one(bundle, dest, journal, number, run, options, report: RankReport
     return True
 
 
-_pool_state: tuple | None = None
-
-
-def _init_pool(bundle, dest, verify) -> None:
-    global _pool_state
-    _pool_state = (bundle, dest, verify)
-
-
-def _pool_extract(number: int):
-    bundle, dest, verify = _pool_state
+def _pool_extract(job: ShardJob, dest: str, verify: bool):
+    """Extract one shard in a pool worker: (number, outcome, None) or (number, None, error text)."""
     try:
-        return number, extract_shard(bundle, bundle.index, bundle.index.shards[number], dest, verify), None
+        with job.bundle.open() as bundle:
+            return job.shard.number, extract_shard(bundle, job.entries, job.shard, dest, verify), None
     except PalletError as exc:
-        return number, None, str(exc)
+        return job.shard.number, None, str(exc)
 
 
 def _extract_with_pool(bundle, dest, journal, pending, run, options, report: RankReport) -> RankReport:
     """One node without MPI: the same shards, extracted by a pool of worker processes."""
-    order = assign_shards(pending, 1).static[0]
-    results = ordered_map(_pool_extract, order, options.workers, _init_pool, (bundle, dest, options.verify),
-                          window=len(order) or 1)
-    for number, outcome, error in results:
-        if error:
-            report.errors.append(f"shard {number}: {error}")
-            continue
-        journal.record_shard(bundle.index, number, run, 0)
-        report.shards.append(number)
-        report.files += outcome.files
-        report.file_bytes += outcome.file_bytes
+    order = [bundle.index.shards[n] for n in assign_shards(pending, 1).static[0]]
+    workers = min(options.workers, jobs_for(sum(map(shard_cost, order)), 0), max(1, len(order)))
+    with WorkerPool(workers) as pool:
+        results = pool.map(partial(_pool_extract, dest=dest, verify=options.verify), shard_jobs(bundle, order),
+                           ordered=False)
+        for number, outcome, error in results:
+            if error:
+                report.errors.append(f"shard {number}: {error}")
+                continue
+            journal.record_shard(bundle.index, number, run, 0)
+            report.shards.append(number)
+            report.files += outcome.files
+            report.file_bytes += outcome.file_bytes
     return report
 
 

@@ -62,7 +62,7 @@ def _add_pack(commands) -> None:
     p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
     p.add_argument("--shard-size", type=size_arg, metavar="SIZE",
                    help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
     _progress_flags(p)
     p.set_defaults(run=_run_pack)
 
@@ -78,7 +78,7 @@ def _add_unpack(commands) -> None:
                                    "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", help="destination directory (created if missing)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
     _progress_flags(p)
@@ -100,7 +100,7 @@ def _add_verify(commands) -> None:
                                         "also check that DEST holds exactly what the bundle describes.")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", nargs="?")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_verify)
 

@@ -141,7 +141,7 @@ def _staging_options(p: argparse.ArgumentParser) -> None:
                    help="hybrid: files at least this big travel individually (default 64M)")
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="stream bundles into the far-side unpacker when the transport can (default: auto)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="local workers (default: all CPUs)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="local worker processes (default: one per CPU, none for small work)")
     p.add_argument("--ranks", type=jobs_arg, default=0, metavar="N",
                    help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
     p.add_argument("--launcher", metavar="CMD", help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")

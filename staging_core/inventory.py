@@ -39,11 +39,11 @@ class Inventory:
         return counts
 
 
-def local_inventory(root: str, jobs: int = 1, large_file_bytes: int = LARGE_FILE_BYTES,
+def local_inventory(root: str, large_file_bytes: int = LARGE_FILE_BYTES,
                     include: frozenset[bytes] | None = None) -> tuple[Inventory, list[bytes]]:
     """Walk a local tree (the bundle scanner), or only the ``include`` selection; return the inventory and
     the files' relative paths."""
-    return tree_inventory(scan(root, "none", 0, jobs, include=include), large_file_bytes)
+    return tree_inventory(scan(root, "none", 0, include=include), large_file_bytes)
 
 
 def tree_inventory(tree: SourceTree, large_file_bytes: int = LARGE_FILE_BYTES) -> tuple[Inventory, list[bytes]]:

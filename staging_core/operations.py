@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
-from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
 from bundles.writer import PackOptions, pack
@@ -72,7 +71,7 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
-    tree = scan(src, "none", 0, options.jobs or default_jobs(), include=include)
+    tree = scan(src, "none", 0, include=include)
     inventory, paths = tree_inventory(tree, options.large_file_bytes)
     with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None) as lock, \
             closing(unpack_route(endpoint, transport, options)) as route:

@@ -17,7 +17,7 @@ class StagingOptions:
     codec         bundle codec (None: the plan's choice, zstd for pulls).
     shard_size    target uncompressed shard size (None: automatic, see bundles.shards.auto_shard_size).
     large_file_bytes  files at least this big travel individually in a hybrid plan.
-    jobs          local workers (0: all CPUs).
+    jobs          local worker processes (0: automatic, one per CPU, or none for small work).
     ranks         unpack/pack processes at the far side (``--workers N``, or ``-n N`` for the launcher).
     launcher      command prefix that starts mpi_stager there, e.g. ``mpirun -n 4`` or ``srun -n 64``.
     remote_python Python with pallet installed at the far side.

@@ -37,7 +37,7 @@ class ReceiverError(PalletError):
 
 @dataclass(frozen=True)
 class StreamSource:
-    """A scanned source ready to stream: the tree, its shard plan, the codec and the local workers."""
+    """A scanned source ready to stream: the tree, its shard plan, the codec and the local workers (0: automatic)."""
 
     tree: SourceTree
     plans: list[ShardPlan]
@@ -109,8 +109,7 @@ def prepare_source(src: str, codec: str, jobs: int, shard_size: int | None = Non
     """Scan ``src`` (unless ``tree`` is its scan) and cut it into shards (``shard_size`` None: automatic) for
     ``codec`` at its default level."""
     chosen = get_codec(codec)
-    jobs = jobs or default_jobs()
-    tree = tree or scan(src, chosen.name, chosen.level, jobs)
+    tree = tree or scan(src, chosen.name, chosen.level)
     tree.index.codec, tree.index.level = chosen.name, chosen.level
     tree.index.shard_size = shard_size or auto_shard_size(tree.index)
     return StreamSource(tree, plan_shards(tree.index, tree.index.shard_size), chosen, jobs)
@@ -182,7 +181,8 @@ class _ShardSender:
     def _resend_big(self, plan: ShardPlan) -> tuple[BuiltShard, bytes, int]:
         """The far side holds another version of this big shard: build it again, onto the wire this time."""
         sink = _DataSink(self.wire, plan.number)
-        built = build_streamed_shard(self.source.tree, plan, self.source.codec, self.source.jobs, sink)
+        built = build_streamed_shard(self.source.tree, plan, self.source.codec, self.source.jobs or default_jobs(),
+                                     sink)
         self.done.pop(plan.number)
         return built, *sink.finish()
 

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import parsl
 import pytest
@@ -206,6 +207,38 @@ def test_outputs_go_back_in_batches_and_come_back(sshd, tmp_path):
         futures = [read(inputs=[File(url)]) for n, url in enumerate(urls) if n != 7]
         again.flush()
         assert [f.result(timeout=120) for f in futures] == [f"out {n}\n" for n in range(200) if n != 7]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["threads", "htex"])
+def test_four_batches_out_and_four_in_run_concurrently_with_the_right_contents(sshd, tmp_path, htex_programs, kind):
+    """Bundled batches on 8 executor threads (or 2 HTEX workers): packs, streams and unpacks of batches overlap."""
+    per_batch, remote = 60, tmp_path / "remote"
+    inputs = [remote_files(str(remote / f"in{k}"), per_batch) for k in range(4)]
+    for k, paths in enumerate(inputs):
+        for n, path in enumerate(paths):
+            with open(path, "w") as handle:
+                handle.write(f"input {k}/{n}\n" * (1 + n % 9))
+    options = ssh_options(sshd, strategy="bundle", shard_size=4096)
+    staging = PalletStaging(options=replace(options, jobs=2), window=60, max_files=per_batch)
+    executor = htex(tmp_path, staging) if kind == "htex" else \
+        ThreadPoolExecutor(label="threads", max_threads=8, working_dir=str(tmp_path / "work"), storage_access=[staging])
+    with workflow(tmp_path, executor):
+        write, read = (python_app(app, executors=[executor.label]) for app in (write_text, read_text))
+        written = [write(f"output {k}/{n}\n" * (1 + n % 7), outputs=[File(sshd.url(f"{remote}/out{k}/o{n:03d}.txt"))])
+                   for k in range(4) for n in range(per_batch)]
+        reads = [read(inputs=[File(sshd.url(path))]) for paths in inputs for path in paths]
+        staging.flush()
+        for app in written:
+            app.outputs[0].result(timeout=120)
+        assert [r.result(timeout=120) for r in reads] == [f"input {k}/{n}\n" * (1 + n % 9)
+                                                        for k in range(4) for n in range(per_batch)]
+        batches = finished(staging)
+    assert sorted((b.direction, b.files, b.strategy) for b in batches) == \
+        [("in", per_batch, "bundle")] * 4 + [("out", per_batch, "bundle")] * 4
+    for k in range(4):
+        for n in range(per_batch):
+            assert (remote / f"out{k}" / f"o{n:03d}.txt").read_text() == f"output {k}/{n}\n" * (1 + n % 7)
 
 
 def test_upstream_outputs_wait_and_urls_are_fetched_once(sshd, tmp_path):

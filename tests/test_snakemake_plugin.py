@@ -16,7 +16,7 @@ from snakemake_interface_common.exceptions import WorkflowError  # noqa: E402
 from snakemake_interface_storage_plugins.tests import TestStorageBase  # noqa: E402
 
 from snakemake_storage_plugin_pallet import StorageProvider, StorageProviderSettings  # noqa: E402
-from tests.servers import count_invocations  # noqa: E402
+from tests.servers import count_invocations, start_sshd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "plugins" / "snakemake_staging"
@@ -241,6 +241,45 @@ def test_remote_job_mode_with_cluster_generic(sshd, tmp_path):
     job_output = "".join(p.read_text() for p in logs.iterdir())
     assert job_output.count("pallet: fetched 60 object(s)") == 2          # each part job fetched its own inputs
     assert scratch.is_dir() and not any(p.is_file() for p in (tmp_path / "wf" / ".snakemake" / "storage").rglob("*"))
+
+
+TWO_HOSTS = """
+rule all:
+    input:
+        a=[storage.pallet(f"{a}/a{n:03d}.csv") for n in range(40)],
+        b=[storage.pallet(f"{b}/b{n:03d}.csv") for n in range(40)],
+    output: "both.txt"
+    run:
+        with open(output[0], "w") as out:
+            for path in [*input.a, *input.b]:
+                with open(path) as handle:
+                    out.write(handle.read())
+"""
+
+
+def test_inputs_from_two_hosts_in_one_round_are_fetched_at_the_same_time(sshd, tmp_path):
+    second = start_sshd(tmp_path / "sshd2")
+    try:
+        # one client key for both servers, so that one --storage-pallet-ssh-options reaches both
+        (tmp_path / "sshd2" / "authorized_keys").write_text(Path(str(sshd.key) + ".pub").read_text())
+        roots = {}
+        for name, server in (("a", sshd), ("b", second)):
+            (tmp_path / name).mkdir()
+            for n in range(40):
+                (tmp_path / name / f"{name}{n:03d}.csv").write_text(f"{name},{n}\n")
+            roots[name] = server.url(str(tmp_path / name))
+        (tmp_path / "Snakefile").write_text(TWO_HOSTS.replace("{a}", roots["a"]).replace("{b}", roots["b"]))
+        done = snakemake(tmp_path / "wf", *storage_flags(sshd), "--storage-pallet-strategy", "bundle",
+                         snakefile=tmp_path / "Snakefile", timeout=180)
+    finally:
+        second.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = "".join(f"{name},{n}\n" for name in "ab" for n in range(40))
+    assert (tmp_path / "wf" / "both.txt").read_text() == expected
+    events = [line.split(" object(s)")[0].split("pallet: ")[1] for line in done.stderr.splitlines()
+              if "pallet: fetch" in line]
+    assert events[:2] == ["fetching 40", "fetching 40"], events      # both started before either finished
+    assert events[2:] == ["fetched 40", "fetched 40"], events
 
 
 TAGGED = """

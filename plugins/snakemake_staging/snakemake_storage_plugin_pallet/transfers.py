@@ -6,8 +6,8 @@ import logging
 import os
 import posixpath
 import shutil
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import groupby
 
@@ -19,10 +19,8 @@ from staging_core.transports.base import Endpoint, RemoteEntry, local_tree_items
 
 from .inventory import RemoteInventory, host_key, relative
 
-SHOWN = 5       # objects named in one error message
-# One pallet operation at a time in this process: bundles.parallel hands each pack/unpack its state through
-# module globals, so two operations in two threads would read each other's bundles.
-_ONE_OPERATION = threading.Lock()
+SHOWN = 5           # objects named in one error message
+MAX_CONCURRENT = 8  # groups of one batch (different hosts or top-level directories) staged at the same time
 
 
 @dataclass(frozen=True)
@@ -63,8 +61,9 @@ class Stager:
     renamed into each object's local path only when the whole group is
     there, carrying the remote modes and mtimes; if anything fails, the
     group's local paths are removed. Both return ``{index: BatchFailed}``
-    for the requests of failed groups and never raise. Operations run one
-    at a time in the process; batches wait for each other.
+    for the requests of failed groups and never raise. The groups of a
+    batch run at the same time (up to MAX_CONCURRENT), and so may batches
+    from other threads; operations into one destination queue on its lock.
     """
 
     def __init__(self, inventory: RemoteInventory, options: StagingOptions, scratch_root: str,
@@ -79,16 +78,14 @@ class Stager:
         return self._each_group(requests, "store", self._store_group)
 
     def _each_group(self, requests: list[Request], action: str, work) -> dict[int, BatchFailed]:
-        failures: dict[int, BatchFailed] = {}
         indexed = sorted(enumerate(requests), key=lambda pair: _location(pair[1]))
-        for _, members in groupby(indexed, key=lambda pair: _location(pair[1])):
-            members = list(members)
-            group = [request for _, request in members]
-            try:
-                work(group)
-            except (PalletError, OSError) as exc:
-                failure = BatchFailed(action, [r.query for r in group], exc)
-                failures.update((n, failure) for n, _ in members)
+        groups = [list(members) for _, members in groupby(indexed, key=lambda pair: _location(pair[1]))]
+        if len(groups) == 1:
+            return _run_group(groups[0], action, work)
+        failures: dict[int, BatchFailed] = {}
+        with ThreadPoolExecutor(min(len(groups), MAX_CONCURRENT), thread_name_prefix="pallet-group") as pool:
+            for outcome in pool.map(lambda members: _run_group(members, action, work), groups):
+                failures.update(outcome)
         return failures
 
     # ------------------------------------------------------------ retrieval
@@ -98,8 +95,9 @@ class Stager:
         items, sizes, directories = self._selection(group, root)
         self._ensure_space(sum(sizes))
         source = replace(group[0].remote, path=root).url()
+        self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
         try:
-            with scratch(".pallet-fetch-", self.scratch_root) as landing, _ONE_OPERATION:
+            with scratch(".pallet-fetch-", self.scratch_root) as landing:
                 result = fetch(source, items, landing, self.options, sizes=sizes)
                 _place(group, root, landing, directories)
         except Exception:
@@ -155,12 +153,12 @@ class Stager:
         items = [item for rel, r in zip(rels, group) for item in _expand_local(rel, r.local)]
         dest = replace(group[0].remote, path=root).url()
         base = _shared_base(group, rels)
+        self.logger.info(f"pallet: sending {len(group)} object(s) to {dest}")
         try:
             if base is not None:
-                with _ONE_OPERATION:
-                    result = send(base, items, dest, self.options)
+                result = send(base, items, dest, self.options)
             else:
-                with scratch(".pallet-send-", self.scratch_root) as staged, _ONE_OPERATION:
+                with scratch(".pallet-send-", self.scratch_root) as staged:
                     for rel, request in zip(rels, group):
                         _link_copy(request.local, os.path.join(staged, rel))
                     result = send(staged, items, dest, self.options)
@@ -173,6 +171,17 @@ class Stager:
         self.logger.info(f"pallet: {verb} {objects} object(s) ({result.files} files, {result.file_bytes} bytes) "
                          f"{'from' if verb == 'fetched' else 'to'} {where}: {result.strategy}, "
                          f"{result.transfers} transfer(s), {result.seconds:.2f} s")
+
+
+def _run_group(members: list[tuple[int, Request]], action: str, work) -> dict[int, BatchFailed]:
+    """Run ``work`` on one group of (index, request) pairs; its failure, by index, for each request."""
+    group = [request for _, request in members]
+    try:
+        work(group)
+    except (PalletError, OSError) as exc:
+        failure = BatchFailed(action, [r.query for r in group], exc)
+        return {n: failure for n, _ in members}
+    return {}
 
 
 def _leaves(entries: list[RemoteEntry]) -> list[RemoteEntry]:
