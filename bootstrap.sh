@@ -33,18 +33,27 @@ install_apt() {
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# What an install depends on: the package metadata and the list of modules (a strict editable install links
+# each module, so a new one needs a reinstall; edits to existing ones are seen at once).
+install_fingerprint() {
+    (cd "$here" && cat setup.cfg pyproject.toml && find bundles staging_core mpi_stager plugins -name '*.py' | sort) \
+        | sha256sum | cut -d' ' -f1
+}
+
 install_python() {
-    local stamp="$venv/.pallet-installed"
+    local stamp="$venv/.pallet-installed" fingerprint
     if [ ! -x "$venv/bin/python" ]; then
         log "creating virtualenv $venv"
         python3 -m venv "$venv"
     fi
-    # Reinstall only when the package metadata changed since the last install.
-    if [ ! -f "$stamp" ] || [ "$here/setup.cfg" -nt "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
+    fingerprint=$(install_fingerprint)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
         log "installing pallet and its extras into $venv"
         "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
-        "$venv/bin/python" -m pip install -q -e "$here[all,test,bench]"
-        touch "$stamp"
+        # strict mode puts a tree of links on sys.path: Snakemake's plugin scan (pkgutil) cannot see the
+        # import hook of the default editable mode, so the plugin would not be found
+        "$venv/bin/python" -m pip install -q --config-settings editable_mode=strict -e "$here[all,test,bench]"
+        echo "$fingerprint" > "$stamp"
     fi
 }
 

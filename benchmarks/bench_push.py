@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         print_grid(cases, [score(cases, w) for w in ("calibrated", "default")])
     if args.json:
         write_json(args.json, args, result, goals, cases)
-    if args.chart and result:
-        write_chart(args.chart, (result.w1_label, result.w1), (result.w2_label, result.w2), cases,
-                    f"pallet push over an emulated WAN ({result.check.spec.label}), commit {code_version()}")
+    if args.chart:
+        headline = ((result.w1_label, result.w1), (result.w2_label, result.w2)) if result else None
+        link = f" ({result.check.spec.label})" if result else ""
+        write_chart(args.chart, headline, cases, f"pallet push over an emulated WAN{link}, commit {code_version()}")
     print(f"keys, profiles and server logs of this run are in {work}")
     return 0
 

@@ -85,24 +85,28 @@ def _pick(case: GridCase, which: str) -> str:
     return f"{case.picks[which][:12]} {value:.2f}x" if value is not None else case.picks[which][:24]
 
 
-def write_chart(path: str, w1: tuple[str, list[Method]], w2: tuple[str, list[Method]], cases: list[GridCase],
-                title: str) -> None:
-    """A PNG: W1 (log scale) and W2 medians side by side, each given as (label, methods), and the grid's
-    pick/best ratios."""
+def write_chart(path: str, headline: tuple[tuple[str, list[Method]], tuple[str, list[Method]]] | None,
+                cases: list[GridCase], title: str) -> None:
+    """A PNG of what was measured: the headline's W1 (log scale) and W2 medians side by side, each given as
+    (label, methods), and/or the grid's pick/best ratios. Raises SystemExit when there is nothing to draw."""
+    if headline is None and not cases:
+        raise SystemExit("--chart: nothing was measured, so there is nothing to draw")
     try:
         import matplotlib
     except ImportError:
         raise SystemExit("--chart needs matplotlib: .venv/bin/python -m pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure = plt.figure(figsize=(13, 9 if cases else 5), layout="constrained")
-    rows = figure.subfigures(2 if cases else 1, 1, height_ratios=[1, 1] if cases else None)
-    top = rows[0] if cases else rows
-    axes = top.subplots(1, 2, width_ratios=[3, 2])
-    _bars(axes[0], w1[1], f"{w1[0]}: seconds (log scale)")
-    _bars(axes[1], w2[1], f"{w2[0]}: seconds")
+    parts = (headline is not None) + bool(cases)
+    figure = plt.figure(figsize=(13, 4.5 * parts), layout="constrained")
+    rows = list(figure.subfigures(parts, 1)) if parts > 1 else [figure]
+    if headline is not None:
+        (w1_label, w1), (w2_label, w2) = headline
+        axes = rows[0].subplots(1, 2, width_ratios=[3, 2])
+        _bars(axes[0], w1, f"{w1_label}: seconds (log scale)")
+        _bars(axes[1], w2, f"{w2_label}: seconds")
     if cases:
-        _grid_axes(rows[1].subplots(), cases)
+        _grid_axes(rows[-1].subplots(), cases)
     figure.suptitle(title)
     figure.savefig(path, dpi=110)
     plt.close(figure)

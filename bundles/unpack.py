@@ -7,15 +7,14 @@ from functools import partial
 from dataclasses import dataclass
 
 from . import plain
-from .extract import ShardOutcome, check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
+from .extract import ShardOutcome, check_index, extract_shard, finish_tree, make_directories, prepare_destination
 from .index import Index
 from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
 from .progress import NoProgress, Progress
 from .reader import Bundle
+from .state import finish, mark_incomplete
 
-INCOMPLETE_MARKER = ".pallet-incomplete"
-STATE_DIR = ".pallet"         # journals and completion markers of resumable unpacks (mpi_stager)
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,11 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
 
     Nothing is written outside ``dest``: an indexed bundle is checked in full
     before anything is written, and every unsafe member is named in one
-    UnsafeMemberError. While work is under way ``dest`` holds the marker file
-    ``.pallet-incomplete``; it is removed only after the last file, link and
-    directory mtime is in place, so a crash leaves the destination clearly
-    marked. Rerunning rewrites the same files.
+    UnsafeMemberError. While work is under way ``dest`` holds the marker
+    ``.pallet/INCOMPLETE`` (see :mod:`bundles.state`); it is removed, with
+    ``.pallet`` unless other unfinished work keeps it, only after the last
+    file, link and directory mtime is in place, so a crash leaves the
+    destination clearly marked. Rerunning rewrites the same files.
     """
     started = time.monotonic()
     dest = os.fspath(dest)
@@ -61,10 +61,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
         else:
             next(plain.iter_members(bundle), None)      # not a tar archive: fail before touching dest
         prepare_destination(dest)
-        marker = os.path.join(dest, INCOMPLETE_MARKER)
-        with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
-            handle.write(f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
-                         "if this file remains, the unpack did not finish: run it again\n")
+        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
+                              "if this file remains, the unpack did not finish: run it again")
         try:
             if bundle.index is None:
                 stats = plain.extract_plain(bundle, dest, progress)
@@ -73,7 +71,7 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
                 result = _unpack_indexed(bundle, dest, options, progress, pool)
         finally:
             progress.finish()
-    os.unlink(marker)
+    finish(dest)
     return UnpackResult(**{**result.__dict__, "seconds": time.monotonic() - started})
 
 

@@ -14,7 +14,8 @@ from .parallel import WorkerPool, jobs_for
 from .reader import Bundle
 from .safety import safe_mode
 from .tarformat import END_OF_ARCHIVE, Kind, member_header
-from .unpack import INCOMPLETE_MARKER, STATE_DIR, shard_cost
+from .state import STATE_DIR
+from .unpack import shard_cost
 
 
 @dataclass
@@ -188,16 +189,17 @@ def verify_tree(index: Index, dest: str) -> VerifyReport:
 def _extra_problems(index: Index, root: bytes) -> list[str]:
     """Name every path under ``root`` that is not in the index (extra directories are not descended).
 
-    pallet's own state directory (journal, completion marker) is not an extra.
+    pallet's own state directory means an operation there did not finish.
     """
     known, problems = set(index.paths), []
     state = STATE_DIR.encode()
     for current, dirs, files in os.walk(root):
         for name in sorted(dirs + files):
             rel = os.path.relpath(os.path.join(current, name), root)
-            if rel == INCOMPLETE_MARKER.encode():
-                problems.append(f"{INCOMPLETE_MARKER}: the unpack into this destination did not finish")
-            elif rel not in known and rel != state:
+            if rel == state:
+                problems.append(f"{STATE_DIR}: pallet's state of an operation that did not finish here "
+                                "(rerun it to finish)")
+            elif rel not in known:
                 problems.append(f"{os.fsdecode(rel)}: extra in the destination (not in the bundle)")
         dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(current, d), root) in known]
     return problems

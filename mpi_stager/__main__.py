@@ -20,8 +20,8 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             srun -n 64 python -m mpi_stager unpack B.tar.zst /lustre/dest
             python -m mpi_stager unpack --workers 4 B.tar.zst dest   (one node, no MPI)
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
-A rerun after a crash extracts only the shards the journal does not list as done.
-DEST/.pallet/complete-ID.json appears when the unpack has finished.
+While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
+extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error."""
 
 
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="check shard and file hashes (default: on)")
     unpack.add_argument("--journal", metavar="DIR", help="journal directory (default: DEST/.pallet/journal-ID)")
+    unpack.add_argument("--keep-journal", action="store_true",
+                        help="on success, leave DEST/.pallet (journal, marker) for the caller to remove "
+                             "(pallet push does, once its whole operation has succeeded)")
     unpack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto",
                         help="communicator: mpi when started by mpirun/srun (auto), or serial")
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_pack(comm, args)
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
-                                  StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1)))
+                                  StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1),
+                                                args.keep_journal))
     except StagerError as exc:
         if rank0:
             print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)

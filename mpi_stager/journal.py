@@ -1,13 +1,12 @@
-"""The unpack journal: one record per finished shard, a log per run, and the completion marker."""
+"""The unpack journal: one record per finished shard and a log per run, kept until the unpack succeeds."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
 
 from bundles.index import Index, content_hash
-from bundles.unpack import STATE_DIR
+from bundles.state import state_path
 
 
 def bundle_id(index: Index) -> str:
@@ -22,30 +21,25 @@ class Journal:
 
     ``shard-NNNNNN`` exists once shard N is completely written (its content
     is the shard's hash, so a record from another bundle never counts);
-    ``runs/RUN.rankR`` lists the shards rank R extracted in run RUN; the
-    completion marker (``marker``: DEST/.pallet/complete-ID.json, or
-    complete-stream-SID.json) is written last.
+    ``runs/RUN.rankR`` lists the shards rank R extracted in run RUN. The
+    unpack removes the journal when it succeeds (see bundles.state.finish):
+    it only ever serves a rerun after a failure.
     """
 
     root: str
-    marker: str
 
     @classmethod
     def for_destination(cls, dest: str, index: Index, journal_dir: str | None = None) -> "Journal":
-        ident = bundle_id(index)
-        root = journal_dir or os.path.join(dest, STATE_DIR, f"journal-{ident}")
-        return cls(root, os.path.join(dest, STATE_DIR, f"complete-{ident}.json"))
+        return cls(journal_dir or state_path(dest, f"journal-{bundle_id(index)}"))
 
     @classmethod
     def for_stream(cls, dest: str, stream_id: str) -> "Journal":
         """The journal of a bundle stream (see bundles.stream): keyed by its stream id, since the shard
         hashes are not known before the shards arrive."""
-        state = os.path.join(dest, STATE_DIR)
-        return cls(os.path.join(state, f"stream-{stream_id}"), os.path.join(state, f"complete-stream-{stream_id}.json"))
+        return cls(state_path(dest, f"stream-{stream_id}"))
 
     def create(self) -> None:
         os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
-        os.makedirs(os.path.dirname(self.marker), exist_ok=True)
 
     def finished_shards(self, index: Index) -> set[int]:
         """Shards recorded as finished with a hash that matches ``index``."""
@@ -83,15 +77,6 @@ class Journal:
             run = name.rsplit(".rank", 1)[0]
             runs.setdefault(run, []).extend(int(line) for line in _read(os.path.join(directory, name)).split())
         return runs
-
-    def is_complete(self) -> bool:
-        return os.path.exists(self.marker)
-
-    def complete(self, summary: dict) -> None:
-        """Write the completion marker (atomically), the last thing an unpack does."""
-        with open(self.marker + ".tmp", "w") as handle:
-            json.dump({**summary, "finished_at": time.time()}, handle)
-        os.replace(self.marker + ".tmp", self.marker)
 
 
 def new_run_name() -> str:

@@ -13,13 +13,13 @@ from typing import BinaryIO, TextIO
 
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, PalletError, StreamError
-from bundles.extract import (check_index, create_file, damaged_shard, extract_shard_data, finish_tree,
+from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree,
                              make_directories, prepare_destination, write_streamed_file)
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
                             decode_skeleton, frame_limit)
-from bundles.unpack import INCOMPLETE_MARKER
+from bundles.state import finish, mark_incomplete
 
 from .journal import Journal, new_run_name
 
@@ -58,15 +58,16 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
 
     The skeleton is checked against the extraction rules before anything is
     written (UnsafeMemberError names every refused entry). Then ``dest``
-    gets ``.pallet-incomplete``, one JSON line goes to ``out`` —
+    gets ``.pallet/INCOMPLETE``, one JSON line goes to ``out`` —
     ``{"stream": ID, "done": {"N": "HASH", ...}}``, the shards the journal
     DEST/.pallet/stream-ID lists as finished, which the sender may skip —
     and the directories are made. Each shard is written as it arrives (a big
     one in chunks), verified with ``verify``, and journaled; at most a few
     shards are held in memory. After the last shard the index the sender
     sends must equal the one assembled here; then links and directory
-    metadata are applied, the completion marker is written and the
-    incomplete marker removed. Raises StreamError or CorruptBundleError
+    metadata are applied, and the journal and the incomplete marker are
+    removed (with ``.pallet`` if nothing else is in it). Raises StreamError
+    or CorruptBundleError
     naming the shard for damaged, cut or inconsistent input, leaving
     ``dest`` marked incomplete and the journal for a rerun.
     """
@@ -77,7 +78,8 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
     skeleton = _read_skeleton(reader, source)
     check_index(skeleton.index, source)
     prepare_destination(dest)
-    marker = _mark_incomplete(dest)
+    mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
+                          "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
     journal.create()
     receiver = _Receiver(skeleton, dest, verify, journal, source)
@@ -90,8 +92,7 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
         receiver.finish(frames)
     finish_tree(skeleton.index, dest)
     summary = receiver.summary(reader.bytes_read, time.monotonic() - started)
-    journal.complete(summary.to_json())
-    os.unlink(marker)
+    finish(dest, journal.root)
     return summary
 
 
@@ -102,12 +103,6 @@ def _read_skeleton(reader: FrameReader, source: str) -> Skeleton:
     return decode_skeleton(frame.payload, source)
 
 
-def _mark_incomplete(dest: str) -> str:
-    marker = os.path.join(dest, INCOMPLETE_MARKER)
-    with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
-        handle.write("pallet is receiving a bundle stream here; if this file remains, the transfer did not "
-                     "finish: rerun it\n")
-    return marker
 
 
 def _reply(out: TextIO, skeleton: Skeleton, recorded: dict[int, bytes]) -> None:

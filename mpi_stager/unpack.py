@@ -7,11 +7,12 @@ from functools import partial
 from dataclasses import dataclass, field
 
 from bundles.errors import CorruptBundleError, PalletError
-from bundles.extract import check_index, create_file, extract_shard, finish_tree, make_directories, prepare_destination
+from bundles.extract import check_index, extract_shard, finish_tree, make_directories, prepare_destination
 from bundles.jobs import ShardJob, shard_jobs
 from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
-from bundles.unpack import INCOMPLETE_MARKER, shard_cost
+from bundles.state import INCOMPLETE, STATE_DIR, finish, mark_incomplete
+from bundles.unpack import shard_cost
 
 from .comm import POISON, Communicator
 from .journal import Journal, new_run_name
@@ -20,12 +21,15 @@ from .schedule import assign_shards
 
 @dataclass(frozen=True)
 class StagerOptions:
-    """Unpack options: hash checks, journal location (None: under DEST), and at most how many worker
-    processes one rank alone uses (fewer for a small bundle, none below the size that repays their start)."""
+    """Unpack options: hash checks, journal location (None: under DEST), at most how many worker processes
+    one rank alone uses (fewer for a small bundle, none below the size that repays their start), and
+    ``keep_state``: leave the journal and DEST/.pallet to a caller that removes them once its whole operation
+    has succeeded (pallet push), so that a rerun after the caller dies still skips every finished shard."""
 
     verify: bool = True
     journal_dir: str | None = None
     workers: int = 1
+    keep_state: bool = False
 
 
 @dataclass
@@ -65,7 +69,7 @@ class StagerError(PalletError):
         listed = "\n".join(f"  - {e}" for e in summary.errors[:50])
         more = f"\n  ... and {len(summary.errors) - 50} more" if len(summary.errors) > 50 else ""
         super().__init__(f"unpack failed ({len(summary.errors)} error(s) on {summary.ranks} rank(s)):\n{listed}{more}",
-                         summary.dest, f"{INCOMPLETE_MARKER} marks it; fix the cause and rerun: "
+                         summary.dest, f"{STATE_DIR}/{INCOMPLETE} marks it; fix the cause and rerun: "
                          "finished shards are skipped")
         self.summary = summary
 
@@ -93,10 +97,8 @@ def unpack_parallel(comm: Communicator, bundle_path: str, dest: str, options: St
                                 sum(r.file_bytes for r in reports), time.monotonic() - started, errors)
         if errors:
             raise StagerError(summary)
-        if comm.rank == 0:
-            journal.complete({"bundle": os.path.abspath(bundle_path), "ranks": comm.size,
-                              "shards": len(index.shards), "entries": len(index)})
-            os.unlink(os.path.join(dest, INCOMPLETE_MARKER))
+        if comm.rank == 0 and not options.keep_state:
+            finish(dest, journal.root)
         comm.barrier()
         return summary
     finally:
@@ -122,8 +124,7 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal):
     try:
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
-        with os.fdopen(create_file(os.fsencode(os.path.join(dest, INCOMPLETE_MARKER))), "w") as handle:
-            handle.write(f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish\n")
+        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish")
         journal.create()
         done = journal.finished_shards(bundle.index)
         make_directories(bundle.index, dest)

@@ -73,7 +73,8 @@ def _add_unpack(commands) -> None:
                             description="Unpack BUNDLE into DEST with N workers, verifying every file. "
                                         "Plain .tar/.tar.gz/.tar.zst archives without an index are "
                                         "extracted sequentially under the same safety rules.",
-                            epilog="DEST holds .pallet-incomplete until the unpack has finished.\n"
+                            epilog="DEST holds .pallet/INCOMPLETE until the unpack has finished; then nothing\n"
+                                   "but the bundle's tree is left there.\n"
                                    "examples:\n  pallet unpack data.tar.zst /scratch/me/data\n"
                                    "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
     p.add_argument("bundle", metavar="BUNDLE")

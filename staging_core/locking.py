@@ -1,4 +1,5 @@
-"""One push or pull at a time per destination: a flock held for the whole operation, released if pallet dies."""
+"""One push or pull at a time per destination: a flock on DEST itself, held for the whole operation, released if
+pallet dies."""
 from __future__ import annotations
 
 import fcntl
@@ -10,7 +11,6 @@ from bundles.errors import PalletError
 
 from .transports.base import Endpoint, Transport
 
-LOCK_FILE = ".pallet/lock"
 _BUSY = 75
 
 
@@ -21,10 +21,12 @@ class DestinationLocked(PalletError):
 
 
 class DestinationLock:
-    """Hold ``DEST/.pallet/lock`` with ``flock(2)`` while the operation runs.
+    """Hold a ``flock(2)`` on the directory DEST itself while the operation runs (it is created first).
 
-    Local destinations lock in this process; ssh destinations run
-    ``flock -n LOCK sh -c 'echo held; exec cat'`` there, whose stdin is our
+    No lock file is made, so nothing of the lock is ever left in DEST, and
+    removing pallet's state there at the end cannot break it. Local
+    destinations lock in this process; ssh destinations run
+    ``flock -n DEST sh -c 'echo held; exec cat'`` there, whose stdin is our
     pipe, so the lock dies with this process even after ``kill -9`` (no
     stale lock to clean up). Destinations without remote execution are not
     locked (``supported`` is False) — see docs/staging.md. Entering raises
@@ -37,7 +39,7 @@ class DestinationLock:
         self.endpoint = endpoint
         self.transport = transport
         self.wait = wait
-        self.path = os.path.join(endpoint.path, LOCK_FILE)
+        self.path = endpoint.path
         self.supported = endpoint.is_local or transport.capabilities.remote_exec
         self._fd: int | None = None
         self._holder: subprocess.Popen | None = None
@@ -45,7 +47,7 @@ class DestinationLock:
     def __enter__(self) -> "DestinationLock":
         if not self.supported:
             return self
-        self.transport.mkdir(os.path.dirname(self.path))
+        self.transport.mkdir(self.path)
         if self.endpoint.is_local:
             self._lock_here()
         else:
@@ -53,7 +55,7 @@ class DestinationLock:
         return self
 
     def _lock_here(self) -> None:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -78,7 +80,7 @@ class DestinationLock:
 
     def _busy(self) -> DestinationLocked:
         return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),
-                                 f"wait for it to finish (it holds {self.path}), then rerun")
+                                 f"wait for it to finish (it holds a flock on {self.path}), then rerun")
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

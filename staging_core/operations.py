@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from typing import Sequence
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
+from bundles.state import STATE_DIR, prune, remove_state
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
@@ -80,10 +82,12 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
         strategy = _strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" and items is not None else strategy
         if not lock.supported:
-            transport.mkdir(endpoint.path)      # the lock made DEST/.pallet otherwise
+            transport.mkdir(endpoint.path)      # the lock made DEST otherwise
         run, attempts = _with_retries(
             lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
                                progress or NoProgress(), include), options.retries)
+        if include is None and not options.keep_packed:
+            _clear_state(transport, endpoint, route)
     return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
 
 
@@ -125,7 +129,20 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             run, attempts = _with_retries(
                 lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
                                    progress or NoProgress(), items), options.retries)
+            if items is None:
+                remove_state(local.path)
     return _result(local.path, chosen, strategy, inventory, run, attempts, started)
+
+
+def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None) -> None:
+    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held)."""
+    state = posixpath.join(endpoint.path, STATE_DIR)
+    if endpoint.is_local:
+        remove_state(endpoint.path)
+    elif transport.capabilities.remote_exec:
+        transport.run(["rm", "-rf", "--", state])
+    elif route is not None:
+        route.run_there(["rm", "-rf", "--", state])
 
 
 def _check_options(options: StagingOptions) -> None:
@@ -263,9 +280,9 @@ def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclu
             raise next(iter(sent.failed.values()))
         run.count(sent)
         with _Stage(run, progress, "unpack"):
-            run.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]))
+            run.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]), keep_journal=include is None)
         run.route = route.description
-        if route.removes_bundle:
+        if include is not None:     # a selection; a whole-tree push clears all of DEST/.pallet at the end
             route.discard([os.path.join(route.incoming, n) for n in names])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -310,6 +327,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         run.skipped_shards = summary.shards_skipped
         for leftover in (name, name + ".pidx"):
             os.unlink(os.path.join(staging, leftover))
+        prune(dest, staging)
         run.route = route.description
     finally:
         route.cleanup()

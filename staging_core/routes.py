@@ -13,6 +13,7 @@ from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.index import Index
+from bundles.state import prune
 from bundles.tarformat import Kind
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
@@ -24,10 +25,14 @@ from .planner import Candidate, Plan
 from .scratch import scratch, scratch_dir
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
+from .transports.errors import NotSupportedError
 from .transports.registry import open_transport
 
 INCOMING = ".pallet/incoming"
 JOB_KINDS = ("slurm",)
+# remove the given files, then the incoming directory ($1) and DEST/.pallet while they are empty
+_DISCARD_SCRIPT = 'incoming=$1; shift; rm -f -- "$@" && rmdir --ignore-fail-on-non-empty -- "$incoming" "${incoming%/*}"'
+
 BUNDLE_SUFFIXES = (".tar.zst", ".tar.gz", ".tar")
 
 
@@ -43,10 +48,12 @@ def stager_argv(options: StagingOptions, command: str, *args: str) -> list[str]:
     return [*launcher, *shlex.split(options.remote_python), "-m", "mpi_stager", command, *workers, *args]
 
 
-def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str) -> list[str]:
-    """The far-side unpack command; it prints its summary as JSON (see :func:`_skipped`)."""
-    verify = [] if options.verify else ["--no-verify"]
-    return stager_argv(options, "unpack", "--json", *verify, bundle_path, dest_path)
+def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_journal: bool = False) -> list[str]:
+    """The far-side unpack command; it prints its summary as JSON (see :func:`_skipped`). With
+    ``keep_journal`` it leaves DEST/.pallet for the push to remove when all is done (a push killed after the
+    unpack finished then resumes without extracting anything again)."""
+    flags = ([] if options.verify else ["--no-verify"]) + (["--keep-journal"] if keep_journal else [])
+    return stager_argv(options, "unpack", "--json", *flags, bundle_path, dest_path)
 
 
 def _skipped(output: bytes) -> int:
@@ -83,7 +90,8 @@ class UnpackRoute(AbstractContextManager, ABC):
     bundle into the tree at ``dest_path`` resumably (mpi_stager's journal)
     and returns only when that is done, or raises a PalletError naming the
     cause; it returns the number of shards an earlier run had already
-    finished. ``removes_bundle`` tells the caller whether to delete the
+    finished. With ``keep_journal`` a far-side unpack leaves DEST/.pallet
+    for the caller, which removes it once everything has succeeded. ``removes_bundle`` tells the caller whether to delete the
     bundle afterwards with ``discard`` (False when the route leaves it for
     the user, e.g. ``--keep-packed``); ``streams`` whether a bundle stream
     can be fed straight into the unpacker there (see streaming.py). A
@@ -107,11 +115,18 @@ class UnpackRoute(AbstractContextManager, ABC):
         return []
 
     @abstractmethod
-    def unpack(self, bundle_path: str) -> int: ...
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int: ...
 
     def discard(self, paths: list[str]) -> None:
-        """Delete ``paths`` (bundle, index and extra files in ``incoming``) at the destination after the unpack;
-        routes that keep the bundle (``removes_bundle`` False) delete nothing."""
+        """Delete ``paths`` (bundle, index and extra files in ``incoming``) at the destination after the unpack,
+        then ``incoming`` and DEST/.pallet if that leaves them empty; routes that keep the bundle
+        (``removes_bundle`` False) delete nothing."""
+        if self.removes_bundle:
+            self.run_there(["sh", "-c", _DISCARD_SCRIPT, "sh", self.incoming, *paths])
+
+    def run_there(self, argv: list[str]) -> bytes:
+        """Run ``argv`` on a host that sees the destination's files (NotSupportedError where none does)."""
+        raise NotSupportedError(f"nothing runs where {self.endpoint.url()} is", self.endpoint.url())
 
     def close(self) -> None:
         """Release what the route opened (e.g. its own ssh connection)."""
@@ -123,9 +138,9 @@ class UnpackRoute(AbstractContextManager, ABC):
 class LocalUnpack(UnpackRoute):
     """The destination is a local directory: mpi_stager runs in this process (or under the launcher)."""
 
-    def unpack(self, bundle_path: str) -> int:
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         if self.options.launcher:
-            return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path)))
+            return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
         workers = self.options.ranks or os.cpu_count() or 1
         summary = unpack_parallel(SerialComm(), bundle_path, self.endpoint.path,
                                   StagerOptions(self.options.verify, None, workers))
@@ -134,6 +149,7 @@ class LocalUnpack(UnpackRoute):
     def discard(self, paths: list[str]) -> None:
         for path in paths:
             os.unlink(path)
+        prune(self.endpoint.path, self.incoming)
 
 
 class RemoteExecUnpack(UnpackRoute):
@@ -145,11 +161,11 @@ class RemoteExecUnpack(UnpackRoute):
         super().__init__(endpoint, options)
         self.transport = transport
 
-    def unpack(self, bundle_path: str) -> int:
-        return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path)))
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
+        return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
 
-    def discard(self, paths: list[str]) -> None:
-        self.transport.run(["rm", "-f", "--", *paths])
+    def run_there(self, argv: list[str]) -> bytes:
+        return self.transport.run(argv)
 
 
 class ViaUnpack(UnpackRoute):
@@ -165,11 +181,11 @@ class ViaUnpack(UnpackRoute):
     def description(self) -> str:
         return f"via {self.options.unpack_via}"
 
-    def unpack(self, bundle_path: str) -> int:
-        return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path)))
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
+        return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
 
-    def discard(self, paths: list[str]) -> None:
-        self.via.run(["rm", "-f", "--", *paths])
+    def run_there(self, argv: list[str]) -> bytes:
+        return self.via.run(argv)
 
     def close(self) -> None:
         self.via.close()
@@ -190,8 +206,8 @@ class SlurmJobUnpack(ViaUnpack):
     def extra_files(self, bundle: str) -> list[str]:
         return job_files(bundle, self.incoming, self.endpoint.path, self.options)
 
-    def unpack(self, bundle_path: str) -> int:
-        job = UnpackJob(bundle_path, self.endpoint.path)
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
+        job = UnpackJob(bundle_path, self.endpoint.path)     # a job cleans up after itself: no journal is kept
         self.job_id, output = run_job(self.via.run, job, self.options.unpack_via, echo_for(self.options.progress))
         return _skipped(output)
 
@@ -214,7 +230,7 @@ class KeepPacked(UnpackRoute):
     def extra_files(self, bundle: str) -> list[str]:
         return job_files(bundle, self.incoming, self.endpoint.path, self.options)
 
-    def unpack(self, bundle_path: str) -> int:
+    def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         return 0
 
 

@@ -19,7 +19,7 @@ from staging_core.transports.errors import NotSupportedError
 MTIME_NS = 1_700_000_000_123_456_789
 
 
-def snapshot(root: str | os.PathLike, ignore: tuple[str, ...] = (".pallet-incomplete",)) -> dict:
+def snapshot(root: str | os.PathLike, ignore: tuple[str, ...] = ()) -> dict:
     """Map each relative path under ``root`` to (type, mode, mtime_ns, content or link target, inode group)."""
     root = os.fsencode(root)
     result, inodes = {}, {}

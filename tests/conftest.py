@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
-import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from staging_core.testing import (MTIME_NS, assert_same_tree, make_nasty_tree, normalize_groups,  # noqa: F401
                                   snapshot)
+from tests.programs import fresh_install, program, user_env
 from tests.servers import start_sshd
 
 
@@ -22,15 +25,27 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def fresh_venv():
+    """bin/ of a new virtualenv holding `pip install '.[snakemake]'` (not editable), readable by every user."""
+    root = Path(tempfile.mkdtemp(prefix="pallet-fresh-venv-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        yield fresh_install(root / "venv")
+    finally:
+        shutil.rmtree(root)
+
+
 @pytest.fixture
 def nasty_tree(tmp_path) -> str:
     return make_nasty_tree(str(tmp_path / "src"))
 
 
 def run_pallet(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
-    """Run the real `pallet` command line in a subprocess."""
-    done = subprocess.run([sys.executable, "-m", "staging_core.cli", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, **kwargs)
+    """Run the installed `pallet` command in a user's environment (``env`` adds to it)."""
+    env = user_env(**kwargs.pop("env", {}))
+    done = subprocess.run([program("pallet"), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          env=env, **kwargs)
     if check and done.returncode != 0:
         raise AssertionError(f"pallet {' '.join(args)} failed ({done.returncode}):\n{done.stderr}")
     return done

@@ -6,8 +6,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
-import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +17,6 @@ from staging_core.cli import main
 from tests.conftest import run_pallet, snapshot
 
 NOBODY = 65534
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_tree(root: Path, big: int = 0) -> Path:
@@ -64,24 +61,18 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def as_nobody():
-    """Run the `pallet` CLI as user nobody: root reads everything, so permission errors need another user."""
+def as_nobody(fresh_venv):
+    """Run `pallet` as user nobody, from an install nobody can read: root reads everything, so permission
+    errors need another user."""
     if os.geteuid() != 0:
         pytest.skip("switching to user nobody needs root")
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONPATH": f"{ROOT}:{sysconfig.get_paths()['purelib']}"}
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = {"PATH": f"{fresh_venv}:/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    pallet = str(fresh_venv / "pallet")
     nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": [], "env": env, "capture_output": True,
               "text": True, "stdin": subprocess.DEVNULL}
-    for python in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
-        try:
-            probe = subprocess.run([python, "-c", "import bundles, staging_core.cli"], cwd="/", **nobody)
-        except OSError:              # nobody cannot even reach this interpreter (e.g. under /root)
-            continue
-        if probe.returncode == 0:
-            return lambda *args, cwd: subprocess.run([python, "-m", "staging_core.cli", *map(str, args)],
-                                                     cwd=cwd, **nobody)
-    pytest.skip("no Python interpreter that user nobody can run imports pallet")
+    probe = subprocess.run([pallet, "--version"], cwd="/", **nobody)
+    assert probe.returncode == 0, probe.stderr
+    return lambda *args, cwd: subprocess.run([pallet, *map(str, args)], cwd=cwd, **nobody)
 
 
 @pytest.mark.parametrize("name,codec,jobs", [("sub/file3.txt", "zstd", 2), ("big.bin", "gzip", 1)])
@@ -188,7 +179,7 @@ def test_unpack_onto_a_full_disk(tmp_path, small_fs, kind):
     dest = small_fs / "dest"
     done = run_pallet("unpack", str(archive), str(dest))
     assert_clear_failure(done, dest, "no space left")
-    assert (dest / ".pallet-incomplete").is_file()
+    assert (dest / ".pallet" / "INCOMPLETE").is_file()
 
 
 @pytest.fixture(scope="module", params=["zstd", "gzip", "none"])
@@ -228,7 +219,7 @@ def test_truncated_bundle(tmp_path, capsys, packed, cut, sidecar):
     for command in (["ls", bundle], ["unpack", "--jobs", "1", bundle, tmp_path / "out"]):
         code, err = cli(capsys, *command)
         assert code == 1 and str(bundle) in err and "hint:" in err, (command, err)
-    assert not (tmp_path / "out").exists() or (tmp_path / "out" / ".pallet-incomplete").exists()
+    assert not (tmp_path / "out").exists() or (tmp_path / "out" / ".pallet" / "INCOMPLETE").exists()
     if sidecar:
         assert "is truncated" in err and not (tmp_path / "out").exists()
 

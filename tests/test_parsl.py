@@ -23,13 +23,17 @@ from parsl.providers import LocalProvider
 
 from pallet_parsl import BatchError, PalletStaging
 from staging_core.options import StagingOptions
+from tests.programs import BIN
 from tests.servers import count_invocations
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BIN = os.path.dirname(sys.executable)          # interchange.py and process_worker_pool.py
-WORKER_PATH = f"export PYTHONPATH={HERE}:{os.path.dirname(HERE)} PATH={BIN}:$PATH"
+WORKER_PATH = f"export PATH={BIN}:$PATH"       # interchange.py and process_worker_pool.py, as installed
 MPI_ENV = "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1"
 APPS = 5000          # the issue's figure, kept: each executor's run takes well under a minute here
+
+# The apps live in a namespace of their own named __main__, as in a user's workflow script: Parsl (dill) then
+# ships them by value, so HTEX workers need nothing from this test tree on their path.
+APP_SOURCE = """
+import os
 
 
 def read_text(inputs=()):
@@ -47,6 +51,10 @@ def write_text(text, outputs=()):
     with open(outputs[0], "w") as handle:
         handle.write(text)
     return text
+"""
+APPS_NAMESPACE: dict = {"__name__": "__main__"}
+exec(compile(APP_SOURCE, "<workflow apps>", "exec"), APPS_NAMESPACE)
+read_text, size_of, write_text = (APPS_NAMESPACE[name] for name in ("read_text", "size_of", "write_text"))
 
 
 def remote_files(root, count: int, size: int = 0) -> list[str]:
@@ -237,6 +245,7 @@ def test_four_batches_out_and_four_in_run_concurrently_with_the_right_contents(s
     assert sorted((b.direction, b.files, b.strategy) for b in batches) == \
         [("in", per_batch, "bundle")] * 4 + [("out", per_batch, "bundle")] * 4
     for k in range(4):
+        assert sorted(os.listdir(remote / f"out{k}")) == [f"o{n:03d}.txt" for n in range(per_batch)]  # no .pallet
         for n in range(per_batch):
             assert (remote / f"out{k}" / f"o{n:03d}.txt").read_text() == f"output {k}/{n}\n" * (1 + n % 7)
 

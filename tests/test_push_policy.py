@@ -18,6 +18,7 @@ from staging_core.options import StagingOptions
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
 from tests.conftest import assert_same_tree, run_pallet
+from tests.programs import program, user_env
 from tests.servers import count_invocations
 
 
@@ -37,11 +38,6 @@ def ssh_options(sshd, **kwargs) -> StagingOptions:
     return StagingOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options), **kwargs)
 
 
-def without_state(dest) -> str:
-    shutil.rmtree(os.path.join(dest, ".pallet"), ignore_errors=True)
-    return str(dest)
-
-
 # ---------------------------------------------------------------- the lock
 
 def test_a_locked_local_destination_refuses_a_second_push(tmp_path):
@@ -49,10 +45,10 @@ def test_a_locked_local_destination_refuses_a_second_push(tmp_path):
     endpoint = parse_url(str(dest))
     with DestinationLock(endpoint, open_transport(endpoint)):
         done = run_pallet("push", src, str(dest))
-        assert done.returncode == 4 and "another pallet push/pull" in done.stderr and ".pallet/lock" in done.stderr
+        assert done.returncode == 4 and "another pallet push/pull" in done.stderr and "flock on" in done.stderr
         assert not (dest / "d00").exists()
     run_pallet("push", src, str(dest), check=True)
-    assert_same_tree(src, without_state(dest))
+    assert_same_tree(src, dest)
 
 
 def test_a_locked_ssh_destination_refuses_and_the_lock_dies_with_its_holder(sshd, tmp_path):
@@ -72,7 +68,7 @@ def test_a_locked_ssh_destination_refuses_and_the_lock_dies_with_its_holder(sshd
     while run_pallet("push", *ssh_flags(sshd), src, sshd.url(str(dest))).returncode == 4:
         assert time.monotonic() < deadline, "the lock outlived its killed holder"
         time.sleep(0.5)
-    assert_same_tree(src, without_state(dest))
+    assert_same_tree(src, dest)
 
 
 _HOLD_LOCK = """
@@ -101,8 +97,7 @@ def slow_rsync(shim_dir, monkeypatch, kbytes_per_s: int = 2000) -> None:
 
 def kill_when(argv: list[str], condition, tmpdir, timeout: float = 60) -> None:
     """Start `pallet ARGV`, SIGKILL its whole process group as soon as ``condition()`` holds."""
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    process = subprocess.Popen([sys.executable, "-m", "staging_core.cli", *argv], env=env, start_new_session=True,
+    process = subprocess.Popen([program("pallet"), *argv], env=user_env(TMPDIR=str(tmpdir)), start_new_session=True,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:
@@ -141,13 +136,11 @@ def test_kill_9_during_a_bundle_push_then_rerun_resumes(sshd, tmp_path, monkeypa
             src, sshd.url(str(dest))]
     condition = {"pack": _packing(tmpdir), "transfer": _sending(dest), "unpack": _unpacking(dest)}[stage]
     kill_when(argv, condition, tmpdir)
-    assert not glob.glob(str(dest / ".pallet" / "complete-*"))
     if (dest / "d00").exists():
-        assert (dest / ".pallet-incomplete").exists()          # a crashed unpack is marked
-    rerun = run_pallet(*argv, check=True, env={**os.environ, "TMPDIR": str(tmpdir)})
+        assert (dest / ".pallet" / "INCOMPLETE").exists()      # a crashed unpack is marked
+    rerun = run_pallet(*argv, check=True, env={"TMPDIR": str(tmpdir)})
     summary = json.loads(rerun.stdout)
-    assert_same_tree(src, without_state(dest))
-    assert not (dest / ".pallet-incomplete").exists()
+    assert_same_tree(src, dest)
     assert os.listdir(tmpdir) == []                             # the killed run's staging was swept
     if stage == "unpack":
         assert summary["skipped_shards"] >= 1                     # finished shards were not unpacked again
@@ -173,7 +166,7 @@ def test_hybrid_push_sends_large_files_individually_and_the_rest_bundled(sshd, t
     options = ssh_options(sshd, strategy="hybrid", large_file_bytes=1 << 20, stream="off")
     result = push(src, sshd.url(str(tmp_path / "dest")), options)
     assert result.strategy == "hybrid" and result.transfers == 2 and "2 large file(s)" in result.route
-    assert_same_tree(src, without_state(tmp_path / "dest"))
+    assert_same_tree(src, tmp_path / "dest")
     listed = [c for c in calls() if "--files-from" in c]
     assert len(listed) == 2          # one rsync for the two large files, one for bundle + index
 
@@ -183,7 +176,7 @@ def test_hybrid_push_to_a_local_destination(tmp_path):
     (tmp_path / "src" / "d01" / "big.bin").write_bytes(os.urandom(2 << 20))
     result = push(src, str(tmp_path / "dest"), StagingOptions(strategy="hybrid", large_file_bytes=1 << 20, jobs=2))
     assert result.strategy == "hybrid"
-    assert_same_tree(src, without_state(tmp_path / "dest"))
+    assert_same_tree(src, tmp_path / "dest")
 
 
 # ---------------------------------------------------------------- bad input
@@ -229,7 +222,7 @@ def test_push_into_a_full_file_system_fails_clearly(sshd, tmp_path, strategy):
                           sshd.url(str(small / "dest")))
         assert done.returncode in (1, 3) and "no space" in done.stderr.lower(), done.stderr
         if (small / "dest" / "d00").exists() and strategy == "bundle":
-            assert (small / "dest" / ".pallet-incomplete").exists()
+            assert (small / "dest" / ".pallet" / "INCOMPLETE").exists()
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -260,7 +253,6 @@ def test_push_and_pull_over_gridftp(gridftp, tmp_path):
 def _files(root) -> list[tuple[str, bytes]]:
     found = []
     for directory, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d != ".pallet"]
         for name in files:
             path = os.path.join(directory, name)
             with open(path, "rb") as handle:

@@ -23,7 +23,7 @@ def test_pack_unpack_and_gnu_tar_give_identical_trees(tmp_path, nasty_tree, code
     unpacked = unpack(bundle, tmp_path / "pallet_out", UnpackOptions(jobs=jobs))
     assert unpacked.verified and unpacked.indexed
     assert_same_tree(nasty_tree, tmp_path / "pallet_out")
-    assert not (tmp_path / "pallet_out" / ".pallet-incomplete").exists()
+    assert not (tmp_path / "pallet_out" / ".pallet" / "INCOMPLETE").exists()
 
     (tmp_path / "tar_out").mkdir()
     subprocess.run([*tar_cmd, str(bundle), "-C", str(tmp_path / "tar_out")], check=True)

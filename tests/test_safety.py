@@ -224,7 +224,8 @@ def test_existing_symlink_at_a_parent_directory_is_not_written_through(tmp_path,
 
 def test_existing_symlink_at_the_marker_path_is_not_written_through(tmp_path, sandbox):
     dest, _, before = sandbox
-    os.symlink("../outside/victim.txt", dest / ".pallet-incomplete")
+    (dest / ".pallet").mkdir()
+    os.symlink("../../outside/victim.txt", dest / ".pallet" / "INCOMPLETE")
     try:
         unpack(_archive("indexed", tmp_path), dest)
     finally:

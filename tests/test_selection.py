@@ -30,9 +30,9 @@ def chosen(count: int) -> list[str]:
 
 
 def check_fetched(src, dest, items) -> None:
-    found = sorted(os.path.relpath(os.path.join(d, f), dest) for d, dirs, files in os.walk(dest)
-                   for f in files if ".pallet" not in d.split(os.sep))
-    assert found == sorted(items)
+    found = sorted(os.path.relpath(os.path.join(d, f), dest) for d, dirs, files in os.walk(dest) for f in files)
+    assert found == sorted(items)                   # strict: nothing of pallet's is left either
+    assert not os.path.lexists(os.path.join(dest, ".pallet"))
     for item in items:
         a, b = os.stat(os.path.join(src, item)), os.stat(os.path.join(dest, item))
         assert open(os.path.join(src, item), "rb").read() == open(os.path.join(dest, item), "rb").read()
@@ -86,8 +86,13 @@ def test_bad_selections_are_named(sshd, tmp_path):
 
 
 def test_the_far_side_packs_with_the_requested_shard_size(sshd, tmp_path):
-    import glob
     src, items = tree(tmp_path / "remote", 300), chosen(300)
-    fetch(sshd.url(src), items, str(tmp_path / "here"), ssh_opts(sshd, strategy="bundle", shard_size=4096))
-    assert len(glob.glob(str(tmp_path / "here" / ".pallet" / "journal-*" / "shard-*"))) >= 2
+    log = tmp_path / "far-side.log"
+    shim = tmp_path / "python-shim"
+    shim.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    options = ssh_opts(sshd, strategy="bundle", shard_size=4096)
+    fetch(sshd.url(src), items, str(tmp_path / "here"), StagingOptions(**{**options.__dict__, "remote_python": str(shim)}))
+    packs = [line for line in log.read_text().splitlines() if "mpi_stager pack" in line]
+    assert len(packs) == 1 and "--shard-size 4096" in packs[0], packs
     check_fetched(src, str(tmp_path / "here"), items)

@@ -16,10 +16,10 @@ from snakemake_interface_common.exceptions import WorkflowError  # noqa: E402
 from snakemake_interface_storage_plugins.tests import TestStorageBase  # noqa: E402
 
 from snakemake_storage_plugin_pallet import StorageProvider, StorageProviderSettings  # noqa: E402
+from tests.programs import program, user_env  # noqa: E402
 from tests.servers import count_invocations, start_sshd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGINS = ROOT / "plugins" / "snakemake_staging"
 EXAMPLE = ROOT / "examples" / "snakemake" / "Snakefile"
 T0 = 1_600_000_000_123_456_789
 
@@ -151,7 +151,7 @@ def test_a_round_of_stores_is_one_transfer(sshd, tmp_path, monkeypatch):
     rsync_calls = count_invocations(tmp_path / "shim", "rsync", monkeypatch)
     asyncio.run(in_one_round("managed_store", objects))
     assert len(rsync_calls()) == 1
-    assert sorted(p.name for p in remote.iterdir() if p.name != ".pallet") == sorted(f"r{n}.txt" for n in range(50))
+    assert sorted(p.name for p in remote.iterdir()) == sorted(f"r{n}.txt" for n in range(50))     # no .pallet
     assert all(obj.exists() for obj in objects)              # this process wrote them: asked afresh
 
 
@@ -190,11 +190,10 @@ def test_an_unreachable_host_is_named(tmp_path):
 # ---------------------------------------------------------------- real snakemake runs
 
 def snakemake(workdir: Path, *args: str, snakefile: Path = EXAMPLE, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run the snakemake command line; the plugin is found through PYTHONPATH (editable installs hide it)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    """Run the installed snakemake in a user's environment: it must find the plugin by itself."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--cores", "4",
-                           *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([program("snakemake"), "--snakefile", str(snakefile), "--cores", "4", *args],
+                          cwd=workdir, env=user_env(), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 

@@ -74,11 +74,9 @@ def make_tree(root: Path, seed: int, files: int = 240) -> str:
     return str(root)
 
 
-def assert_tree_equal(src: str, dest: str, state_dir: bool = False) -> None:
-    """Byte, mode, mtime and link equality; ``state_dir`` tolerates pallet's DEST/.pallet (push, fetch)."""
+def assert_tree_equal(src: str, dest: str) -> None:
+    """Byte, mode, mtime and link equality, and no other name in DEST (nothing of pallet's either)."""
     expected, found = normalize_groups(snapshot(src)), normalize_groups(snapshot(dest))
-    if state_dir:
-        found = {rel: v for rel, v in found.items() if rel != b".pallet" and not rel.startswith(b".pallet/")}
     assert sorted(found) == sorted(expected), f"{dest}: other names than {src}"
     wrong = [os.fsdecode(rel) for rel in expected if expected[rel] != found[rel]]
     assert not wrong, f"{dest}: {len(wrong)} entries differ from {src}, e.g. {wrong[:5]}"
@@ -102,38 +100,38 @@ def mpi_stager_pool(work: Path, src: str, ssh) -> None:
     bundle = str(work / "b.tar.zst")
     pack(src, bundle, PackOptions(jobs=1, shard_size=8192))
     unpack_parallel(SerialComm(), bundle, str(work / "dest"), StagerOptions(workers=2))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def fetch_local(work: Path, src: str, ssh) -> None:
     fetch("file://" + src, items_of(src), str(work / "dest"), StagingOptions(strategy="bundle", jobs=2,
                                                                             shard_size=8192))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def push_local(work: Path, src: str, ssh) -> None:
     push(src, str(work / "dest"), StagingOptions(strategy="bundle", jobs=2, shard_size=8192))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def push_ssh(work: Path, src: str, ssh) -> None:
     push(src, ssh.url(str(work / "dest")), ssh_options(ssh))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def send_ssh(work: Path, src: str, ssh) -> None:
     send(src, items_of(src), ssh.url(str(work / "dest")), ssh_options(ssh))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def fetch_ssh(work: Path, src: str, ssh) -> None:
     fetch(ssh.url(src), items_of(src), str(work / "dest"), ssh_options(ssh))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def pull_ssh(work: Path, src: str, ssh) -> None:
     pull(ssh.url(src), str(work / "dest"), ssh_options(ssh))
-    assert_tree_equal(src, str(work / "dest"), state_dir=True)
+    assert_tree_equal(src, str(work / "dest"))
 
 
 def ssh_options(ssh) -> StagingOptions:

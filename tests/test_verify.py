@@ -216,7 +216,7 @@ def test_unpack_refuses_a_corrupted_shard_and_leaves_dest_marked(tmp_path, codec
     assert str(bundle) in done.stderr and f"shard {shard.number}" in done.stderr and "hint:" in done.stderr
     assert victims and all(name in done.stderr for name in victims), done.stderr
     assert "Traceback" not in done.stderr
-    assert (dest / ".pallet-incomplete").is_file()
+    assert (dest / ".pallet" / "INCOMPLETE").is_file()
     assert not any((dest / name).exists() for name in victims)
 
 
@@ -229,7 +229,7 @@ def test_unpack_refuses_a_corrupted_streamed_shard(tmp_path):
     bundle.write_bytes(flipped)
     done = run_pallet("unpack", str(bundle), str(tmp_path / "out"))
     assert done.returncode == 1 and entry.name in done.stderr and f"shard {shard.number}" in done.stderr
-    assert (tmp_path / "out" / ".pallet-incomplete").is_file()
+    assert (tmp_path / "out" / ".pallet" / "INCOMPLETE").is_file()
     _, problems = outcome(bundle)
     assert f"{entry.name}: content does not match its hash" in problems
 
@@ -256,7 +256,7 @@ DAMAGE = {
     "extra": (lambda d: (d / "stray.tmp").write_bytes(b"?"), "stray.tmp: extra in the destination"),
     "extra dir": (lambda d: (d / "new" / "inner").mkdir(parents=True), "new: extra in the destination"),
     "symlink": (_retarget, "link: symlink target differs"),
-    "unfinished": (lambda d: (d / ".pallet-incomplete").write_text("x"), ".pallet-incomplete: the unpack"),
+    "unfinished": (lambda d: (d / ".pallet").mkdir(), ".pallet: pallet's state of an operation that did not finish"),
 }
 
 

@@ -140,14 +140,22 @@ class Batcher:
 def spec_for(batch: Batch, members: list[Member], options: StagingOptions) -> BatchSpec:
     """The BatchSpec of ``members``: both roots at their deepest common directory, items relative to it."""
     if not members:
-        return BatchSpec(batch.number, "", batch.key.direction, "", batch.host_root, (), None, options)
+        return BatchSpec(batch.number, "", batch.key.direction, "", batch.host_root, (), None, options,
+                         state_root(batch.host_root))
     common = posixpath.commonpath([posixpath.dirname(m.path) for m in members])
     items = tuple(posixpath.relpath(m.path, common) for m in members)
     remote_root = f"{batch.key.scheme}://{batch.key.netloc}{common}"
     local_root = os.path.join(batch.host_root, common.lstrip("/"))
     sizes = None if any(m.size is None for m in members) else tuple(m.size for m in members)
     ident = BatchSpec.ident(batch.key.direction, remote_root, local_root, items)
-    return BatchSpec(batch.number, ident, batch.key.direction, remote_root, local_root, items, sizes, options)
+    return BatchSpec(batch.number, ident, batch.key.direction, remote_root, local_root, items, sizes, options,
+                     state_root(batch.host_root))
+
+
+def state_root(host_root: str) -> str:
+    """Where a batch's markers and bundles in transit live: ROOT/.pallet/parsl, beside the mirrored trees
+    (``ROOT/host[:port]/...``), so none of them ever holds a file of pallet's."""
+    return os.path.join(os.path.dirname(host_root), ".pallet", "parsl")
 
 
 def _settle(done: Future, members: list[Member]) -> None:

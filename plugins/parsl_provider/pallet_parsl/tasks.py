@@ -26,8 +26,8 @@ from staging_core.selection import fetch, send
 from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
 from staging_core.transports.registry import open_transport
 
-MARKER = ".pallet/parsl-batch-{}.json"
-INCOMING = ".pallet/incoming/parsl-{}"
+MARKER = "batch-{}.json"         # in BatchSpec.state_root
+INCOMING = "incoming-{}"
 
 
 class BatchError(PalletError):
@@ -52,7 +52,9 @@ class BatchSpec:
     ``local_root`` (a local directory: the remote tree is kept below it);
     ``sizes`` are known sizes in the order of ``items``, or None;
     ``batch_id`` depends only on the direction, the roots and the set of
-    items, so a rerun of the same batch finds its completion marker.
+    items, so a rerun of the same batch finds its completion marker;
+    ``state_root`` is where markers and bundles in transit live: beside the
+    mirrored trees (``ROOT/.pallet/parsl``), never inside one.
     """
 
     number: int
@@ -63,6 +65,7 @@ class BatchSpec:
     items: tuple[str, ...]
     sizes: tuple[int, ...] | None
     options: StagingOptions
+    state_root: str
 
     @staticmethod
     def ident(direction: str, remote_root: str, local_root: str, items) -> str:
@@ -121,12 +124,12 @@ def move_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
     The planner chooses (unless ``spec.options.strategy`` says): individual
     fetches the files straight into ``local_root`` in one transfer; bundle
     has the source's pack route pack just these items and fetches bundle
-    + index in one transfer into ``local_root/.pallet/incoming/parsl-ID/``
+    + index in one transfer into ``state_root/incoming-ID/``
     (a rerun finds it there: rsync sends no data again). Sources with no
     pack route (GridFTP, Globus without ``pack_via``) go individually.
     Raises BatchError naming the batch and the cause.
     """
-    if not spec.items or os.path.exists(os.path.join(spec.local_root, MARKER.format(spec.batch_id))):
+    if not spec.items or os.path.exists(os.path.join(spec.state_root, MARKER.format(spec.batch_id))):
         return Moved(spec, "done before", 0)
     started = time.monotonic()
     try:
@@ -226,7 +229,7 @@ def _move(spec: BatchSpec) -> Moved:
             result = fetch(spec.remote_root, spec.items, spec.local_root,
                            replace(options, strategy="individual"), aligned)
             return Moved(spec, "individual", result.transfers, None, result.bytes_sent)
-        incoming = os.path.join(spec.local_root, INCOMING.format(spec.batch_id))
+        incoming = os.path.join(spec.state_root, INCOMING.format(spec.batch_id))
         os.makedirs(incoming, exist_ok=True)
         try:
             bundle = route.pack(options.codec or "zstd", list(spec.items))
@@ -275,7 +278,7 @@ def _check_present(spec: BatchSpec) -> None:
 
 
 def _write_marker(spec: BatchSpec, strategy: str) -> None:
-    path = os.path.join(spec.local_root, MARKER.format(spec.batch_id))
+    path = os.path.join(spec.state_root, MARKER.format(spec.batch_id))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as handle:
         json.dump({"remote_root": spec.remote_root, "files": len(spec.items), "strategy": strategy}, handle)

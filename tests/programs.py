@@ -1,0 +1,50 @@
+"""The installed programs run as a user's shell runs them: the environment's scripts, a scrubbed environment."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent       # the scripts of the environment under test: pallet, snakemake, ...
+SOURCE = str(Path(__file__).resolve().parents[1])
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The test's environment as a user's shell would have it, plus ``extra``: this environment's scripts first
+    on PATH (then the test's PATH, which may hold its shims), and no PYTHON* variable or other value that
+    points into the source tree, so programs import pallet only from where it is installed."""
+    kept = {name: value for name, value in os.environ.items()
+            if not name.startswith("PYTHON") and SOURCE not in value and name != "PATH"}
+    path = os.pathsep.join([str(BIN), *(p for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+                                        if not p.startswith(SOURCE) or p == str(BIN))])
+    return {**kept, "PATH": path, "LANG": "C.UTF-8", **extra}
+
+
+def program(name: str) -> str:
+    """The installed script ``name`` of this environment (fails the test if the install did not make it)."""
+    path = BIN / name
+    assert path.exists(), f"{path} is missing: is pallet installed in this environment?"
+    return str(path)
+
+
+def python_module(module: str) -> list[str]:
+    """``python -m MODULE`` with this environment's interpreter (as the docs write it)."""
+    return [program("python"), "-m", module]
+
+
+def fresh_install(root: Path, extras: str = "snakemake") -> Path:
+    """A new virtualenv at ``root`` holding this project installed as users install it (not editable).
+
+    It is made with a system Python when there is one, and left readable by every user, so a test can
+    also run it as another user. Returns the environment's bin directory.
+    """
+    source = Path(__file__).resolve().parents[1]
+    base = next((p for p in ("/usr/bin/python3", sys.executable) if os.access(p, os.X_OK)))
+    subprocess.run([base, "-m", "venv", str(root)], check=True, capture_output=True)
+    pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"{source}[{extras}]"], check=True, capture_output=True, cwd=root,
+                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")})
+    for directory, _, _ in os.walk(root):
+        os.chmod(directory, 0o755)
+    return root / "bin"
