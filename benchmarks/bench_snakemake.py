@@ -1,4 +1,5 @@
-"""Stage-in of a Snakemake workflow with 20,000 x 1 KiB inputs: the pallet plugin against snakemake-storage-plugin-fs."""
+"""Snakemake with the pallet plugin against snakemake-storage-plugin-fs: stage-in of 20,000 x 1 KiB inputs, and
+(``--outputs N``) N one-output jobs whose outputs go to storage one after another."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,22 @@ rule part:
     run:
         with open(output[0], "w") as out:
             out.write(f"{len(input)} {sum(os.path.getsize(path) for path in input)}\\n")
+'''
+
+OUTPUTS_SNAKEFILE = '''\
+STORE = getattr(storage, config["provider"])
+JOBS = int(config["jobs"])
+
+
+rule all:
+    input: STORE(expand(f"{config['prefix']}/o{{n}}.txt", n=range(JOBS)))
+
+
+rule make:
+    output: STORE(f"{config['prefix']}/o{{n}}.txt")
+    run:
+        with open(output[0], "w") as out:
+            out.write(f"{wildcards.n}\\n")
 '''
 
 # Runs snakemake's own command line in this process, timing every DAG.retrieve_storage_inputs call (the stage-in
@@ -97,7 +114,7 @@ def run_workflow(work: Path, name: str, provider: str, prefix: str, files: int, 
     workdir.mkdir(parents=True)
     (workdir / "Snakefile").write_text(SNAKEFILE)
     (workdir / "driver.py").write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "snakemake_staging")}
+    env = _without_pythonpath()          # the plugin is found as installed, as users find it
     argv = [sys.executable, "driver.py", "stage-in.json", "--cores", "4", "--config", f"provider={provider}",
             f"prefix={prefix}", f"files={files}", "parts=4", *extra]
     started = time.perf_counter()
@@ -115,6 +132,51 @@ def run_workflow(work: Path, name: str, provider: str, prefix: str, files: int, 
     return Run(name, sum(json.loads((workdir / "stage-in.json").read_text())), total, pallet_log.strip())
 
 
+def _without_pythonpath() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
+
+
+def run_outputs(work: Path, name: str, provider: str, prefix: str, jobs: int, extra: list[str]) -> Run:
+    """``jobs`` one-output jobs in the main process: Snakemake stores each output as its job ends."""
+    workdir = work / "runs" / name
+    workdir.mkdir(parents=True)
+    (workdir / "Snakefile").write_text(OUTPUTS_SNAKEFILE)
+    argv = [str(Path(sys.executable).with_name("snakemake")), "--cores", "4", "--config", f"provider={provider}",
+            f"prefix={prefix}", f"jobs={jobs}", *extra]
+    started = time.perf_counter()
+    with open(workdir / "snakemake.log", "w") as log:
+        done = subprocess.run(argv, cwd=workdir, env=_without_pythonpath(), stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)
+    total = time.perf_counter() - started
+    text = (workdir / "snakemake.log").read_text()
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: snakemake failed ({done.returncode}):\n{text[-3000:]}")
+    stores = sum(1 for line in text.splitlines() if "pallet: sent" in line)
+    return Run(name, 0.0, total, f"{stores} pallet store operation(s)" if provider == "pallet" else "")
+
+
+def outputs_main(args: argparse.Namespace) -> int:
+    """The many-small-outputs comparison: N one-output jobs, outputs stored to a directory, pallet vs fs."""
+    work = args.workdir
+    if (work / "runs").exists():
+        subprocess.run(["rm", "-rf", "--", str(work / "runs")], check=True)
+    runs = []
+    for name, provider, prefix in (("pallet-local", "pallet", f"file://{work}/out-pallet"),
+                                   ("fs-local", "fs", f"{work}/out-fs")):
+        subprocess.run(["rm", "-rf", "--", prefix.removeprefix("file://")], check=True)
+        runs.append(run_outputs(work, name, provider, prefix, args.outputs, []))
+        stored = sorted(os.listdir(prefix.removeprefix("file://")))
+        if stored != sorted(f"o{n}.txt" for n in range(args.outputs)):
+            raise SystemExit(f"{name}: the destination holds {len(stored)} names, not the {args.outputs} outputs")
+    print(f"{args.outputs} one-output jobs, each output stored as its job ends (local jobs, 4 cores)")
+    for run in runs:
+        print(f"  {run.name:<13} whole run {run.total_s:8.2f} s  ({run.total_s / args.outputs * 1000:.0f} ms per job)"
+              f"   {run.pallet_log}")
+    if args.json:
+        args.json.write_text(json.dumps({"outputs": args.outputs, "runs": [asdict(r) for r in runs]}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--files", type=int, default=20_000)
@@ -122,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench-snakemake")
     parser.add_argument("--no-ssh", dest="ssh", action="store_false", help="skip the ssh-loopback run")
     parser.add_argument("--json", type=Path, help="write the runs and the ratio here")
+    parser.add_argument("--outputs", type=int, metavar="N",
+                        help="instead: N one-output jobs storing their outputs (the many-small-outputs case)")
     args = parser.parse_args(argv)
+    if args.outputs:
+        return outputs_main(args)
     work = args.workdir
     inputs = work / "inputs"
     make_inputs(inputs, args.files, args.size)
