@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from .index import Index
+from .reserved import reserved_problem
 from .tarformat import Kind
 
 STRIPPED_MODE_BITS = 0o6000        # setuid and setgid are never restored
@@ -27,7 +28,7 @@ def path_problem(path: bytes) -> str | None:
         return "'..' component"
     if any(p in (b"", b".") for p in parts):
         return "empty or '.' component"
-    return None
+    return reserved_problem(path)
 
 
 def symlink_problem(path: bytes, target: bytes, symlinks: set[bytes]) -> str | None:
@@ -79,7 +80,8 @@ def index_problems(index: Index) -> list[tuple[str, str]]:
 def _name_problem(path: bytes, seen: set, directories: set, symlinks: set) -> str | None:
     """Name checks, with a fast path for the common clean relative name."""
     padded = b"/" + path + b"/"
-    if not path or path[0] == 47 or b"\0" in path or b"/../" in padded or b"/./" in padded or b"//" in padded:
+    if not path or path[0] == 47 or b"\0" in path or b"/../" in padded or b"/./" in padded or b"//" in padded \
+            or b"/.pallet" in padded:
         return path_problem(path)
     if path in seen:
         return "duplicate name"

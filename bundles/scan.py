@@ -10,6 +10,7 @@ from typing import Callable
 from .errors import SourceError
 from .index import Index
 from .parallel import WorkerPool, jobs_for
+from .reserved import reserved_problem
 from .tarformat import Kind
 
 
@@ -189,6 +190,8 @@ def _stat_chunk(chunk: StatChunk) -> _ChunkStats:
         except OSError as exc:
             raise SourceError(f"cannot stat ({exc.strerror})", path,
                               "check its permissions, or pack again when nothing is changing the source") from None
+        if b".pallet" in rel and reserved_problem(rel):
+            out.problems.append(f"{os.fsdecode(rel)!r}: {reserved_problem(rel)}")
         mode, size, link = st.st_mode, 0, b""
         if stat.S_ISREG(mode):
             kind, size = Kind.FILE, st.st_size

@@ -4,10 +4,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 
+from .errors import DestinationError
 from .extract import create_file
+from .reserved import STATE_DIR
 
-STATE_DIR = ".pallet"
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
 
 
@@ -16,13 +18,49 @@ def state_path(dest: str, *parts: str) -> str:
     return os.path.join(dest, STATE_DIR, *parts)
 
 
+def ensure_state_dir(dest: str) -> str:
+    """Create DEST/.pallet (mode 0700), or check the one there; return its path.
+
+    An existing one must be a real directory (not a symlink), owned by this
+    user and writable by nobody else: otherwise someone else could have made
+    it, or could put links in it, and pallet would write through them.
+    Raises DestinationError naming it and the fix.
+    """
+    path = state_path(dest)
+    try:
+        os.mkdir(path, 0o700)
+        return path
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise DestinationError(f"cannot create pallet's state directory ({exc.strerror})", path,
+                               "check that DEST is a writable directory") from None
+    problem = _state_dir_problem(os.lstat(path))
+    if problem:
+        raise DestinationError(f"{problem}: pallet keeps its state there and will not write through it", path,
+                               f"remove it (rm -r {path}) if you did not make it, then run again")
+    return path
+
+
+def _state_dir_problem(st: os.stat_result) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return "is writable by other users"
+    return None
+
+
 def mark_incomplete(dest: str, text: str) -> str:
     """Create DEST/.pallet (if needed) and write ``text`` to DEST/.pallet/INCOMPLETE; return the marker's path.
 
     The marker is created anew (a file or link already there is unlinked,
     never written through), so it always tells the current operation.
     """
-    os.makedirs(state_path(dest), mode=0o700, exist_ok=True)
+    ensure_state_dir(dest)
     marker = state_path(dest, INCOMPLETE)
     with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
         handle.write(text if text.endswith("\n") else text + "\n")

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from bundles.index import Index, content_hash
-from bundles.state import state_path
+from bundles.state import ensure_state_dir, state_path
 
 
 def bundle_id(index: Index) -> str:
@@ -38,7 +38,10 @@ class Journal:
         hashes are not known before the shards arrive."""
         return cls(state_path(dest, f"stream-{stream_id}"))
 
-    def create(self) -> None:
+    def create(self, dest: str) -> None:
+        """Make the journal's directories (checking DEST/.pallet first when the journal lives there)."""
+        if os.path.dirname(os.path.abspath(self.root)) == os.path.abspath(state_path(dest)):
+            ensure_state_dir(dest)
         os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
 
     def finished_shards(self, index: Index) -> set[int]:

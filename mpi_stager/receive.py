@@ -81,7 +81,7 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
     mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
                           "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
-    journal.create()
+    journal.create(dest)
     receiver = _Receiver(skeleton, dest, verify, journal, source)
     _reply(out, skeleton, receiver.recorded)
     make_directories(skeleton.index, dest)

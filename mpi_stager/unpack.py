@@ -125,7 +125,7 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal):
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
         mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish")
-        journal.create()
+        journal.create(dest)
         done = journal.finished_shards(bundle.index)
         make_directories(bundle.index, dest)
         return done, new_run_name()

@@ -12,7 +12,7 @@ from typing import Sequence
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
-from bundles.state import STATE_DIR, prune, remove_state
+from bundles.state import STATE_DIR, ensure_state_dir, prune, remove_state
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
@@ -272,6 +272,8 @@ def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclu
         with _Stage(run, NoProgress(), "pack"):          # pack draws its own bar
             pack(src, bundle, PackOptions(codec=codec, shard_size=options.shard_size, jobs=options.jobs,
                                           exclude=exclude, include=include), progress)
+        if endpoint.is_local:
+            ensure_state_dir(endpoint.path)     # never follow a link planted at DEST/.pallet
         transport.mkdir(route.incoming)
         names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx", *route.extra_files(bundle)]
         with _Stage(run, progress, "transfer", 0, os.path.getsize(bundle)):
@@ -313,6 +315,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
     try:
         with _Stage(run, progress, "pack"):
             bundle = route.pack(codec, items)
+        ensure_state_dir(dest)
         staging = os.path.join(dest, INCOMING)
         os.makedirs(staging, exist_ok=True)
         name = os.path.basename(bundle)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from bundles.errors import UsageError
+from bundles.reserved import PARTIAL_DIR
 
 from ..scratch import scratch_dir
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
@@ -20,7 +21,6 @@ _FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
 _FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
 _MASTER_IDLE_S = 30    # a master left by a killed pallet exits after this; later commands reconnect directly
 _SOCKET_ROOT = "/tmp"   # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
-PARTIAL_DIR = ".pallet-partial"   # rsync keeps interrupted files here, so a rerun sends only the rest
 _PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
 
 

@@ -1,0 +1,123 @@
+"""pallet's own names in hostile places: reserved names refused by name, links planted at DEST/.pallet never followed."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from array import array
+from pathlib import Path
+
+import pytest
+
+from bundles import Index
+from bundles.shards import plan_shards
+from bundles.stream import FrameKind, FrameWriter, encode_skeleton
+from bundles.tarformat import Kind
+from tests.conftest import run_pallet
+from tests.programs import python_module, user_env
+
+
+def small_tree(root: Path) -> str:
+    for n in range(30):
+        path = root / f"d{n % 3}" / f"f{n}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{n}\n")
+    return str(root)
+
+
+def assert_refused(done: subprocess.CompletedProcess, *names: str) -> None:
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "reserved" in done.stderr, done.stderr
+    for name in names:
+        assert name in done.stderr, (name, done.stderr)
+
+
+# ---------------------------------------------------------------- reserved names
+
+@pytest.mark.parametrize("planted", [".pallet/lock", "d1/.pallet-partial/f1.txt"])
+def test_a_source_holding_a_reserved_name_is_refused_by_name(tmp_path, planted):
+    src = small_tree(tmp_path / "src")
+    (Path(src) / planted).parent.mkdir(parents=True, exist_ok=True)
+    (Path(src) / planted).write_text("not pallet's")
+    assert_refused(run_pallet("pack", src, str(tmp_path / "b.tar.zst")), planted)
+    assert not (tmp_path / "b.tar.zst").exists()
+    assert_refused(run_pallet("push", src, str(tmp_path / "dest")), planted)
+    assert not (tmp_path / "dest" / "d0").exists()
+
+
+def test_a_plain_archive_with_reserved_members_never_writes_them(tmp_path):
+    """A plain archive is read once, in order: safe members before a refused one may be written (DEST stays
+    marked unfinished), the reserved ones never are."""
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("ok.txt", ".pallet/INCOMPLETE", "sub/.pallet-partial/x"):
+            data = b"poison\n"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    done = run_pallet("unpack", str(archive), str(tmp_path / "dest"))
+    assert_refused(done, ".pallet/INCOMPLETE", "sub/.pallet-partial/x")
+    assert not (tmp_path / "dest" / "sub" / ".pallet-partial").exists()
+    assert "poison" not in (tmp_path / "dest" / ".pallet" / "INCOMPLETE").read_text()
+
+
+def test_a_stream_with_a_reserved_member_is_refused_before_writing(tmp_path):
+    names = [b"ok", b".pallet", b".pallet/journal-x"]
+    index = Index("zstd", 3, 1 << 20, paths=names, kinds=array("B", [Kind.FILE, Kind.DIR, Kind.DIR]),
+                  modes=array("I", [0o644, 0o755, 0o755]), mtimes=array("q", [0] * 3), sizes=array("Q", [0] * 3),
+                  links=[b""] * 3, link_groups=array("q", [-1] * 3))
+    out = io.BytesIO()
+    wire = FrameWriter(out)
+    wire.prelude()
+    wire.frame(FrameKind.SKELETON, 0, encode_skeleton(index, plan_shards(index, 1 << 20))[0])
+    done = subprocess.run([*python_module("mpi_stager"), "receive", "--json", str(tmp_path / "dest")],
+                          input=out.getvalue(), env=user_env(), capture_output=True, cwd=tmp_path)
+    assert done.returncode == 1 and b"reserved" in done.stderr and b"'.pallet'" in done.stderr, done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+# ---------------------------------------------------------------- a link planted at DEST/.pallet
+
+@pytest.fixture
+def planted(tmp_path):
+    """DEST holding a symlink .pallet -> a sentinel directory outside DEST; yields (dest, sentinel)."""
+    dest, sentinel = tmp_path / "dest", tmp_path / "sentinel"
+    dest.mkdir()
+    sentinel.mkdir()
+    (dest / ".pallet").symlink_to(sentinel)
+    yield dest, sentinel
+    assert os.listdir(sentinel) == [], "pallet wrote through a link it did not make"
+
+
+def assert_link_refused(done: subprocess.CompletedProcess, dest: Path) -> None:
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "is a symbolic link" in done.stderr, done.stderr
+    assert str(dest / ".pallet") in done.stderr
+
+
+def test_unpack_does_not_follow_a_planted_state_link(tmp_path, planted):
+    dest, _ = planted
+    src = small_tree(tmp_path / "src")
+    run_pallet("pack", src, str(tmp_path / "b.tar.zst"), check=True)
+    assert_link_refused(run_pallet("unpack", str(tmp_path / "b.tar.zst"), str(dest)), dest)
+    stager = subprocess.run([*python_module("mpi_stager"), "unpack", str(tmp_path / "b.tar.zst"), str(dest)],
+                            env=user_env(), capture_output=True, text=True, cwd=tmp_path)
+    assert_link_refused(stager, dest)
+
+
+def test_local_push_and_pull_do_not_follow_a_planted_state_link(tmp_path, planted):
+    dest, _ = planted
+    src = small_tree(tmp_path / "src")
+    assert_link_refused(run_pallet("push", "--strategy", "bundle", src, str(dest)), dest)
+    assert_link_refused(run_pallet("pull", "--strategy", "bundle", src, str(dest)), dest)
+
+
+def test_a_streamed_push_over_ssh_does_not_follow_a_planted_state_link(sshd, tmp_path, planted):
+    dest, _ = planted
+    src = small_tree(tmp_path / "src")
+    done = run_pallet("push", "--strategy", "bundle", "--remote-python", sys.executable,
+                      *[f"--ssh-option={o}" for o in sshd.ssh_options], src, sshd.url(str(dest)))
+    assert done.returncode != 0 and "is a symbolic link" in done.stderr and "Traceback" not in done.stderr, \
+        done.stderr
