@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 from .planner import LARGE_FILE_BYTES
+from .transports.base import local_or_url
 
 if TYPE_CHECKING:
     from .options import StagingOptions
@@ -41,7 +42,8 @@ def _add_plan(commands) -> None:
                                         "a hybrid (large files individually, the rest bundled).",
                             epilog="example:\n  pallet plan data/ ssh://login.hpc/scratch/me/data --json")
     p.add_argument("src", metavar="SRC")
-    p.add_argument("dest", metavar="DEST", help="destination URL (only parsed; nothing is contacted)")
+    p.add_argument("dest", metavar="DEST", type=local_or_url,
+                   help="destination URL or local path (only parsed; nothing is contacted)")
     p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
     p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
     p.add_argument("--unpack-via", metavar="SSH_URL", help="as for push: gives GridFTP/Globus destinations a route")
@@ -92,8 +94,9 @@ def _add_push(commands) -> None:
                                    "  pallet push --keep-packed data/ globus://ENDPOINT-UUID/scratch/me/data\n\n"
                                    + _STAGING_EPILOG)
     p.add_argument("src", metavar="SRC")
-    p.add_argument("dest", metavar="DEST_URL",
-                   help="/abs/path, file://, ssh://[user@]host[:port]/abs, host:/abs, gsiftp://, ftp://, globus://")
+    p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
+                   help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
+                        "gsiftp://, ftp://, globus://")
     _staging_options(p)
     routes = p.add_argument_group("routes for destinations without remote execution (GridFTP, Globus)")
     routes.add_argument("--unpack-via", metavar="SSH_URL",
@@ -121,7 +124,8 @@ def _add_pull(commands) -> None:
                                    "  pallet pull --pack-via ssh://dtn.hpc gsiftp://gridftp.hpc/project/data data/\n"
                                    "  pallet pull gsiftp://gridftp.hpc/project/published.tar.zst data/\n\n"
                                    + _STAGING_EPILOG)
-    p.add_argument("src", metavar="SRC_URL", help="a remote directory, or a bundle whose .pidx sits beside it")
+    p.add_argument("src", metavar="SRC_URL", type=local_or_url,
+                   help="a remote directory (or a local path), or a bundle whose .pidx sits beside it")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
     _staging_options(p)
     p.add_argument("--pack-via", metavar="SSH_URL",
@@ -193,7 +197,8 @@ def _add_calibrate(commands) -> None:
                                         "zstd rates, and store them as a profile that "
                                         "`pallet plan/push/pull --profile NAME` use.",
                             epilog="example: pallet calibrate --name hpc ssh://login.hpc/scratch/me")
-    p.add_argument("url", metavar="URL", help="a directory on the far side; a scratch subdirectory is used there")
+    p.add_argument("url", metavar="URL", type=local_or_url,
+                   help="a directory on the far side; a scratch subdirectory is used there")
     p.add_argument("--name", required=True, help="profile name (letters, digits, - _ .)")
     p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh argument, repeatable")
     p.add_argument("--remote-python", default="python3", metavar="CMD",

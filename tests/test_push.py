@@ -88,3 +88,13 @@ def test_demo_runs_the_whole_job_and_reports_no_problem(tmp_path):
     summary = json.loads(done.stdout)
     assert summary["problems"] == [] and summary["files"] == 600
     assert summary["push"]["strategy"] in ("bundle", "individual") and summary["push"]["reason"]
+
+
+def test_relative_paths_are_local_as_with_rsync_and_cp(tmp_path):
+    src = tiny_tree(tmp_path / "data", 30)
+    run_pallet("push", "data", "backup", cwd=tmp_path, check=True)
+    assert_same_tree(src, tmp_path / "backup")
+    run_pallet("pull", "backup/", "copy", cwd=tmp_path, check=True)
+    assert_same_tree(src, tmp_path / "copy")
+    done = run_pallet("push", "data", "host:relative", cwd=tmp_path)
+    assert done.returncode == 2 and "must be absolute" in done.stderr and "Traceback" not in done.stderr

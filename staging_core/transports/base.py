@@ -45,6 +45,14 @@ class Endpoint:
                         self.host, self.port, self.user)
 
 
+def local_or_url(text: str) -> str:
+    """A location as a command line gives it: a URL or ``host:path`` stays as it is; anything else is a
+    local path, made absolute (``pallet push data/ backup/`` reads as rsync and cp read it)."""
+    if _URL.match(text) or _SCP_STYLE.match(text):
+        return text
+    return os.path.abspath(text)
+
+
 def parse_url(text: str) -> Endpoint:
     """Parse '/abs', 'file:///abs', 'ssh://[user@]host[:port]/abs', '[user@]host:/abs',
     'gsiftp://host:port/abs', 'ftp://host:port/abs' or 'globus://ENDPOINT_UUID/abs'.
