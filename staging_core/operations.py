@@ -252,14 +252,21 @@ def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[
 
 def _transfer_all(transport: Transport, direction: Direction, local: str, endpoint: Endpoint,
                   items: list[str] | None) -> TransferResult:
-    """One batch transfer; raise a TransportError naming the files if any failed."""
+    """One batch transfer; raise a TransportError naming the files, and the first one's error, if any failed."""
     result = transport.transfer(direction, local, endpoint.path, items)
     if not result.ok:
+        first = sorted(result.failed)[0]
         names = ", ".join(sorted(result.failed)[:10])
         rest = "send" if direction is Direction.PUSH else "fetch"
-        raise TransportError(f"{len(result.failed)} file(s) failed: {names}", endpoint.url(),
-                             f"see the first error above; rerun to {rest} the rest", retryable=False)
+        raise TransportError(f"{len(result.failed)} file(s) failed: {names} (first: {first}: "
+                             f"{_one_line(result.failed[first])})", endpoint.url(),
+                             f"fix that cause; a rerun then {rest}s the rest", retryable=False)
     return result
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message without its path and hint (those are the transfer's own)."""
+    return getattr(error, "message", None) or str(error).splitlines()[0]
 
 
 def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],

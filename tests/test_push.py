@@ -98,3 +98,17 @@ def test_relative_paths_are_local_as_with_rsync_and_cp(tmp_path):
     assert_same_tree(src, tmp_path / "copy")
     done = run_pallet("push", "data", "host:relative", cwd=tmp_path)
     assert done.returncode == 2 and "must be absolute" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_symlink_to_a_directory_survives_individual_reruns(sshd, tmp_path, where):
+    src = tmp_path / "src"
+    (src / "dir").mkdir(parents=True)
+    (src / "dir" / "f.txt").write_text("x\n")
+    (src / "link").symlink_to("dir")
+    dest = str(tmp_path / "dest")
+    url = dest if where == "local" else sshd.url(dest)
+    options = StagingOptions(strategy="individual", remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    for _ in range(3):
+        push(str(src), url, options)
+        assert_same_tree(str(src), dest)

@@ -55,8 +55,8 @@ class LocalTransport(Transport):
             made.add(dst)
             directories.append((dst, st))
             return
-        if os.path.lexists(dst) and not os.path.isdir(dst):
-            os.unlink(dst)
+        if os.path.islink(dst) or (os.path.lexists(dst) and not os.path.isdir(dst)):
+            os.unlink(dst)          # a file or link from an earlier copy (a link to a directory too)
         if stat.S_ISLNK(st.st_mode):
             os.symlink(os.readlink(src), dst)
         elif self.link_mode == "hardlink":
