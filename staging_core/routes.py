@@ -312,12 +312,28 @@ class LocalPack(PackRoute):
             shutil.rmtree(self.outgoing, ignore_errors=True)
 
 
+# Far side of a pull: remove the outgoing directories ($1/$2*) that no session holds any more (a killed pull's;
+# older than a minute, so that one just made and not yet locked is spared), then make a new one and hold an
+# flock on it for as long as our pipe is open, which ends with this process, even after kill -9.
+_OUTGOING_SCRIPT = (
+    'parent=${1:-${TMPDIR:-/tmp}}; '
+    'for old in "$parent/$2"*; do [ -d "$old" ] && [ -n "$(find "$old" -maxdepth 0 -mmin +1)" ] '
+    '&& flock -n "$old" rm -rf -- "$old"; done; '
+    'new=$(mktemp -d -p "$parent" "$2XXXXXX") && exec flock "$new" sh -c \'echo "$0"; exec cat >/dev/null\' "$new"')
+
+
 class RemoteExecPack(PackRoute):
-    """The source transport can run commands there (ssh): mpi_stager packs into a mktemp directory."""
+    """The source transport can run commands there (ssh): mpi_stager packs into a new ``pallet-outgoing-*``
+    directory in the far side's $TMPDIR, which this session holds (an flock) until ``cleanup`` removes it;
+    the next pull there removes the ones killed sessions left."""
+
+    parent = ""                     # "": the far side's ${TMPDIR:-/tmp}
+    prefix = "pallet-outgoing-"
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
         self.transport = transport
+        self._holder: subprocess.Popen | None = None
 
     def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
         self.outgoing = self._make_outgoing()
@@ -331,9 +347,22 @@ class RemoteExecPack(PackRoute):
         return bundle
 
     def _make_outgoing(self) -> str:
-        return self.transport.run(["mktemp", "-d", "-t", "pallet-outgoing-XXXXXX"]).decode().strip()
+        self._holder = self.transport.stream_into(["sh", "-c", _OUTGOING_SCRIPT, "sh", self.parent, self.prefix])
+        line = self._holder.stdout.readline().decode(errors="replace").strip()
+        if line:
+            return line
+        self._holder.stdin.close()
+        error = self._holder.stderr.read().decode(errors="replace").strip()
+        self._holder.wait()
+        self._holder = None
+        raise PalletError(f"cannot make a directory for the bundle at the source ({error or 'no reason given'})",
+                          self.endpoint.url(), "check that mktemp and flock exist there and its $TMPDIR is writable")
 
     def cleanup(self) -> None:
+        if self._holder is not None:
+            self._holder.stdin.close()
+            self._holder.wait()
+            self._holder = None
         if self.outgoing:
             self.transport.run(["rm", "-rf", "--", self.outgoing])
 
@@ -344,13 +373,15 @@ class ViaPack(RemoteExecPack):
     so the bundle is not part of the tree it packs, and on the file system the source transport reads); the
     source transport then fetches the bundle, and ``cleanup`` removes the directory over ssh."""
 
+    prefix = ".pallet-outgoing-"
+
     @property
     def description(self) -> str:
         return f"packed via {self.options.pack_via}"
 
-    def _make_outgoing(self) -> str:
-        parent = posixpath.dirname(self.endpoint.path.rstrip("/")) or "/"
-        return self.transport.run(["mktemp", "-d", "-p", parent, ".pallet-outgoing-XXXXXX"]).decode().strip()
+    @property
+    def parent(self) -> str:
+        return posixpath.dirname(self.endpoint.path.rstrip("/")) or "/"
 
     def close(self) -> None:
         self.transport.close()
