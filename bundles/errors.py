@@ -50,6 +50,12 @@ class DestinationError(PalletError):
     """A destination cannot be written (not writable, not a directory, disk full)."""
 
 
+class DestinationLocked(DestinationError):
+    """Another pallet operation holds the destination's lock (an flock on the directory itself)."""
+
+    exit_code = 4
+
+
 class BundleError(PalletError):
     """A bundle cannot be read: not an archive, truncated, or of an unknown format."""
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import stat
+from contextlib import contextmanager
+from typing import Iterator
 
-from .errors import DestinationError
+from .errors import DestinationError, DestinationLocked
 from .extract import create_file
 from .reserved import STATE_DIR
 
@@ -16,6 +19,26 @@ INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and
 def state_path(dest: str, *parts: str) -> str:
     """A path under ``dest``'s state directory."""
     return os.path.join(dest, STATE_DIR, *parts)
+
+
+@contextmanager
+def holding_lock(dest: str, held_by_caller: bool = False) -> Iterator[None]:
+    """Hold an flock on the directory ``dest`` itself (the lock `pallet push` and `pull` take) while the block
+    runs; raise DestinationLocked (exit status 4) at once if another operation holds it. With
+    ``held_by_caller`` the caller already holds it (for this operation) and nothing is done."""
+    if held_by_caller:
+        yield
+        return
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DestinationLocked("another pallet operation is writing this destination", dest,
+                                    "wait for it to finish, then run again") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def ensure_state_dir(dest: str) -> str:

@@ -13,16 +13,18 @@ from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
 from .progress import NoProgress, Progress
 from .reader import Bundle
-from .state import finish, mark_incomplete
+from .state import finish, holding_lock, mark_incomplete
 
 
 
 @dataclass(frozen=True)
 class UnpackOptions:
-    """Workers (0: one per CPU) and whether to check hashes while writing."""
+    """Workers (0: one per CPU), whether to check hashes while writing, and whether the caller already holds
+    DEST's lock (see :func:`bundles.state.holding_lock`)."""
 
     jobs: int = 0
     verify: bool = True
+    lock_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,9 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
     ``.pallet/INCOMPLETE`` (see :mod:`bundles.state`); it is removed, with
     ``.pallet`` unless other unfinished work keeps it, only after the last
     file, link and directory mtime is in place, so a crash leaves the
-    destination clearly marked. Rerunning rewrites the same files.
+    destination clearly marked. Rerunning rewrites the same files. DEST is
+    locked meanwhile, as push and pull lock it: a second operation there
+    stops with DestinationLocked (exit status 4).
     """
     started = time.monotonic()
     dest = os.fspath(dest)
@@ -61,18 +65,23 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
         else:
             next(plain.iter_members(bundle), None)      # not a tar archive: fail before touching dest
         prepare_destination(dest)
-        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
-                              "if this file remains, the unpack did not finish: run it again")
-        try:
-            if bundle.index is None:
-                stats = plain.extract_plain(bundle, dest, progress)
-                result = UnpackResult(dest, stats.entries, stats.files, stats.file_bytes, 0, False, False, 0.0)
-            else:
-                result = _unpack_indexed(bundle, dest, options, progress, pool)
-        finally:
-            progress.finish()
-    finish(dest)
+        with holding_lock(dest, options.lock_held):
+            mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
+                                  "if this file remains, the unpack did not finish: run it again")
+            try:
+                result = _unpack_into(bundle, dest, options, progress, pool)
+            finally:
+                progress.finish()
+            finish(dest)
     return UnpackResult(**{**result.__dict__, "seconds": time.monotonic() - started})
+
+
+def _unpack_into(bundle: Bundle, dest: str, options: UnpackOptions, progress: Progress,
+                 pool: WorkerPool) -> UnpackResult:
+    if bundle.index is None:
+        stats = plain.extract_plain(bundle, dest, progress)
+        return UnpackResult(dest, stats.entries, stats.files, stats.file_bytes, 0, False, False, 0.0)
+    return _unpack_indexed(bundle, dest, options, progress, pool)
 
 
 def _unpack_jobs(index: Index | None, options: UnpackOptions) -> int:

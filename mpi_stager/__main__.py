@@ -22,7 +22,12 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
-exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error."""
+exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
+pallet operation."""
+
+
+_LOCKED_HELP = ("the caller holds DEST's lock (pallet push does); otherwise DEST is locked here, and a second "
+                "operation on it stops with exit status 4")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--keep-journal", action="store_true",
                         help="on success, leave DEST/.pallet (journal, marker) for the caller to remove "
                              "(pallet push does, once its whole operation has succeeded)")
+    unpack.add_argument("--locked-by-caller", action="store_true", help=_LOCKED_HELP)
     unpack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto",
                         help="communicator: mpi when started by mpirun/srun (auto), or serial")
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
@@ -55,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     receive.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                          help="check shard and file hashes (default: on)")
     receive.add_argument("--json", action="store_true", help="print the summary as JSON")
+    receive.add_argument("--locked-by-caller", action="store_true", help=_LOCKED_HELP)
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
                                   StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1),
-                                                args.keep_journal))
+                                                args.keep_journal, args.locked_by_caller))
     except StagerError as exc:
         if rank0:
             print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_receive(args) -> int:
     try:
-        summary = receive(sys.stdin.buffer, sys.stdout, args.dest, args.verify)
+        summary = receive(sys.stdin.buffer, sys.stdout, args.dest, args.verify, args.locked_by_caller)
     except PalletError as exc:
         print(f"mpi_stager receive: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -19,7 +19,7 @@ from bundles.index import Shard, content_hash, new_hasher
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
                             decode_skeleton, frame_limit)
-from bundles.state import finish, mark_incomplete
+from bundles.state import finish, holding_lock, mark_incomplete
 
 from .journal import Journal, new_run_name
 
@@ -53,7 +53,7 @@ class ReceiveSummary:
         return asdict(self)
 
 
-def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> ReceiveSummary:
+def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True, lock_held: bool = False) -> ReceiveSummary:
     """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
 
     The skeleton is checked against the extraction rules before anything is
@@ -69,7 +69,8 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
     removed (with ``.pallet`` if nothing else is in it). Raises StreamError
     or CorruptBundleError
     naming the shard for damaged, cut or inconsistent input, leaving
-    ``dest`` marked incomplete and the journal for a rerun.
+    ``dest`` marked incomplete and the journal for a rerun. DEST is locked
+    for the whole receive unless ``lock_held`` (the sender holds it).
     """
     started = time.monotonic()
     source = f"stream to {dest}"
@@ -78,6 +79,12 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True) -> Recei
     skeleton = _read_skeleton(reader, source)
     check_index(skeleton.index, source)
     prepare_destination(dest)
+    with holding_lock(dest, lock_held):
+        return _receive_into(reader, out, dest, skeleton, verify, source, started)
+
+
+def _receive_into(reader: FrameReader, out: TextIO, dest: str, skeleton: Skeleton, verify: bool, source: str,
+                  started: float) -> ReceiveSummary:
     mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
                           "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)

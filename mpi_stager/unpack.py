@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from functools import partial
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from bundles.extract import check_index, extract_shard, finish_tree, make_direct
 from bundles.jobs import ShardJob, shard_jobs
 from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
-from bundles.state import INCOMPLETE, STATE_DIR, finish, mark_incomplete
+from bundles.state import INCOMPLETE, STATE_DIR, finish, holding_lock, mark_incomplete
 from bundles.unpack import shard_cost
 
 from .comm import POISON, Communicator
@@ -24,12 +25,14 @@ class StagerOptions:
     """Unpack options: hash checks, journal location (None: under DEST), at most how many worker processes
     one rank alone uses (fewer for a small bundle, none below the size that repays their start), and
     ``keep_state``: leave the journal and DEST/.pallet to a caller that removes them once its whole operation
-    has succeeded (pallet push), so that a rerun after the caller dies still skips every finished shard."""
+    has succeeded (pallet push), so that a rerun after the caller dies still skips every finished shard;
+    ``lock_held``: the caller holds DEST's lock (see bundles.state.holding_lock), which rank 0 takes otherwise."""
 
     verify: bool = True
     journal_dir: str | None = None
     workers: int = 1
     keep_state: bool = False
+    lock_held: bool = False
 
 
 @dataclass
@@ -78,12 +81,13 @@ def unpack_parallel(comm: Communicator, bundle_path: str, dest: str, options: St
     """Run the unpack on every rank of ``comm``; all ranks return the same summary or raise StagerError."""
     started = time.monotonic()
     bundle = _open_everywhere(comm, bundle_path)
+    lock = ExitStack()          # rank 0 holds DEST's lock from the start to the end
     try:
         index = bundle.index
         journal = Journal.for_destination(dest, index, options.journal_dir)
-        prepared = comm.bcast(_prepare(bundle, dest, journal) if comm.rank == 0 else None)
-        if isinstance(prepared, str):
-            raise PalletError(prepared)
+        prepared = comm.bcast(_prepare(bundle, dest, journal, lock, options.lock_held) if comm.rank == 0 else None)
+        if isinstance(prepared, PalletError):
+            raise prepared
         done_before, run = prepared
         pending = [s for s in index.shards if s.number not in done_before]
         report = _extract_assigned(comm, bundle, dest, journal, pending, run, options)
@@ -102,6 +106,7 @@ def unpack_parallel(comm: Communicator, bundle_path: str, dest: str, options: St
         comm.barrier()
         return summary
     finally:
+        lock.close()
         bundle.close()
 
 
@@ -119,18 +124,20 @@ def _open_everywhere(comm: Communicator, bundle_path: str) -> Bundle:
     return bundle
 
 
-def _prepare(bundle: Bundle, dest: str, journal: Journal):
-    """Rank 0: check, create DEST, the journal and the directory tree; return (done shards, run) or an error."""
+def _prepare(bundle: Bundle, dest: str, journal: Journal, lock: ExitStack, lock_held: bool):
+    """Rank 0: check, create and lock DEST, the journal and the directory tree; return (done shards, run) or
+    the error (a PalletError, sent to every rank)."""
     try:
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
+        lock.enter_context(holding_lock(dest, lock_held))
         mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish")
         journal.create(dest)
         done = journal.finished_shards(bundle.index)
         make_directories(bundle.index, dest)
         return done, new_run_name()
     except PalletError as exc:
-        return str(exc)
+        return exc
 
 
 def _extract_assigned(comm, bundle, dest, journal, pending, run, options) -> RankReport:

@@ -7,17 +7,11 @@ import os
 import shlex
 import subprocess
 
-from bundles.errors import PalletError
+from bundles.errors import DestinationLocked, PalletError
 
 from .transports.base import Endpoint, Transport
 
 _BUSY = 75
-
-
-class DestinationLocked(PalletError):
-    """Another pallet push or pull holds the destination's lock."""
-
-    exit_code = 4
 
 
 class DestinationLock:

@@ -333,7 +333,8 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         run.count(fetched)
         with _Stage(run, progress, "unpack"):
             summary = unpack_parallel(SerialComm(), os.path.join(staging, name), dest,
-                                      StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1)))
+                                      StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1),
+                                                    lock_held=True))
         run.skipped_shards = summary.shards_skipped
         for leftover in (name, name + ".pidx"):
             os.unlink(os.path.join(staging, leftover))

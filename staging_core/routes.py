@@ -48,11 +48,14 @@ def stager_argv(options: StagingOptions, command: str, *args: str) -> list[str]:
     return [*launcher, *shlex.split(options.remote_python), "-m", "mpi_stager", command, *workers, *args]
 
 
-def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_journal: bool = False) -> list[str]:
+def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_journal: bool = False,
+                locked: bool = False) -> list[str]:
     """The far-side unpack command; it prints its summary as JSON (see :func:`_skipped`). With
     ``keep_journal`` it leaves DEST/.pallet for the push to remove when all is done (a push killed after the
-    unpack finished then resumes without extracting anything again)."""
-    flags = ([] if options.verify else ["--no-verify"]) + (["--keep-journal"] if keep_journal else [])
+    unpack finished then resumes without extracting anything again); ``locked``: the push holds DEST's lock
+    (without it, mpi_stager takes the lock itself)."""
+    flags = ([] if options.verify else ["--no-verify"]) + (["--keep-journal"] if keep_journal else []) \
+        + (["--locked-by-caller"] if locked else [])
     return stager_argv(options, "unpack", "--json", *flags, bundle_path, dest_path)
 
 
@@ -140,10 +143,11 @@ class LocalUnpack(UnpackRoute):
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         if self.options.launcher:
-            return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
+            return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
+                                                  locked=True)))
         workers = self.options.ranks or os.cpu_count() or 1
         summary = unpack_parallel(SerialComm(), bundle_path, self.endpoint.path,
-                                  StagerOptions(self.options.verify, None, workers))
+                                  StagerOptions(self.options.verify, None, workers, lock_held=True))
         return summary.shards_skipped
 
     def discard(self, paths: list[str]) -> None:
@@ -162,7 +166,8 @@ class RemoteExecUnpack(UnpackRoute):
         self.transport = transport
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
-        return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
+        return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
+                                                       locked=True)))
 
     def run_there(self, argv: list[str]) -> bytes:
         return self.transport.run(argv)

@@ -99,9 +99,11 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
 
 
 def receive_argv(options: StagingOptions, dest: str) -> list[str]:
-    """The far-side command: ``remote_python -m mpi_stager receive --json [--no-verify] DEST`` (no launcher)."""
+    """The far-side command: ``remote_python -m mpi_stager receive --json --locked-by-caller [--no-verify] DEST``
+    (no launcher; the push holds DEST's lock)."""
     verify = [] if options.verify else ["--no-verify"]
-    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "receive", "--json", *verify, dest]
+    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "receive", "--json", "--locked-by-caller",
+            *verify, dest]
 
 
 def prepare_source(src: str, codec: str, jobs: int, shard_size: int | None = None,

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from bundles import Index
+from bundles.progress import NoProgress
 from bundles.shards import plan_shards
 from bundles.stream import FrameKind, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
+from staging_core.streaming import prepare_source, send_stream
 from tests.conftest import run_pallet
 from tests.programs import python_module, user_env
 
@@ -121,3 +123,32 @@ def test_a_streamed_push_over_ssh_does_not_follow_a_planted_state_link(sshd, tmp
                       *[f"--ssh-option={o}" for o in sshd.ssh_options], src, sshd.url(str(dest)))
     assert done.returncode != 0 and "is a symbolic link" in done.stderr and "Traceback" not in done.stderr, \
         done.stderr
+
+
+# ---------------------------------------------------------------- the destination's lock
+
+def test_unpack_mpi_stager_and_receive_stop_on_a_locked_destination(tmp_path):
+    import fcntl
+    src = small_tree(tmp_path / "src")
+    bundle = str(tmp_path / "b.tar.zst")
+    run_pallet("pack", src, bundle, check=True)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    holder = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)          # as a running push, pull or unpack holds it
+    try:
+        unpacked = run_pallet("unpack", bundle, str(dest))
+        stager = subprocess.run([*python_module("mpi_stager"), "unpack", bundle, str(dest)], env=user_env(),
+                                capture_output=True, text=True, cwd=tmp_path)
+        stream = io.BytesIO()
+        send_stream(prepare_source(src, "zstd", 1), stream, lambda stream_id: {}, NoProgress())
+        received = subprocess.run([*python_module("mpi_stager"), "receive", str(dest)], input=stream.getvalue(),
+                                  env=user_env(), capture_output=True, cwd=tmp_path)
+    finally:
+        os.close(holder)
+    for done in (unpacked, stager):
+        assert done.returncode == 4 and "another pallet operation" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert received.returncode == 4 and b"another pallet operation" in received.stderr, received.stderr
+    assert os.listdir(dest) == []
+    run_pallet("unpack", bundle, str(dest), check=True)                     # free again

@@ -182,7 +182,7 @@ def send_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
 def unpack_argv(how: UnpackPlan, bundle: str, dest: str) -> list[str]:
     """``[launcher] python -m mpi_stager unpack --json ...``; UsageError if the launcher needs
     ``$PARSL_NUM_RANKS`` and the task did not run under an MPIExecutor."""
-    stager = [sys.executable, "-m", "mpi_stager", "unpack", "--json"]
+    stager = [sys.executable, "-m", "mpi_stager", "unpack", "--json", "--locked-by-caller"]      # _local_lock
     if how.launcher is None:
         return [*stager, "--workers", str(how.workers), bundle, dest]
     ranks = os.environ.get("PARSL_NUM_RANKS")
