@@ -104,6 +104,33 @@ def find_locator(fd: int, file_size: int) -> tuple[str, Locator] | None:
     return None
 
 
+def damaged_locator(fd: int, file_size: int) -> bool:
+    """True when the file ends like a pallet locator whose wrapper or magic bytes are damaged.
+
+    A plain archive's last bytes match neither the exact wrapper of any codec
+    nor six of the eight magic bytes at the locator's place, so a bundle
+    whose locator was hit is not mistaken for a plain archive.
+    """
+    for codec_name, tail_size in _TAIL_SIZE.items():
+        if file_size < tail_size:
+            continue
+        tail = os.pread(fd, tail_size, file_size - tail_size)
+        raw = _raw_locator_place(codec_name, tail)
+        near_magic = sum(a != b for a, b in zip(raw[:len(_LOCATOR_MAGIC)], _LOCATOR_MAGIC)) <= 2
+        if near_magic or (codec_name != "none" and _unwrap_locator(codec_name, tail) is not None):
+            return True
+    return False
+
+
+def _raw_locator_place(codec_name: str, tail: bytes) -> bytes:
+    """The bytes of ``tail`` where the locator sits for ``codec_name``, whatever the wrapper holds."""
+    if codec_name == "zstd":
+        return tail[_FRAME.size:]
+    if codec_name == "gzip":
+        return tail[len(_GZIP_LOCATOR_HEAD):-len(_GZIP_LOCATOR_TAIL)]
+    return tail
+
+
 def _unwrap_locator(codec_name: str, tail: bytes) -> bytes | None:
     """The raw locator inside ``tail``, or None if the wrapper around it is not the expected one."""
     if codec_name == "zstd":

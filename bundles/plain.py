@@ -5,6 +5,7 @@ import os
 import stat
 import tarfile
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Iterator
 
 from .errors import BundleError, UnsafeMemberError
@@ -83,7 +84,7 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
             directories[name] = member
         elif member.isfile():
             data = _member_data(archive, member, bundle)
-            write_file(path, memoryview(data), safe_mode(member.mode), int(member.mtime * 1e9))
+            write_file(path, memoryview(data), safe_mode(member.mode), mtime_ns(member))
             files.add(name)
             stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + len(data)
             progress.advance(1, len(data))
@@ -93,7 +94,7 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     for name in sorted(directories, key=lambda n: n.count(b"/"), reverse=True):
         member = directories[name]
         os.chmod(os.path.join(root, name), safe_mode(member.mode))
-        os.utime(os.path.join(root, name), ns=(int(member.mtime * 1e9),) * 2)
+        os.utime(os.path.join(root, name), ns=(mtime_ns(member),) * 2)
     if refused:
         raise UnsafeMemberError(refused, bundle.path)
     return stats
@@ -104,6 +105,15 @@ def _normalized(name: bytes) -> bytes:
     if name.startswith(b"/"):
         return name
     return b"/".join(p for p in name.split(b"/") if p not in (b"", b"."))
+
+
+def mtime_ns(member: tarfile.TarInfo) -> int:
+    """A member's mtime in nanoseconds, exact when a pax header carries it (a float would round it)."""
+    text = member.pax_headers.get("mtime")
+    try:
+        return int(Decimal(text) * 1_000_000_000) if text else int(member.mtime) * 1_000_000_000
+    except (InvalidOperation, ValueError):
+        return int(member.mtime) * 1_000_000_000
 
 
 def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: set) -> str | None:
@@ -148,7 +158,7 @@ def _finish_links(root: bytes, links: list, symlinks: set, refused: list) -> Non
             remove_stale(path)
             if member.issym():
                 os.symlink(os.fsencode(member.linkname), path)
-                os.utime(path, ns=(int(member.mtime * 1e9),) * 2, follow_symlinks=False)
+                os.utime(path, ns=(mtime_ns(member),) * 2, follow_symlinks=False)
             else:
                 os.link(os.path.join(root, _normalized(os.fsencode(member.linkname))), path,
                         follow_symlinks=False)

@@ -30,7 +30,8 @@ class Bundle:
     sidecar_index: Index | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Bundle":
+    def open(cls, path: str | os.PathLike, use_index: bool = True) -> "Bundle":
+        """Open ``path``; without ``use_index`` it is read as a plain archive (no index, nothing verified)."""
         path = os.fspath(path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -39,7 +40,7 @@ class Bundle:
         except OSError as exc:
             raise BundleError(f"cannot open ({exc.strerror})", path, "check its permissions") from None
         try:
-            return cls._load(path, fd)
+            return cls._load(path, fd) if use_index else cls._plain(path, fd)
         except BaseException:
             os.close(fd)
             raise
@@ -60,6 +61,11 @@ class Bundle:
             _check_matches_data(path, index, codec_name, size)
         codec = get_codec(index.codec, index.level, path) if index else get_codec(codec_name, source=path)
         return cls(path, fd, size, codec, index, sidecar)
+
+    @classmethod
+    def _plain(cls, path: str, fd: int) -> "Bundle":
+        size = os.fstat(fd).st_size
+        return cls(path, fd, size, get_codec(container.sniff_file(fd), source=path), None)
 
     def read_shard(self, shard: Shard) -> bytes:
         """Return the compressed bytes of ``shard`` (raise BundleError if the file is too short)."""
@@ -89,6 +95,11 @@ def _embedded_payload(path: str, fd: int, size: int) -> tuple[str, bytes | None]
         exc.path = path
         raise
     if found is None:
+        if container.damaged_locator(fd, size) and not os.path.exists(path + container.SIDECAR_SUFFIX):
+            raise CorruptBundleError("the index locator at the end of the bundle is damaged, so its index "
+                                     "cannot be found", path,
+                                     "fetch the bundle again, or put its .pidx beside it; to extract it anyway "
+                                     "as a plain archive, unverified: pallet unpack --no-index")
         return container.sniff_file(fd), None
     codec_name, locator = found
     return codec_name, container.read_index_payload(fd, locator, codec_name, path)

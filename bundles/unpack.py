@@ -19,12 +19,14 @@ from .state import finish, holding_lock, mark_incomplete
 
 @dataclass(frozen=True)
 class UnpackOptions:
-    """Workers (0: one per CPU), whether to check hashes while writing, and whether the caller already holds
-    DEST's lock (see :func:`bundles.state.holding_lock`)."""
+    """Workers (0: one per CPU), whether to check hashes while writing, whether the caller already holds
+    DEST's lock (see :func:`bundles.state.holding_lock`), and whether to use the bundle's index (without:
+    a plain, unverified extraction)."""
 
     jobs: int = 0
     verify: bool = True
     lock_held: bool = False
+    use_index: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
     started = time.monotonic()
     dest = os.fspath(dest)
     progress = progress or NoProgress()
-    with Bundle.open(bundle_path) as bundle, WorkerPool(_unpack_jobs(bundle.index, options)) as pool:
+    with Bundle.open(bundle_path, options.use_index) as bundle, WorkerPool(_unpack_jobs(bundle.index, options)) as pool:
         pool.start()        # the workers start while the index is checked and the directories made
         if bundle.index is not None:
             check_index(bundle.index, bundle.path)

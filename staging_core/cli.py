@@ -82,6 +82,9 @@ def _add_unpack(commands) -> None:
     p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
+    p.add_argument("--no-index", dest="use_index", action="store_false",
+                   help="ignore the bundle's index and extract it as a plain tar, unverified (for a bundle "
+                        "whose end is damaged; the same safety rules apply)")
     _progress_flags(p)
     p.set_defaults(run=_run_unpack)
 
@@ -142,7 +145,8 @@ def _run_pack(args) -> int:
 
 
 def _run_unpack(args) -> int:
-    result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify), make_progress(args.progress))
+    result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify, use_index=args.use_index),
+                    make_progress(args.progress))
     checked = "verified" if result.verified else ("not verified (no index)" if not result.indexed else "not verified")
     report(args.json, {**result.__dict__, "seconds": round(result.seconds, 3)},
             f"unpacked {result.entries} entries ({result.files} files, {human_bytes(result.file_bytes)}) "

@@ -17,7 +17,7 @@ from bundles.shards import plan_shards
 from bundles.stream import FrameKind, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
 from staging_core.streaming import prepare_source, send_stream
-from tests.conftest import run_pallet
+from tests.conftest import assert_same_tree, run_pallet
 from tests.programs import python_module, user_env
 
 
@@ -152,3 +152,22 @@ def test_unpack_mpi_stager_and_receive_stop_on_a_locked_destination(tmp_path):
     assert received.returncode == 4 and b"another pallet operation" in received.stderr, received.stderr
     assert os.listdir(dest) == []
     run_pallet("unpack", bundle, str(dest), check=True)                     # free again
+
+
+# ---------------------------------------------------------------- a damaged locator is never a plain archive
+
+@pytest.mark.parametrize("codec, offset", [("zstd", -50), ("gzip", -60), ("none", -50)])
+def test_a_damaged_locator_without_sidecar_is_an_error_not_a_plain_archive(tmp_path, codec, offset):
+    src = small_tree(tmp_path / "src")
+    bundle = tmp_path / "b.tar"
+    run_pallet("pack", "--codec", codec, src, str(bundle), check=True)
+    (tmp_path / "b.tar.pidx").unlink()
+    data = bytearray(bundle.read_bytes())
+    data[offset] ^= 0x01                        # inside the locator's magic
+    bundle.write_bytes(data)
+    for command in (["unpack", str(bundle), str(tmp_path / "out")], ["verify", str(bundle)]):
+        done = run_pallet(*command)
+        assert done.returncode == 1 and "locator" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "--no-index" in run_pallet("unpack", str(bundle), str(tmp_path / "out")).stderr
+    run_pallet("unpack", "--no-index", str(bundle), str(tmp_path / "plain"), check=True)
+    assert_same_tree(src, tmp_path / "plain")
