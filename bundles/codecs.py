@@ -66,7 +66,7 @@ class Codec:
                     raise self.damaged(f"shard frame declares {declared} bytes, index says {raw_size}")
                 result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
             elif self.name == "gzip":
-                result = zlib.decompress(data, wbits=31)
+                result = _gunzip_bounded(data, raw_size)
             else:
                 result = data
         except (zstandard.ZstdError, zlib.error) as exc:
@@ -190,30 +190,55 @@ class _ZstdReader:
             raise self._codec.damaged(f"corrupt zstd data: {exc}") from exc
 
 
+def _gunzip_bounded(data: bytes, limit: int) -> bytes:
+    """The gzip member(s) in ``data`` decompressed, never more than ``limit`` + 1 bytes of output in memory
+    (a shard that inflates beyond what the index says is refused, however small it is packed)."""
+    out, rest = bytearray(), data
+    while rest:
+        inflate = zlib.decompressobj(31)
+        out += inflate.decompress(rest, limit + 1 - len(out))
+        if len(out) > limit or (inflate.unconsumed_tail and not inflate.eof):
+            raise zlib.error(f"inflates beyond the {limit} bytes the index says")
+        if not inflate.eof:
+            raise zlib.error("the member ends early (truncated)")
+        rest = inflate.unused_data
+    return bytes(out)
+
+
 class _GzipReader:
-    """Read-only stream over concatenated gzip members."""
+    """Read-only stream over concatenated gzip members; memory is bounded by the reads' sizes."""
 
     def __init__(self, raw: BinaryIO, codec: Codec):
         self._raw, self._codec = raw, codec
         self._inflate = zlib.decompressobj(31)
-        self._buffer = b""
         self._fed = False
 
     def read(self, size: int = -1) -> bytes:
-        while size < 0 or len(self._buffer) < size:
-            chunk = self._inflate.unused_data or self._raw.read(_CHUNK)
-            if not chunk:
-                if self._fed and not self._inflate.eof:
-                    raise self._codec.damaged("corrupt gzip data: the stream ends inside a member (truncated)")
+        if size < 0:
+            return b"".join(iter(lambda: self.read(_CHUNK), b""))
+        out = bytearray()
+        while len(out) < size:
+            data = self._next_input()
+            if not data:
                 break
-            if self._inflate.eof:
-                self._inflate = zlib.decompressobj(31)
-            self._fed = True
             try:
-                self._buffer += self._inflate.decompress(chunk)
+                out += self._inflate.decompress(data, size - len(out))
             except zlib.error as exc:
                 raise self._codec.damaged(f"corrupt gzip data: {exc}") from exc
-        if size < 0:
-            size = len(self._buffer)
-        result, self._buffer = self._buffer[:size], self._buffer[size:]
-        return result
+        return bytes(out)
+
+    def _next_input(self) -> bytes:
+        """Input not yet inflated: the rest of the last read's input, the next member's, or fresh bytes."""
+        # after a member's end, the bytes that follow it are in unused_data (unconsumed_tail may repeat them)
+        if not self._inflate.eof and self._inflate.unconsumed_tail:
+            return self._inflate.unconsumed_tail
+        leftover = self._inflate.unused_data if self._inflate.eof else b""
+        data = leftover or self._raw.read(_CHUNK)
+        if not data:
+            if self._fed and not self._inflate.eof:
+                raise self._codec.damaged("corrupt gzip data: the stream ends inside a member (truncated)")
+            return b""
+        if self._inflate.eof:
+            self._inflate = zlib.decompressobj(31)
+        self._fed = True
+        return data

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
 from .index import Index, Shard, content_hash, new_hasher
@@ -219,6 +220,22 @@ def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int, umask
         os.utime(fd, ns=(mtime_ns, mtime_ns))
     finally:
         os.close(fd)
+
+
+def write_chunks(path: bytes, chunks: Iterator[bytes], mode: int, mtime_ns: int) -> int:
+    """Create ``path`` from ``chunks`` (one at a time in memory) with the safe form of ``mode`` and ``mtime_ns``;
+    return the bytes written. The file is created anew, as :func:`create_file` does."""
+    fd = create_file(path)
+    written = 0
+    try:
+        for chunk in chunks:
+            _write_all(fd, chunk, path)
+            written += len(chunk)
+        os.fchmod(fd, safe_mode(mode))
+        os.utime(fd, ns=(mtime_ns, mtime_ns))
+    finally:
+        os.close(fd)
+    return written
 
 
 def current_umask() -> int | None:

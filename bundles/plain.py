@@ -9,7 +9,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Iterator
 
 from .errors import BundleError, UnsafeMemberError
-from .extract import destination_error, remove_stale, write_file
+from .extract import destination_error, remove_stale, write_chunks
 from .progress import Progress
 from .safety import path_problem, safe_mode, symlink_problem
 
@@ -43,12 +43,22 @@ def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
                           _TRUNCATED_HINT)
 
 
-def _member_data(archive: tarfile.TarFile, member: tarfile.TarInfo, bundle) -> bytes:
-    try:
-        return archive.extractfile(member).read()
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise BundleError(f"archive is damaged or truncated at {member.name!r} ({exc})", bundle.path,
-                          _TRUNCATED_HINT) from None
+_MEMBER_CHUNK = 8 << 20
+
+
+def _member_chunks(archive: tarfile.TarFile, member: tarfile.TarInfo, bundle) -> Iterator[bytes]:
+    """A member's data in chunks of at most 8 MiB, whatever its size; BundleError if the archive ends early."""
+    data, remaining = archive.extractfile(member), member.size
+    while remaining:
+        try:
+            chunk = data.read(min(remaining, _MEMBER_CHUNK))
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise BundleError(f"archive is damaged or truncated at {member.name!r} ({exc})", bundle.path,
+                              _TRUNCATED_HINT) from None
+        if not chunk:
+            raise BundleError(f"archive is truncated inside {member.name!r}", bundle.path, _TRUNCATED_HINT)
+        remaining -= len(chunk)
+        yield chunk
 
 
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
@@ -83,11 +93,10 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
             _make_parents(root, name + b"/x")
             directories[name] = member
         elif member.isfile():
-            data = _member_data(archive, member, bundle)
-            write_file(path, memoryview(data), safe_mode(member.mode), mtime_ns(member))
+            size = write_chunks(path, _member_chunks(archive, member, bundle), member.mode, mtime_ns(member))
             files.add(name)
-            stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + len(data)
-            progress.advance(1, len(data))
+            stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + size
+            progress.advance(1, size)
         else:
             links.append((member, name))
     _finish_links(root, links, symlink_names, refused)

@@ -18,7 +18,7 @@ from bundles.stream import FrameKind, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
 from staging_core.streaming import prepare_source, send_stream
 from tests.conftest import assert_same_tree, run_pallet
-from tests.programs import python_module, user_env
+from tests.programs import program, python_module, user_env
 
 
 def small_tree(root: Path) -> str:
@@ -171,3 +171,41 @@ def test_a_damaged_locator_without_sidecar_is_an_error_not_a_plain_archive(tmp_p
     assert "--no-index" in run_pallet("unpack", str(bundle), str(tmp_path / "out")).stderr
     run_pallet("unpack", "--no-index", str(bundle), str(tmp_path / "plain"), check=True)
     assert_same_tree(src, tmp_path / "plain")
+
+
+# ---------------------------------------------------------------- bounded memory on ordinary plain archives
+
+@pytest.mark.slow
+def test_a_plain_tar_gz_of_one_1_gib_file_unpacks_within_1_gib_of_address_space(tmp_path):
+    import shutil
+    if not shutil.which("prlimit") or not shutil.which("pigz"):
+        pytest.skip("needs prlimit (util-linux) and pigz")
+    (tmp_path / "src").mkdir()
+    with open(tmp_path / "src" / "zeros", "wb") as handle:
+        handle.truncate(1 << 30)
+    archive = tmp_path / "one.tar.gz"
+    with open(archive, "wb") as out:
+        tar = subprocess.Popen(["tar", "-cf", "-", "-C", str(tmp_path), "src"], stdout=subprocess.PIPE)
+        subprocess.run(["pigz", "-1"], stdin=tar.stdout, stdout=out, check=True)
+        assert tar.wait() == 0
+    (tmp_path / "src" / "zeros").unlink()
+    done = subprocess.run(["prlimit", f"--as={1 << 30}", program("pallet"), "unpack", str(archive),
+                           str(tmp_path / "out")],
+                          env=user_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "src" / "zeros").stat().st_size == 1 << 30
+
+
+@pytest.mark.parametrize("read_size", [1, 7, 512, 10240, 1 << 20])
+def test_the_gzip_reader_returns_at_most_what_is_asked_across_members(read_size):
+    import gzip
+    import random
+    from bundles.codecs import get_codec
+    rng = random.Random(read_size)
+    parts = [rng.randbytes(rng.randint(0, 5000)) + bytes(rng.randint(0, 200_000)) for _ in range(5)]
+    stream = get_codec("gzip").open_stream(io.BytesIO(b"".join(gzip.compress(p, 1) for p in parts)))
+    got = bytearray()
+    while chunk := stream.read(read_size):
+        assert len(chunk) <= read_size
+        got += chunk
+    assert bytes(got) == b"".join(parts)
