@@ -194,7 +194,7 @@ def unpack_argv(how: UnpackPlan, bundle: str, dest: str) -> list[str]:
 
 def _local_lock(dest: str) -> DestinationLock:
     """DEST's pallet lock, waited for: unpacks (and fetches) into one directory take turns, since an unpack's
-    ``DEST/.pallet-incomplete`` is per directory, not per bundle."""
+    ``DEST/.pallet/INCOMPLETE`` is per directory, not per bundle."""
     local = Endpoint("file", dest)
     return DestinationLock(local, open_transport(local), wait=True)
 
