@@ -11,6 +11,7 @@ import pytest
 
 from staging_core.testing import (MTIME_NS, assert_same_tree, make_nasty_tree, normalize_groups,  # noqa: F401
                                   snapshot)
+from tests.docs import doc_block
 from tests.programs import fresh_install, program, user_env
 from tests.servers import start_sshd
 
@@ -27,11 +28,12 @@ def sshd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fresh_venv():
-    """bin/ of a new virtualenv holding `pip install '.[snakemake]'` (not editable), readable by every user."""
+    """bin/ of a new virtualenv made by docs/snakemake.md's install command (`pip install '.[snakemake]'`, not
+    editable), readable by every user."""
     root = Path(tempfile.mkdtemp(prefix="pallet-fresh-venv-", dir="/tmp"))
     root.chmod(0o755)
     try:
-        yield fresh_install(root / "venv")
+        yield fresh_install(root / "venv", doc_block("docs/snakemake.md", "pip install '.[snakemake]'").text)
     finally:
         shutil.rmtree(root)
 

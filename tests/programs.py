@@ -33,18 +33,21 @@ def python_module(module: str) -> list[str]:
     return [program("python"), "-m", module]
 
 
-def fresh_install(root: Path, extras: str = "snakemake") -> Path:
-    """A new virtualenv at ``root`` holding this project installed as users install it (not editable).
+def fresh_install(root: Path, install_command: str) -> Path:
+    """A new virtualenv at ``root`` in which ``install_command`` (a shell line such as the docs' ``pip install
+    '.[snakemake]'``) ran in the source tree, with the new environment first on PATH: the project installed as
+    users install it, not editable.
 
     It is made with a system Python when there is one, and left readable by every user, so a test can
     also run it as another user. Returns the environment's bin directory.
     """
-    source = Path(__file__).resolve().parents[1]
     base = next((p for p in ("/usr/bin/python3", sys.executable) if os.access(p, os.X_OK)))
     subprocess.run([base, "-m", "venv", str(root)], check=True, capture_output=True)
-    pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"{source}[{extras}]"], check=True, capture_output=True, cwd=root,
-                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")})
+    env = {"PATH": f"{root / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": os.environ.get("HOME", "/root"),
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_QUIET": "1"}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install_command], cwd=SOURCE, env=env,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{install_command.strip()} failed:\n{done.stderr[-3000:]}"
     for directory, _, _ in os.walk(root):
         os.chmod(directory, 0o755)
     return root / "bin"

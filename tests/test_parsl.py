@@ -23,6 +23,7 @@ from parsl.providers import LocalProvider
 
 from pallet_parsl import BatchError, PalletStaging
 from staging_core.options import StagingOptions
+from tests.docs import doc_block
 from tests.programs import BIN
 from tests.servers import count_invocations
 
@@ -192,6 +193,9 @@ def test_a_failed_batch_fails_each_dependent_app_naming_the_cause(globus, tmp_pa
     (cause,) = causes.values()
     assert isinstance(cause, BatchError) and cause.files == 40
     assert "pallet batch 1 (40 file(s)" in str(cause) and "PermissionDenied" in str(cause)
+    sample = doc_block("docs/parsl.md", "parsl.dataflow.errors.DependencyError").text   # the guide's example
+    hints = [line.strip() for line in sample.splitlines() if line.strip().startswith("hint:")]
+    assert hints and all(hint in str(cause) for hint in hints), str(cause)
 
 
 # ---------------------------------------------------------------- stage-out, upstream outputs, de-duplication
