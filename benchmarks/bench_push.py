@@ -21,6 +21,7 @@ from workloads import KIB, MIB, MixedWorkload, Workload, common_parser, ensure_w
 
 PALLET_AUTO, STREAM, RSYNC = "pallet push (auto)", "tar | zstd | ssh | zstd -d | tar x", "rsync -a over ssh"
 PALLET_GRIDFTP, GRIDFTP_PEER, SCP = "pallet push bundle over GridFTP", "globus-url-copy -r -pp -cc 16", "scp"
+PALLET_PLAIN = "pallet push bundle, far side without pallet (plain tools)"
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def compare(rig: Rig, src: Path, specs: list[MethodSpec], repeat: int) -> list[M
 def w1_specs(rig: Rig, expected: Manifest, sample: int) -> list[MethodSpec]:
     picked = sample_of(expected, sample)
     return [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), expected),
+            MethodSpec(PALLET_PLAIN, "pallet-plain", pallet_push(rig, "bundle", plain=True), expected),
             MethodSpec(STREAM, "stream", stream_peer(rig), expected),
             MethodSpec(RSYNC, "rsync", rsync_peer(rig), expected),
             MethodSpec(PALLET_GRIDFTP, "pallet-gridftp", pallet_push(rig, "bundle", gridftp=True), expected),
@@ -108,7 +110,7 @@ def targets(result: Headline) -> list[Target]:
     scp = next(m for name, m in w1.items() if name.startswith(SCP))
     w2_strategies = sorted({a.summary.get("strategy", "?") for a in w2[PALLET_AUTO].attempts if a.summary})
     w2_individual = [a.summary.get("strategy") == "individual" for a in w2[PALLET_AUTO].attempts]
-    pallet_ok = [a.seconds is not None for m in (w1[PALLET_AUTO], w1[PALLET_GRIDFTP], w2[PALLET_AUTO])
+    pallet_ok = [a.seconds is not None for m in (w1[PALLET_AUTO], w1[PALLET_PLAIN], w1[PALLET_GRIDFTP], w2[PALLET_AUTO])
                  for a in m.attempts]
     routes = sorted({f"{a.summary.get('strategy')} ({a.summary.get('route')})" for a in w1[PALLET_AUTO].attempts
                      if a.summary})
@@ -116,6 +118,8 @@ def targets(result: Headline) -> list[Target]:
         Target("W1 pallet push (auto) / tar|zstd|ssh stream", ratio(w1[PALLET_AUTO], w1[STREAM]), 1.0,
                note=", ".join(routes)),
         Target("W1 pallet push (auto) / rsync -a", ratio(w1[PALLET_AUTO], w1[RSYNC]), 0.8),
+        Target("W1 plain-tools route (verified) / tar|zstd|ssh stream", ratio(w1[PALLET_PLAIN], w1[STREAM]), 1.2,
+               note=", ".join(sorted({str(a.summary.get("route")) for a in w1[PALLET_PLAIN].attempts if a.summary}))),
         Target("W1 globus-url-copy -r -pp -cc 16 / pallet bundle over GridFTP",
                ratio(w1[GRIDFTP_PEER], w1[PALLET_GRIDFTP]), 10.0, at_least=True),
         Target("W2 pallet push (auto) / rsync -a", ratio(w2[PALLET_AUTO], w2[RSYNC]), 1.1),

@@ -222,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:        # e.g. `pallet ls BUNDLE | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except Exception as exc:       # a defect of pallet's: one line for the user, the traceback on request
+        if os.environ.get("PALLET_DEBUG"):
+            raise
+        print(f"pallet {args.command}: internal error: {type(exc).__name__}: {exc}\n"
+              "  hint: this is a defect in pallet; rerun with PALLET_DEBUG=1 for the traceback and report it",
+              file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

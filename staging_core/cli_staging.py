@@ -43,8 +43,11 @@ def _add_plan(commands) -> None:
                             epilog="example:\n  pallet plan data/ ssh://login.hpc/scratch/me/data --json")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dest", metavar="DEST", type=local_or_url,
-                   help="destination URL or local path (only parsed; nothing is contacted)")
+                   help="destination URL or local path (an ssh host is probed once: see --reprobe)")
     p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
+    p.add_argument("--remote-python", default="python3", metavar="CMD", help="as for push")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="as for push")
+    p.add_argument("--reprobe", action="store_true", help="probe the ssh far side again (findings are cached an hour)")
     p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
     p.add_argument("--unpack-via", metavar="SSH_URL", help="as for push: gives GridFTP/Globus destinations a route")
     p.add_argument("--keep-packed", action="store_true", help="as for push: gives any destination a route")
@@ -60,22 +63,46 @@ def _run_plan(args) -> int:
     from .routes import check_route_options, has_unpack_route
     from .transports.base import Direction, parse_url
     destination = parse_url(args.dest)
-    routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed)
+    routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed, reprobe=args.reprobe,
+                            remote_python=args.remote_python,
+                            ssh_options=tuple(o for opt in args.ssh_option for o in shlex.split(opt)))
     check_route_options(routes, Direction.PUSH)
     inventory, paths = local_inventory(args.src)
-    routed = has_unpack_route(destination, routes)
+    far = _probe_for_plan(destination, routes)
+    routed = has_unpack_route(destination, routes) if far is None else bool(far.routes())
     chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
                   bundle_possible=routed)
     if args.json:
-        print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url()}))
+        print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url(),
+                          "far_side": None if far is None else far.to_json()}))
         return EXIT_OK
     print(f"{len(inventory.sizes)} files, {human_bytes(inventory.stats.bytes)} -> {destination.url()}")
+    for line in [] if far is None else far.summary():
+        print(line)
     for candidate in sorted(chosen.candidates, key=lambda c: c.predicted_seconds):
         mark = "*" if candidate.strategy == chosen.strategy else " "
         extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
         print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
     print(f"reason: {chosen.reason}")
     return EXIT_OK
+
+
+def _probe_for_plan(destination, options):
+    """The far side's findings for an ssh destination without an explicit route (None otherwise, or when it
+    cannot be reached: the plan is then made without them, and stderr says why)."""
+    import sys
+
+    from .probe import far_side_options
+    from .transports.errors import TransportError
+    from .transports.registry import open_transport
+    if destination.scheme != "ssh":
+        return None
+    try:
+        with open_transport(destination, ssh_options=list(options.ssh_options)) as transport:
+            return far_side_options(transport, destination, options)[1]
+    except TransportError as exc:
+        print(f"pallet plan: far side not probed: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None
 
 
 def _add_push(commands) -> None:
@@ -150,7 +177,11 @@ def _staging_options(p: argparse.ArgumentParser) -> None:
                    help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
     p.add_argument("--launcher", metavar="CMD", help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")
     p.add_argument("--remote-python", default="python3", metavar="CMD",
-                   help="Python with pallet installed on the far side (default: python3)")
+                   help="Python with pallet on an ssh far side, used as given. By default pallet is looked for: "
+                        "where `pallet remote install` put it, as python3, behind `pallet` on the login PATH or in "
+                        "~/.local/bin; without pallet there, bundles go into the far side's own tar (plain tools)")
+    p.add_argument("--reprobe", action="store_true",
+                   help="probe the ssh far side again (its findings are cached for an hour)")
     p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
                    help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
@@ -175,7 +206,8 @@ def staging_options(args) -> StagingOptions:
         remote_python=args.remote_python, ssh_options=split, verify=args.verify, profile=args.profile,
         stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
         job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
-        pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress)
+        pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress,
+        reprobe=args.reprobe)
 
 
 def _run_staging(args) -> int:

@@ -20,7 +20,10 @@ from mpi_stager.unpack import StagerOptions, unpack_parallel
 from .inventory import Inventory, compress_ratio, remote_inventory, tree_inventory
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from .plain import PlainRoute, push_plain
+from .plain_pull import pull_plain
 from .planner import Plan, plan
+from .probe import far_side_options
 from .profiles import load_profile
 from .routes import (INCOMING, PackRoute, PublishedBundle, UnpackRoute, bundle_name, check_route_options, closing,
                      pack_route, unpack_route)
@@ -74,20 +77,30 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
     tree = scan(src, "none", 0, include=include)
+    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None) as lock:
+        options, far = far_side_options(transport, endpoint, options)
+        with closing(unpack_route(endpoint, transport, options, far)) as route:
+            return _push_locked(tree, endpoint, transport, lock, route, options, progress, include, started)
+
+
+def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock, route,
+                 options: StagingOptions, progress: Progress | None, include: frozenset[bytes] | None,
+                 started: float) -> StagingResult:
+    """push, once DEST is locked and its route known: plan, run with retries, clear DEST/.pallet."""
+    src = os.fsdecode(tree.root)
     inventory, paths = tree_inventory(tree, options.large_file_bytes)
-    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None) as lock, \
-            closing(unpack_route(endpoint, transport, options)) as route:
-        chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
-                      max(1, options.ranks), route is not None)
-        strategy = _strategy(chosen, options, route, endpoint)
-        strategy = "bundle" if strategy == "hybrid" and items is not None else strategy
-        if not lock.supported:
-            transport.mkdir(endpoint.path)      # the lock made DEST otherwise
-        run, attempts = _with_retries(
-            lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
-                               progress or NoProgress(), include), options.retries)
-        if include is None and not options.keep_packed:
-            _clear_state(transport, endpoint, route)
+    chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
+                  max(1, options.ranks), route is not None)
+    strategy = _strategy(chosen, options, route, endpoint)
+    if strategy == "hybrid" and (include is not None or isinstance(route, PlainRoute)):
+        strategy = "bundle"
+    if not lock.supported:
+        transport.mkdir(endpoint.path)      # the lock made DEST otherwise
+    run, attempts = _with_retries(
+        lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
+                           progress or NoProgress(), include), options.retries)
+    if include is None and not options.keep_packed:
+        _clear_state(transport, endpoint, route)
     return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
 
 
@@ -114,23 +127,27 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     check_route_options(options, Direction.PULL)
     endpoint = parse_url(src_url)
     local = Endpoint("file", os.path.abspath(dest))
-    with _open(endpoint, options) as transport, closing(pack_route(endpoint, transport, options)) as route:
-        if isinstance(route, PublishedBundle):
-            inventory, chosen = route.inventory()
-        else:
-            inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
-                         else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
-            chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
-                          route is not None)
-        strategy = _strategy(chosen, options, route, endpoint)
-        strategy = "bundle" if strategy == "hybrid" else strategy
-        _prepare_local_dest(dest)
-        with DestinationLock(local, open_transport(local), wait=items is not None):
-            run, attempts = _with_retries(
-                lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
-                                   progress or NoProgress(), items), options.retries)
-            if items is None:
-                remove_state(local.path)
+    with _open(endpoint, options) as transport:
+        options, far = far_side_options(transport, endpoint, options)
+        with closing(pack_route(endpoint, transport, options, far)) as route:
+            if isinstance(route, PublishedBundle):
+                inventory, chosen = route.inventory()
+            else:
+                inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
+                             else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
+                chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
+                              route is not None)
+            strategy = _strategy(chosen, options, route, endpoint)
+            strategy = "bundle" if strategy == "hybrid" else strategy
+            if isinstance(route, PlainRoute) and items is not None:
+                strategy = "individual"         # the plain route lists and mirrors whole trees
+            _prepare_local_dest(dest)
+            with DestinationLock(local, open_transport(local), wait=items is not None):
+                run, attempts = _with_retries(
+                    lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
+                                       progress or NoProgress(), items), options.retries)
+                if items is None:
+                    remove_state(local.path)
     return _result(local.path, chosen, strategy, inventory, run, attempts, started)
 
 
@@ -225,6 +242,10 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
         listed = None if include is None else [os.fsdecode(p) for p in paths]
         with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
             run.count(_send_items(transport, src, endpoint, listed))
+    elif isinstance(route, PlainRoute):
+        outcome = push_plain(transport, tree, endpoint, route, options.jobs, progress)
+        run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
+        run.stage_seconds.update(outcome.stage_seconds)
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif include is None and _can_stream(transport, route, options):
@@ -317,6 +338,11 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         with _Stage(run, progress, "transfer"):
             result = _transfer_all(transport, Direction.PULL, dest, endpoint, None if items is None else list(items))
         run.count(result)
+        return run
+    if isinstance(route, PlainRoute):
+        with _Stage(run, NoProgress(), "transfer"):
+            outcome = pull_plain(transport, endpoint, route, dest, options.jobs, progress)
+        run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
     codec = options.codec or "zstd"
     try:

@@ -33,6 +33,7 @@ class StagingOptions:
     pack_via      ssh URL of a host that sees a pull source's file system and packs there.
     retries       attempts after the first for errors marked retryable (network trouble).
     progress      draw per-stage progress on stderr (None: only on a terminal).
+    reprobe       probe an ssh far side again instead of using its cached findings (staging_core.probe).
     """
 
     strategy: str = "auto"
@@ -54,6 +55,7 @@ class StagingOptions:
     pack_via: str | None = None
     retries: int = 2
     progress: bool | None = None
+    reprobe: bool = False
 
 
 @dataclass(frozen=True)

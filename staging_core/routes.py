@@ -21,7 +21,9 @@ from mpi_stager.unpack import StagerOptions, unpack_parallel
 
 from .inventory import Inventory
 from .options import StagingOptions
+from .plain import PlainRoute
 from .planner import Candidate, Plan
+from .probe import FarSide
 from .scratch import scratch, scratch_dir
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
@@ -246,10 +248,13 @@ def job_files(bundle: str, incoming: str, dest_path: str, options: StagingOption
     return [write_script(os.path.dirname(bundle), job, unpack_argv(options, job.bundle, dest_path), options)]
 
 
-def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> UnpackRoute | None:
+def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
+                 far: FarSide | None = None) -> UnpackRoute | PlainRoute | None:
     """The route that unpacks bundles at ``endpoint``, or None when there is none (bundling impossible).
     Explicit options win: ``keep_packed``, then ``unpack_via`` (with ``unpack_job``); otherwise local
-    destinations unpack in this process and destinations whose transport runs commands (ssh) unpack there."""
+    destinations unpack in this process and destinations whose transport runs commands (ssh) unpack there:
+    with pallet when the probe's findings ``far`` have it (or say nothing), else with the far side's own
+    tar (:class:`PlainRoute`) when it can, else there is no route."""
     if options.keep_packed:
         return KeepPacked(endpoint, options)
     if options.unpack_via:
@@ -258,7 +263,9 @@ def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptio
     if endpoint.is_local:
         return LocalUnpack(endpoint, options)
     if transport.capabilities.remote_exec:
-        return RemoteExecUnpack(endpoint, options, transport)
+        if far is None or far.pallet_usable:
+            return RemoteExecUnpack(endpoint, options, transport)
+        return PlainRoute(endpoint.host, far.plain_decoder) if far.plain_decoder else None
     return None
 
 
@@ -445,7 +452,8 @@ def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingO
     return PublishedBundle(endpoint, options, transport)
 
 
-def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> PackRoute | None:
+def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
+               far: FarSide | None = None) -> PackRoute | PlainRoute | None:
     """The route that packs the tree at ``endpoint``, or None when there is none (bundling impossible). A
     published bundle needs no packing (:func:`published_bundle`); then ``pack_via`` wins; otherwise local
     sources pack in this process and sources whose transport runs commands (ssh) pack there."""
@@ -457,7 +465,9 @@ def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions
     if endpoint.is_local:
         return LocalPack(endpoint, options)
     if transport.capabilities.remote_exec:
-        return RemoteExecPack(endpoint, options, transport)
+        if far is None or far.pallet_usable:
+            return RemoteExecPack(endpoint, options, transport)
+        return PlainRoute(endpoint.host, far.plain_decoder, pulling=True) if far.plain_decoder else None
     return None
 
 

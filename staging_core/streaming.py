@@ -153,17 +153,28 @@ class _ShardSender:
     def __init__(self, source: StreamSource, wire: FrameWriter, done: dict[int, bytes]):
         self.source, self.wire, self.done = source, wire, done
         self.offset = self.skipped = 0
-        self.current: _DataSink | None = None
+        self.current: RelaySink | None = None
 
-    def sink(self, plan: ShardPlan) -> "_DataSink":
+    def sink(self, plan: ShardPlan) -> RelaySink:
         """Where a big shard is compressed to: the wire, or only a hasher if the far side may have it."""
-        self.current = _DataSink(None if plan.number in self.done else self.wire, plan.number)
+        self.current = self._data_sink(None if plan.number in self.done else self.wire, plan.number)
         return self.current
+
+    @staticmethod
+    def _data_sink(wire: FrameWriter | None, number: int) -> RelaySink:
+        """DATA frames of shard ``number`` on ``wire`` (None: hashed only)."""
+        if wire is None:
+            return RelaySink(None)
+
+        def frames(view: memoryview) -> None:
+            for start in range(0, view.nbytes, DATA_CHUNK):
+                wire.frame(FrameKind.DATA, number, view[start:start + DATA_CHUNK])
+        return RelaySink(frames, wire.flush)
 
     def send(self, plan: ShardPlan, built: BuiltShard) -> None:
         if plan.big:
             digest, length = self.current.finish()
-            if self.current.wire is None and self.done.get(plan.number) != digest:
+            if self.current.emit is None and self.done.get(plan.number) != digest:
                 built, digest, length = self._resend_big(plan)
         else:
             digest, length = content_hash(built.compressed), len(built.compressed)
@@ -182,22 +193,22 @@ class _ShardSender:
 
     def _resend_big(self, plan: ShardPlan) -> tuple[BuiltShard, bytes, int]:
         """The far side holds another version of this big shard: build it again, onto the wire this time."""
-        sink = _DataSink(self.wire, plan.number)
+        sink = self._data_sink(self.wire, plan.number)
         built = build_streamed_shard(self.source.tree, plan, self.source.codec, self.source.jobs or default_jobs(),
                                      sink)
         self.done.pop(plan.number)
         return built, *sink.finish()
 
 
-class _DataSink:
-    """A big shard's compressed bytes as they are produced: DATA frames on ``wire`` (None: nowhere), hashed.
+class RelaySink:
+    """A compressor's output as it is produced, hashed and counted, and passed to ``emit`` (None: dropped).
 
     It is a file-like object for :func:`bundles.shards.build_streamed_shard`;
     pigz needs a descriptor, so ``fileno`` hands out a pipe a thread relays.
     """
 
-    def __init__(self, wire: FrameWriter | None, number: int):
-        self.wire, self.number = wire, number
+    def __init__(self, emit: Callable[[memoryview], None] | None, flush: Callable[[], None] = lambda: None):
+        self.emit, self._flush = emit, flush
         self.hasher, self.length = new_hasher(), 0
         self._relay: tuple[threading.Thread, int] | None = None
         self._relay_error: OSError | None = None
@@ -206,14 +217,12 @@ class _DataSink:
         view = memoryview(data)
         self.hasher.update(view)
         self.length += view.nbytes
-        if self.wire is not None:
-            for start in range(0, view.nbytes, DATA_CHUNK):
-                self.wire.frame(FrameKind.DATA, self.number, view[start:start + DATA_CHUNK])
+        if self.emit is not None:
+            self.emit(view)
         return view.nbytes
 
     def flush(self) -> None:
-        if self.wire is not None:
-            self.wire.flush()
+        self._flush()
 
     def fileno(self) -> int:
         read_fd, write_fd = os.pipe()

@@ -16,6 +16,12 @@ from tests.programs import fresh_install, program, user_env
 from tests.servers import start_sshd
 
 
+@pytest.fixture(scope="session", autouse=True)
+def probe_cache(tmp_path_factory):
+    """Far-side probes are cached under $XDG_CACHE_HOME: the suite's own, never the user's."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real sshd on 127.0.0.1 for the whole session (skipped where sshd is not installed)."""

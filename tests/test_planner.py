@@ -69,8 +69,9 @@ def test_pallet_plan_command(tmp_path):
     for n in range(300):
         (src / f"d{n % 3}").mkdir(parents=True, exist_ok=True)
         (src / f"d{n % 3}" / f"f{n}.csv").write_text(f"{n},{n * 2},{n * 3}\n" * 20)
-    done = run_pallet("plan", "--json", str(src), "ssh://example.org/scratch/data", check=True)
+    done = run_pallet("plan", "--json", str(src), "ssh://127.0.0.1:1/scratch/data", check=True)   # nothing listens
     doc = json.loads(done.stdout)
+    assert doc["far_side"] is None and "not probed" in done.stderr and "127.0.0.1" in done.stderr
     assert doc["strategy"] in ("individual", "bundle", "hybrid")
     assert {c["strategy"] for c in doc["candidates"]} >= {"individual", "bundle"}
     assert doc["histogram"]["<4KiB"] == 300 and doc["details"]["compress_ratio"] < 0.5

@@ -1,0 +1,195 @@
+"""Pull over the plain-tools route: the far side's own ``tar -c`` streams what differs here, md5sum checks it."""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections import defaultdict
+
+from bundles.errors import DestinationError, SourceError
+from bundles.progress import Progress
+from bundles.safety import safe_mode
+from bundles.state import ensure_state_dir, prune
+from bundles.unpack import UnpackOptions, unpack
+
+from .plain import _COMPRESSORS, ROUNDS, FarEntry, FarTree, MD5Chunk, PlainOutcome, PlainRoute, far_tree, md5_files
+from .transports.base import Endpoint, Transport
+from .transports.errors import classify
+
+# $1 SRC, $2 compressor ("zstd -q -c", "gzip -c" or "cat"): the NUL-separated ./names on stdin, as one posix tar.
+_SEND = r"""
+cd -- "$1" || exit 3
+tar -c --null --no-recursion -T - -f - --format=posix --numeric-owner | $2
+"""
+_SUFFIXES = {"zstd": ".tar.zst", "gzip": ".tar.gz", "none": ".tar"}
+_MD5_CHUNK = 256
+
+
+def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, jobs: int,
+               progress: Progress) -> PlainOutcome:
+    """Make local ``dest`` (locked by the caller) equal the tree at ``endpoint`` with the far side's own tools.
+
+    The far side lists its tree and hashes every file; entries missing here
+    or different (type, size, mode, mtime, link target, md5, hard-link
+    group) come as one tar stream from its ``tar -c`` (with their parent
+    directories), kept in DEST/.pallet/incoming and extracted by pallet's
+    safe extractor; what was received is hashed again here. What still
+    differs is fetched once more, then it is an error naming the files.
+    Directories whose mode or mtime alone differ are fixed here.
+    """
+    far = far_tree(transport, endpoint.path, None)
+    _refuse_special(far, endpoint)
+    outcome = PlainOutcome()
+    wanted = local_differences(far, dest, jobs)
+    while wanted:
+        if outcome.rounds == ROUNDS:
+            raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} fetches: "
+                                   f"{', '.join(os.fsdecode(p) for p in wanted[:5])}", dest,
+                                   "check this file system and the source; rerun to try again")
+        outcome.rounds += 1
+        outcome.files_sent += len(wanted)
+        names = _with_parents(far, wanted)
+        outcome.bytes_sent += _fetch(transport, endpoint, route, dest, names, progress)
+        _fix_directories(far, dest, set(names))
+        wanted = local_differences(far, dest, jobs, only=set(wanted))
+    _fix_directories(far, dest, set())
+    return outcome
+
+
+def local_differences(far: FarTree, dest: str, jobs: int, only: set[bytes] | None = None) -> list[bytes]:
+    """Far entries (of ``only``, when given) that ``dest`` lacks or holds otherwise, whole hard-link groups."""
+    here = local_entries(dest)
+    wanted, compare = [], []
+    for path, there in far.entries.items():
+        if only is not None and path not in only or there.kind == "d":
+            continue
+        mine = here.get(path)
+        if mine is None or mine.kind != there.kind or (there.kind == "l" and mine.target != there.target):
+            wanted.append(path)
+        elif there.kind == "f":
+            if (mine.size, mine.mtime_ns, mine.mode) != (there.size, there.mtime_ns, there.mode):
+                wanted.append(path)
+            else:
+                compare.append(path)
+    digests = _local_md5(dest, compare, jobs)
+    wanted += [path for path in compare if digests[path] != far.md5.get(path)]
+    wanted += [path for path, there in far.entries.items() if there.kind == "d" and path not in here
+               and (only is None or path in only)]
+    return sorted(_whole_groups(far, here, wanted), key=lambda p: p.split(b"/"))
+
+
+def local_entries(dest: str) -> dict[bytes, FarEntry]:
+    """The tree under ``dest`` (without DEST/.pallet) in the form of the far side's listing."""
+    root, found = os.fsencode(dest), {}
+    for top, dirs, files in os.walk(root):
+        if top == root and b".pallet" in dirs:
+            dirs.remove(b".pallet")
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            st = os.lstat(path)
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "?")
+            found[os.path.relpath(path, root)] = FarEntry(kind, st.st_mode & 0o7777, st.st_mtime_ns, st.st_size,
+                                                          os.readlink(path) if kind == "l" else b"", st.st_ino,
+                                                          st.st_nlink)
+    return found
+
+
+_KINDS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
+
+
+def _whole_groups(far: FarTree, here: dict[bytes, FarEntry], wanted: list[bytes]) -> set[bytes]:
+    """``wanted`` plus every member of a far hard-link group that is wanted or is not one inode here."""
+    groups: dict[int, list[bytes]] = defaultdict(list)
+    for path, there in far.entries.items():
+        if there.kind == "f" and there.links > 1:
+            groups[there.inode].append(path)
+    chosen = set(wanted)
+    for members in groups.values():
+        inodes = {here[m].inode if m in here else None for m in members}
+        if len(inodes) > 1 or None in inodes or chosen.intersection(members):
+            chosen.update(members)
+    return chosen
+
+
+def _with_parents(far: FarTree, wanted: list[bytes]) -> list[bytes]:
+    """``wanted`` and every directory above them, parents first (tar then restores their metadata)."""
+    names = set(wanted)
+    for path in wanted:
+        parts = path.split(b"/")
+        names.update(b"/".join(parts[:n]) for n in range(1, len(parts)))
+    return sorted(names, key=lambda p: p.split(b"/"))
+
+
+def _fetch(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, names: list[bytes],
+           progress: Progress) -> int:
+    """Stream ``names`` from the far side's tar into DEST/.pallet/incoming, extract it; return the bytes received."""
+    compressor, suffix = _COMPRESSORS[route.codec], _SUFFIXES[route.codec]
+    incoming = os.path.join(ensure_state_dir(dest), "incoming")
+    os.makedirs(incoming, exist_ok=True)
+    archive = os.path.join(incoming, "plain-pull" + suffix)
+    far = transport.stream_into(["sh", "-c", _SEND, "pallet-send", endpoint.path, compressor])
+    feeder = threading.Thread(target=_feed, args=(far.stdin, names), name="pallet-tar-names", daemon=True)
+    feeder.start()
+    errors: list[bytes] = []
+    drain = threading.Thread(target=lambda: errors.append(far.stderr.read()), name="pallet-tar-stderr", daemon=True)
+    drain.start()
+    received = 0
+    with open(archive, "wb") as out:
+        while piece := far.stdout.read(1 << 20):
+            out.write(piece)
+            received += len(piece)
+    code = far.wait()
+    feeder.join()
+    drain.join()
+    if code != 0:
+        raise classify(b"".join(errors).decode(errors="replace"), code, ["tar", "-c"], endpoint.url(),
+                       f"the far side's tar failed with status {code}")
+    unpack(archive, dest, UnpackOptions(lock_held=True, use_index=False), progress)
+    os.unlink(archive)
+    prune(dest, incoming)
+    return received
+
+
+def _feed(pipe, names: list[bytes]) -> None:
+    try:
+        for name in names:
+            pipe.write(b"./" + name + b"\0")
+        pipe.close()
+    except BrokenPipeError:
+        pass                                    # the far side stopped; its status says why
+
+
+def _fix_directories(far: FarTree, dest: str, extracted: set[bytes]) -> None:
+    """Give directories here the far side's mode and mtime (deepest first), except those tar just restored."""
+    root = os.fsencode(dest)
+    for path in sorted((p for p, e in far.entries.items() if e.kind == "d" and p not in extracted),
+                       key=lambda p: p.count(b"/"), reverse=True):
+        there, full = far.entries[path], os.path.join(root, path)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue
+        if st.st_mode & 0o7777 != there.mode:
+            os.chmod(full, safe_mode(there.mode))
+        if st.st_mtime_ns != there.mtime_ns:
+            os.utime(full, ns=(there.mtime_ns, there.mtime_ns), follow_symlinks=False)
+
+
+def _local_md5(dest: str, paths: list[bytes], jobs: int) -> dict[bytes, bytes]:
+    from bundles.parallel import jobs_for, pool_for
+    chunks = [MD5Chunk(os.fsencode(dest), paths[at:at + _MD5_CHUNK]) for at in range(0, len(paths), _MD5_CHUNK)]
+    wanted = jobs_for(len(paths) * 2e-5, jobs)
+    digests: dict[bytes, bytes] = {}
+    with pool_for(None, wanted) as pool:
+        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, wanted == 1)):
+            digests.update(zip(chunk.paths, hashed))
+    return digests
+
+
+def _refuse_special(far: FarTree, endpoint: Endpoint) -> None:
+    special = [os.fsdecode(p) for p, e in far.entries.items() if e.kind not in ("f", "d", "l")]
+    if special:
+        raise SourceError(f"{len(special)} special file(s) (devices, FIFOs, sockets) cannot be pulled: "
+                          f"{', '.join(special[:5])}", endpoint.url(), "remove them or pull a directory without them")

@@ -1,0 +1,191 @@
+"""A far side without pallet: the probe finds out, bundles go into its own tar, md5sum checks them, reruns repair."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from staging_core.testing import assert_same_tree, make_nasty_tree, snapshot
+from tests.programs import program, user_env
+from tests.servers import start_sshd
+
+SLOW_ZSTD = """#!/bin/sh
+# the far side's zstd, its output slowed to about 2 MB/s so that a test can kill a push mid-transfer
+/usr/bin/zstd "$@" | python3 -c '
+import sys, time
+while True:
+    piece = sys.stdin.buffer.read(32768)
+    if not piece:
+        break
+    sys.stdout.buffer.write(piece)
+    sys.stdout.buffer.flush()
+    time.sleep(0.015)
+'
+"""
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """An sshd whose sessions run in a home of their own with a PATH that has no pallet (nor does python3)."""
+    root = tmp_path_factory.mktemp("bare")
+    home, shims = root / "home", root / "home" / "bin"
+    shims.mkdir(parents=True)
+    (home / ".bashrc").write_text(f'export PATH="{shims}:/usr/local/bin:/usr/bin:/bin"; unset PYTHONPATH\n')
+    server = start_sshd(root / "sshd", (f"SetEnv HOME={home}",))
+    server.home, server.shims = home, shims
+    try:
+        lacks = subprocess.run(["ssh", *server.ssh_options, "-p", str(server.port), f"{server.user}@127.0.0.1",
+                                "python3 -c 'import mpi_stager' || echo absent"], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=60)
+        assert lacks.stdout.strip() == "absent", "the bare far side must not import pallet"
+        yield server
+    finally:
+        server.stop()
+
+
+def push(server, src, dest, *flags: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([program("pallet"), "push", "--json", *flags, *[f"--ssh-option={o}" for o in server.ssh_options],
+                           str(src), server.url(str(dest))], capture_output=True, text=True, env=user_env(),
+                          stdin=subprocess.DEVNULL, timeout=300, **kwargs)
+
+
+def summary(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_nasty_tree_goes_through_the_far_sides_own_tar(bare, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    first = summary(push(bare, src, tmp_path / "dest", "--strategy", "bundle"))
+    assert first["route"].startswith("plain tools (zstd -dc | tar -x") and "pallet remote install" in first["route"]
+    assert_same_tree(src, tmp_path / "dest")
+    assert snapshot(tmp_path / "dest") == snapshot(src)          # strict: nothing of pallet's is left
+    again = summary(push(bare, src, tmp_path / "dest", "--strategy", "bundle"))
+    assert again["bytes_sent"] == 0 and again["transfers"] == 0
+
+
+def test_a_flipped_byte_and_a_changed_directory_are_repaired_by_the_next_run(bare, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    dest = tmp_path / "dest"
+    summary(push(bare, src, dest, "--strategy", "bundle"))
+    victim = dest / "sub" / "dir" / "hard_c"
+    before = os.stat(victim)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0x01
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))       # same size, same mtime: only md5 sees it
+    os.chmod(dest / "links", 0o700)
+    (dest / "empty.txt").unlink()
+    repaired = summary(push(bare, src, dest, "--strategy", "bundle"))
+    assert repaired["bytes_sent"] > 0
+    assert snapshot(dest) == snapshot(src)
+
+
+def test_without_pallet_there_auto_still_bundles_many_small_files(bare, tmp_path):
+    src = tmp_path / "src"
+    for n in range(2000):
+        (src / f"d{n // 200:02d}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{n // 200:02d}" / f"f{n:04d}.csv").write_text(f"{n},{n * n}\n")
+    done = summary(push(bare, src, tmp_path / "dest"))
+    assert done["strategy"] == "bundle" and done["route"].startswith("plain tools"), done
+    assert snapshot(tmp_path / "dest") == snapshot(src)
+
+
+def test_a_push_killed_mid_transfer_resumes_and_resends_less_than_half(bare, tmp_path):
+    rng = random.Random(7)
+    src = tmp_path / "src"
+    for n in range(600):
+        (src / f"d{n // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{n // 100}" / f"r{n:03d}.bin").write_bytes(rng.randbytes(16384))   # incompressible
+    total = 600 * 16384
+    slow = bare.shims / "zstd"
+    slow.write_text(SLOW_ZSTD)
+    slow.chmod(0o755)
+    dest = tmp_path / "dest"
+    try:
+        process = subprocess.Popen([program("pallet"), "push", "--strategy", "bundle", "--reprobe", "--quiet",
+                                    *[f"--ssh-option={o}" for o in bare.ssh_options], str(src),
+                                    bare.url(str(dest))], env=user_env(), start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while _landed(dest) < 360 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        assert 360 <= _landed(dest) < 600, "the push must be killed mid-transfer"
+        assert (dest / ".pallet" / "INCOMPLETE").exists()
+    finally:
+        slow.unlink()
+    rerun = _rerun_when_unlocked(bare, src, dest)
+    assert 0 < rerun["bytes_sent"] < total / 2, rerun
+    assert snapshot(dest) == snapshot(src)
+
+
+def test_pull_from_a_far_side_without_pallet_uses_its_tar_and_repairs(bare, tmp_path):
+    src, dest = make_nasty_tree(str(tmp_path / "src")), tmp_path / "dest"
+    first = summary(pull(bare, src, dest, "--strategy", "bundle"))
+    assert first["route"].startswith("plain tools (tar -c | zstd -q -c"), first
+    assert snapshot(dest) == snapshot(src)
+    assert summary(pull(bare, src, dest, "--strategy", "bundle"))["bytes_sent"] == 0
+    victim = dest / "links" / "hard_a"
+    before = os.stat(victim)
+    victim.write_bytes(b"shared inodX")                              # same size; its group shares the damage
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    (dest / "script.sh").chmod(0o600)
+    (dest / "links" / "rel_link").unlink()
+    repaired = summary(pull(bare, src, dest, "--strategy", "bundle"))
+    assert repaired["bytes_sent"] > 0
+    assert snapshot(dest) == snapshot(src)
+
+
+def pull(server, src, dest, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([program("pallet"), "pull", "--json", *flags, *[f"--ssh-option={o}" for o in server.ssh_options],
+                           server.url(str(src)), str(dest)], capture_output=True, text=True, env=user_env(),
+                          stdin=subprocess.DEVNULL, timeout=300)
+
+
+def test_a_far_pallet_of_another_stream_protocol_is_named_with_the_fix(bare, tmp_path):
+    fake, recorded = bare.home / "old-pallet-python", bare.home / ".config" / "pallet" / "python"
+    fake.write_text('#!/bin/sh\nprintf "/opt/old/bin/python\\t0.0.1\\t99\\n"\n')
+    fake.chmod(0o755)
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(f"{fake}\n")             # as `pallet remote install` records its Python
+    src = make_nasty_tree(str(tmp_path / "src"))
+    try:
+        done = push(bare, src, tmp_path / "dest", "--reprobe")
+    finally:
+        recorded.unlink()
+    assert done.returncode == 1, done.stderr
+    message = done.stderr.strip()
+    assert "stream protocol v99" in message and "v1" in message and "pallet remote install" in message
+    assert "Traceback" not in done.stderr and len(message.splitlines()) <= 2
+
+
+def test_plan_shows_what_the_probe_found_and_the_routes_it_allows(bare, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    done = subprocess.run([program("pallet"), "plan", *[f"--ssh-option={o}" for o in bare.ssh_options], src,
+                           bare.url(str(tmp_path / "dest"))], capture_output=True, text=True, env=user_env(),
+                          stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no pallet" in done.stdout and "bundle routes: plain tools" in done.stdout
+    assert "GNU tar" in done.stdout and "md5sum" in done.stdout
+
+
+def _landed(dest: Path) -> int:
+    return sum(1 for path in dest.glob("d*/r*.bin")) if dest.exists() else 0
+
+
+def _rerun_when_unlocked(server, src, dest) -> dict:
+    """Rerun the push; the killed one's far-side lock holder may take a moment to see its pipe close."""
+    for _ in range(50):
+        done = push(server, src, dest, "--strategy", "bundle")
+        if done.returncode != 4:
+            return summary(done)
+        time.sleep(0.2)
+    raise AssertionError(f"DEST stayed locked: {done.stderr}")
