@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from array import array
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class BuiltShard:
     hashes: bytes
     offsets: array
     data_offsets: array
+    md5s: bytes = b""           # with ``md5`` asked for: the md5 digests of the shard's files, in entry order
 
 
 def auto_shard_size(index: Index) -> int:
@@ -116,26 +118,28 @@ class ShardSource:
     tree: SourceTree
     codec: Codec
     plan: ShardPlan
+    md5: bool = False
 
 
-def shard_source(tree: SourceTree, codec: Codec, plan: ShardPlan) -> ShardSource:
-    """The self-contained description of shard ``plan`` of ``tree``."""
+def shard_source(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool = False) -> ShardSource:
+    """The self-contained description of shard ``plan`` of ``tree`` (``md5``: also hash its files with md5)."""
     part = SourceTree(tree.root, tree.index.slice(plan.first, plan.count))
-    return ShardSource(part, codec, dataclasses.replace(plan, first=0))
+    return ShardSource(part, codec, dataclasses.replace(plan, first=0), md5)
 
 
 def build_from_source(source: ShardSource) -> BuiltShard:
     """Build a small shard from its self-contained description, in a worker or inline."""
-    return build_small_shard(source.tree, source.codec, source.plan)
+    return build_small_shard(source.tree, source.codec, source.plan, source.md5)
 
 
-def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltShard:
-    """Read the shard's files, write their headers and data, compress; all in memory."""
+def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool = False) -> BuiltShard:
+    """Read the shard's files, write their headers and data, compress; all in memory. With ``md5`` the files'
+    md5 digests come too (for checks by standard tools at the far side)."""
     index, parts = tree.index, []
     paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes,
                                                  index.sizes, index.links)
     root = tree.root + b"/"
-    hashes, offsets, data_offsets = [], array("Q"), array("Q")
+    hashes, offsets, data_offsets, md5s = [], array("Q"), array("Q"), []
     position = file_bytes = 0
     for i in range(plan.first, plan.first + plan.count):
         header = member_header(paths[i], kinds[i], modes[i], mtimes[i], sizes[i], links[i])
@@ -147,6 +151,8 @@ def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltS
             size = sizes[i]
             data = _read_file(root + paths[i], size)
             hashes.append(content_hash(data))
+            if md5:
+                md5s.append(hashlib.md5(data, usedforsecurity=False).digest())
             parts.append(data)
             parts.append(_ZERO_BLOCK[:-size % BLOCK])
             position += size + -size % BLOCK
@@ -157,20 +163,24 @@ def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan) -> BuiltS
         tail = END_OF_ARCHIVE
         parts.append(tail)
         position += len(tail)
-    return BuiltShard(codec.compress(b"".join(parts)), position, file_bytes, b"".join(hashes), offsets, data_offsets)
+    return BuiltShard(codec.compress(b"".join(parts)), position, file_bytes, b"".join(hashes), offsets, data_offsets,
+                      b"".join(md5s))
 
 
-def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, threads: int, out) -> BuiltShard:
-    """Stream a one-file shard, compressed with ``threads`` threads, onto ``out``."""
+def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, threads: int, out,
+                         md5: bool = False) -> BuiltShard:
+    """Stream a one-file shard, compressed with ``threads`` threads, onto ``out`` (``md5``: hash it with md5 too)."""
     index, i = tree.index, plan.first
     header = entry_header(index, i)
-    hasher = new_hasher()
+    hasher, md5er = new_hasher(), hashlib.md5(usedforsecurity=False)
     size = index.sizes[i]
 
     def chunks() -> Iterator[bytes]:
         yield header
         for chunk in _iter_file(os.path.join(tree.root, index.paths[i]), size):
             hasher.update(chunk)
+            if md5:
+                md5er.update(chunk)
             yield chunk
         yield bytes(padding(size)) + tail
 
@@ -178,7 +188,8 @@ def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, thread
     out.flush()
     codec.compress_stream(chunks(), out, threads)
     raw = len(header) + size + padding(size) + len(tail)
-    return BuiltShard(b"", raw, size, hasher.digest(), array("Q", [0]), array("Q", [len(header)]))
+    return BuiltShard(b"", raw, size, hasher.digest(), array("Q", [0]), array("Q", [len(header)]),
+                      md5er.digest() if md5 else b"")
 
 
 def entry_header(index: Index, i: int) -> bytes:

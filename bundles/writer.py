@@ -98,7 +98,7 @@ def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: 
 
 def iter_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: int,
                 sink: Callable[[ShardPlan], BinaryIO],
-                pool: WorkerPool | None = None) -> Iterator[tuple[ShardPlan, BuiltShard]]:
+                pool: WorkerPool | None = None, md5: bool = False) -> Iterator[tuple[ShardPlan, BuiltShard]]:
     """Build the shards of ``plans`` and yield ``(plan, built)`` in plan order.
 
     Small shards are built by the workers of ``pool`` (or of a pool made
@@ -110,17 +110,20 @@ def iter_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: in
     ``sink(plan)`` — called just before, once the previous shard has been
     consumed — and its BuiltShard holds no bytes. The bytes depend only on
     the tree, the codec and level, and the plans, never on ``jobs``; the
-    index is not touched (see :func:`bundles.shards.record_shard`). Closing
+    index is not touched (see :func:`bundles.shards.record_shard`). With
+    ``md5`` each BuiltShard also carries its files' md5 digests. Closing
     the generator early stops the workers.
     """
     small_plans = [p for p in plans if not p.big]
     wanted = jobs_for(sum(p.count for p in small_plans) * PACK_SECONDS_PER_ENTRY, jobs)
     threads = jobs or default_jobs()
     with pool_for(pool, wanted) as workers:
-        small = workers.map(build_from_source, (shard_source(tree, codec, p) for p in small_plans), wanted == 1)
+        small = workers.map(build_from_source, (shard_source(tree, codec, p, md5) for p in small_plans),
+                            wanted == 1)
         try:
             for plan in plans:
-                yield plan, build_streamed_shard(tree, plan, codec, threads, sink(plan)) if plan.big else next(small)
+                yield plan, build_streamed_shard(tree, plan, codec, threads, sink(plan), md5) if plan.big \
+                    else next(small)
         finally:
             small.close()
 

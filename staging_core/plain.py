@@ -5,7 +5,8 @@ import hashlib
 import os
 import shlex
 import threading
-from contextlib import AbstractContextManager
+import time
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 from bundles.errors import DestinationError, SourceError
@@ -55,7 +56,7 @@ $2 | tar -x -p --no-same-owner -f -
 """
 
 _DECODERS = {"zstd": "zstd -dc", "gzip": "gzip -dc", "none": "cat"}
-_COMPRESSORS = {"zstd": "zstd -q -c", "gzip": "gzip -c", "none": "cat"}
+COMPRESSORS = {"zstd": "zstd -q -c", "gzip": "gzip -c", "none": "cat"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class PlainRoute(AbstractContextManager):
 
     @property
     def description(self) -> str:
-        tools = (f"tar -c | {_COMPRESSORS[self.codec]} at {self.host}" if self.pulling
+        tools = (f"tar -c | {COMPRESSORS[self.codec]} at {self.host}" if self.pulling
                  else f"{_DECODERS[self.codec]} | tar -x at {self.host}")
         return f"plain tools ({tools}, checked with md5sum; `pallet remote install {self.host}` gives the faster " \
                "pallet route)"
@@ -129,9 +130,12 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
     tar runs; the caller removes DEST/.pallet after success. Raises
     TransportError for the link, DestinationError for a tree that stays wrong.
     """
-    local_md5 = hash_local_files(tree, jobs)
     outcome = PlainOutcome()
-    far = far_tree(transport, endpoint.path, None)
+    clock = _Clock(outcome.stage_seconds)
+    with clock("list"):
+        far = far_tree(transport, endpoint.path, None)
+    with clock("hash"):
+        local_md5 = hash_local_files(tree, jobs, _present(tree, far))
     wanted = differing(tree, local_md5, far, set(local_md5))
     while wanted:
         if outcome.rounds == ROUNDS:
@@ -140,13 +144,46 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
                                    "check the far side's disk and file system; rerun to try again")
         outcome.rounds += 1
         outcome.files_sent += len(wanted)
-        outcome.bytes_sent += _send(transport, tree, endpoint, route, frozenset(_with_groups(tree, wanted)), jobs,
-                                    progress)
-        sent_files = [path for path in wanted if path in local_md5]
-        far = far_tree(transport, endpoint.path, sent_files)
+        with clock("stream"):
+            sent_bytes, sent_md5 = _send(transport, tree, endpoint, route, frozenset(_with_groups(tree, wanted)),
+                                         jobs, progress)
+        outcome.bytes_sent += sent_bytes
+        local_md5.update(sent_md5)
+        files = tree_files(tree)
+        sent_files = [path for path in wanted if path in files]
+        with clock("check"):
+            far = far_tree(transport, endpoint.path, sent_files)
+            local_md5.update(hash_local_files(tree, jobs, set(sent_files) - set(local_md5)))
         wanted = differing(tree, local_md5, far, set(sent_files))
-    _fix_directories(transport, endpoint, tree, far)
+    with clock("check"):
+        _fix_directories(transport, endpoint, tree, far)
     return outcome
+
+
+class _Clock:
+    """``with clock(name):`` adds the block's wall seconds to ``seconds[name]``."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @contextmanager
+    def __call__(self, name: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+
+
+def tree_files(tree: SourceTree) -> set[bytes]:
+    """The paths of ``tree``'s regular files and hard links."""
+    index = tree.index
+    return {index.paths[i] for i in range(len(index)) if index.kinds[i] in (Kind.FILE, Kind.HARDLINK)}
+
+
+def _present(tree: SourceTree, far: FarTree) -> set[bytes]:
+    """Files of ``tree`` the far side holds with the same type: only their content needs comparing."""
+    return {path for path in tree_files(tree) if (there := far.entries.get(path)) is not None and there.kind == "f"}
 
 
 def far_tree(transport: Transport, dest: str, hashed: list[bytes] | None) -> FarTree:
@@ -194,20 +231,24 @@ def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, che
 _FIND_KIND = {Kind.FILE: "f", Kind.HARDLINK: "f", Kind.DIR: "d", Kind.SYMLINK: "l"}
 
 
-def hash_local_files(tree: SourceTree, jobs: int) -> dict[bytes, bytes]:
-    """md5 of every file of ``tree`` (hard links share their group's), hashed by ``jobs`` workers."""
-    from bundles.parallel import jobs_for, pool_for
+def hash_local_files(tree: SourceTree, jobs: int, wanted: set[bytes]) -> dict[bytes, bytes]:
+    """md5 of the ``wanted`` files of ``tree`` (a hard link shares its group's), hashed by ``jobs`` workers."""
     index = tree.index
-    files = [index.paths[i] for i in range(len(index)) if index.kinds[i] == Kind.FILE]
-    chunks = [MD5Chunk(tree.root, files[at:at + MD5_CHUNK]) for at in range(0, len(files), MD5_CHUNK)]
-    wanted = jobs_for(len(files) * 2e-5 + sum(index.sizes) / 5e8, jobs)
+    first = {index.paths[i]: (index.paths[index.link_groups[i]] if index.kinds[i] == Kind.HARDLINK else index.paths[i])
+             for i in range(len(index)) if index.paths[i] in wanted}
+    digests = md5_of(tree.root, sorted(set(first.values())), jobs)
+    return {path: digests[source] for path, source in first.items()}
+
+
+def md5_of(root: bytes, paths: list[bytes], jobs: int) -> dict[bytes, bytes]:
+    """md5 of each file ``paths`` (relative) names under ``root``, by ``jobs`` workers (0: automatic)."""
+    from bundles.parallel import jobs_for, pool_for
+    chunks = [MD5Chunk(root, paths[at:at + MD5_CHUNK]) for at in range(0, len(paths), MD5_CHUNK)]
+    workers = jobs_for(len(paths) * 2e-5, jobs)
     digests: dict[bytes, bytes] = {}
-    with pool_for(None, wanted) as pool:
-        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, wanted == 1)):
+    with pool_for(None, workers) as pool:
+        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, workers == 1)):
             digests.update(zip(chunk.paths, hashed))
-    for i in range(len(index)):
-        if index.kinds[i] == Kind.HARDLINK:
-            digests[index.paths[i]] = digests[index.paths[index.link_groups[i]]]
     return digests
 
 
@@ -236,8 +277,9 @@ def md5_files(chunk: MD5Chunk) -> list[bytes]:
 
 
 def _send(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: PlainRoute, items: frozenset[bytes],
-          jobs: int, progress: Progress) -> int:
-    """Stream the bundle of ``items`` into the far side's tar; return the bytes written."""
+          jobs: int, progress: Progress) -> tuple[int, dict[bytes, bytes]]:
+    """Stream the bundle of ``items`` into the far side's tar; return the bytes written and the md5 of every file
+    sent (taken from the bytes packed)."""
     selected = scan(os.fsdecode(tree.root), route.codec, 0, include=items)
     source = prepare_source(os.fsdecode(tree.root), route.codec, jobs, tree=selected)
     far = transport.stream_into(["sh", "-c", _RECEIVE, "pallet-receive", endpoint.path, _DECODERS[route.codec]])
@@ -245,13 +287,16 @@ def _send(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: Pla
     drain = threading.Thread(target=lambda: errors.append(far.stderr.read()), name="pallet-tar-stderr", daemon=True)
     drain.start()
     wire = RelaySink(far.stdin.write, far.stdin.flush)
+    digests: dict[bytes, bytes] = {}
     progress.start("stream", len(selected.index), sum(selected.index.sizes))
     try:
-        for plan, built in iter_shards(source.tree, source.plans, source.codec, source.jobs, lambda plan: wire):
+        for plan, built in iter_shards(source.tree, source.plans, source.codec, source.jobs, lambda plan: wire,
+                                       md5=True):
             if plan.big:
                 wire.finish()                     # the compressor's relay has passed everything on
             else:
                 wire.write(built.compressed)
+            _record_md5(selected.index, plan, built, digests)
             progress.advance(plan.count, built.file_bytes)
         far.stdin.close()
     except BrokenPipeError:
@@ -265,7 +310,18 @@ def _send(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: Pla
     if code != 0:
         raise classify(b"".join(errors).decode(errors="replace"), code, ["tar", "-x"], endpoint.url(),
                        f"the far side's tar failed with status {code}")
-    return wire.length
+    index = selected.index
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.HARDLINK:
+            digests[index.paths[i]] = digests[index.paths[index.link_groups[i]]]
+    return wire.length, digests
+
+
+def _record_md5(index, plan, built, digests: dict[bytes, bytes]) -> None:
+    """File by file, the md5 digests a built shard carries."""
+    files = (index.paths[i] for i in range(plan.first, plan.first + plan.count) if index.kinds[i] == Kind.FILE)
+    for number, path in enumerate(files):
+        digests[path] = built.md5s[16 * number:16 * (number + 1)]
 
 
 def _fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree, far: FarTree) -> None:

@@ -12,7 +12,7 @@ from bundles.safety import safe_mode
 from bundles.state import ensure_state_dir, prune
 from bundles.unpack import UnpackOptions, unpack
 
-from .plain import _COMPRESSORS, ROUNDS, FarEntry, FarTree, MD5Chunk, PlainOutcome, PlainRoute, far_tree, md5_files
+from .plain import COMPRESSORS, ROUNDS, FarEntry, FarTree, PlainOutcome, PlainRoute, far_tree, md5_of
 from .transports.base import Endpoint, Transport
 from .transports.errors import classify
 
@@ -22,7 +22,6 @@ cd -- "$1" || exit 3
 tar -c --null --no-recursion -T - -f - --format=posix --numeric-owner | $2
 """
 _SUFFIXES = {"zstd": ".tar.zst", "gzip": ".tar.gz", "none": ".tar"}
-_MD5_CHUNK = 256
 
 
 def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, jobs: int,
@@ -71,7 +70,7 @@ def local_differences(far: FarTree, dest: str, jobs: int, only: set[bytes] | Non
                 wanted.append(path)
             else:
                 compare.append(path)
-    digests = _local_md5(dest, compare, jobs)
+    digests = md5_of(os.fsencode(dest), compare, jobs)
     wanted += [path for path in compare if digests[path] != far.md5.get(path)]
     wanted += [path for path, there in far.entries.items() if there.kind == "d" and path not in here
                and (only is None or path in only)]
@@ -123,7 +122,7 @@ def _with_parents(far: FarTree, wanted: list[bytes]) -> list[bytes]:
 def _fetch(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, names: list[bytes],
            progress: Progress) -> int:
     """Stream ``names`` from the far side's tar into DEST/.pallet/incoming, extract it; return the bytes received."""
-    compressor, suffix = _COMPRESSORS[route.codec], _SUFFIXES[route.codec]
+    compressor, suffix = COMPRESSORS[route.codec], _SUFFIXES[route.codec]
     incoming = os.path.join(ensure_state_dir(dest), "incoming")
     os.makedirs(incoming, exist_ok=True)
     archive = os.path.join(incoming, "plain-pull" + suffix)
@@ -175,17 +174,6 @@ def _fix_directories(far: FarTree, dest: str, extracted: set[bytes]) -> None:
             os.chmod(full, safe_mode(there.mode))
         if st.st_mtime_ns != there.mtime_ns:
             os.utime(full, ns=(there.mtime_ns, there.mtime_ns), follow_symlinks=False)
-
-
-def _local_md5(dest: str, paths: list[bytes], jobs: int) -> dict[bytes, bytes]:
-    from bundles.parallel import jobs_for, pool_for
-    chunks = [MD5Chunk(os.fsencode(dest), paths[at:at + _MD5_CHUNK]) for at in range(0, len(paths), _MD5_CHUNK)]
-    wanted = jobs_for(len(paths) * 2e-5, jobs)
-    digests: dict[bytes, bytes] = {}
-    with pool_for(None, wanted) as pool:
-        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, wanted == 1)):
-            digests.update(zip(chunk.paths, hashed))
-    return digests
 
 
 def _refuse_special(far: FarTree, endpoint: Endpoint) -> None:
