@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, calibrate, demo and login."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, calibrate, demo, login and remote."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError
                      verify_bundle, verify_tree)
 from bundles.plain import iter_members
 
-from . import cli_staging, demo
+from . import cli_staging, demo, remote_install
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_login(commands)
     demo.add_parser(commands)
     cli_staging.add_parsers(commands)
+    remote_install.add_parser(commands)         # pallet remote install|status
     return parser
 
 

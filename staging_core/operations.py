@@ -139,8 +139,6 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
                               route is not None)
             strategy = _strategy(chosen, options, route, endpoint)
             strategy = "bundle" if strategy == "hybrid" else strategy
-            if isinstance(route, PlainRoute) and items is not None:
-                strategy = "individual"         # the plain route lists and mirrors whole trees
             _prepare_local_dest(dest)
             with DestinationLock(local, open_transport(local), wait=items is not None):
                 run, attempts = _with_retries(
@@ -341,7 +339,7 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         return run
     if isinstance(route, PlainRoute):
         with _Stage(run, NoProgress(), "transfer"):
-            outcome = pull_plain(transport, endpoint, route, dest, options.jobs, progress)
+            outcome = pull_plain(transport, endpoint, route, dest, options.jobs, progress, items)
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
     codec = options.codec or "zstd"

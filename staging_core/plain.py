@@ -22,7 +22,7 @@ from .transports.errors import classify
 MD5_CHUNK = 256                  # files per local hashing task
 ROUNDS = 2                       # a file still wrong after this many sends is an error
 
-# $1 DEST, $2 "all" (md5 of every file) or "list" (md5 of the NUL-separated ./names on stdin).
+# $1 DEST; md5 of the NUL-separated ./names on stdin (none when stdin is empty).
 # Prints find records (type, mode, mtime, size, link target, inode, links, path; NUL-terminated), an "E" record, then md5sum lines.
 # Both scripts hold a flock on DEST/.pallet: a far-side tar outlives a push killed with -9 until its input ends.
 _MANIFEST = r"""
@@ -32,11 +32,7 @@ if [ -d .pallet ] && [ ! -L .pallet ]; then     # wait for a tar of a killed pus
 fi
 find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'
 printf 'E\0\0\0\0\0\0\0\0'
-if [ "$2" = all ]; then
-  find . -mindepth 1 -path ./.pallet -prune -o -type f -print0 | xargs -0 -r md5sum --
-else
-  xargs -0 -r md5sum --
-fi
+xargs -0 -r md5sum --
 """
 
 # $1 DEST, $2 decoder command ("zstd -dc", "gzip -dc" or "cat"): marks DEST incomplete, extracts stdin with GNU tar.
@@ -133,10 +129,13 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
     outcome = PlainOutcome()
     clock = _Clock(outcome.stage_seconds)
     with clock("list"):
-        far = far_tree(transport, endpoint.path, None)
+        far = far_tree(transport, endpoint.path, [])
+        same = unchanged_files(tree, far)
+        if same:
+            far.md5 = far_tree(transport, endpoint.path, same).md5
     with clock("hash"):
-        local_md5 = hash_local_files(tree, jobs, _present(tree, far))
-    wanted = differing(tree, local_md5, far, set(local_md5))
+        local_md5 = hash_local_files(tree, jobs, set(same))
+    wanted = differing(tree, local_md5, far, set(same))
     while wanted:
         if outcome.rounds == ROUNDS:
             raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
@@ -156,7 +155,7 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
             local_md5.update(hash_local_files(tree, jobs, set(sent_files) - set(local_md5)))
         wanted = differing(tree, local_md5, far, set(sent_files))
     with clock("check"):
-        _fix_directories(transport, endpoint, tree, far)
+        _finish_far_side(transport, endpoint, tree, far)
     return outcome
 
 
@@ -181,17 +180,22 @@ def tree_files(tree: SourceTree) -> set[bytes]:
     return {index.paths[i] for i in range(len(index)) if index.kinds[i] in (Kind.FILE, Kind.HARDLINK)}
 
 
-def _present(tree: SourceTree, far: FarTree) -> set[bytes]:
-    """Files of ``tree`` the far side holds with the same type: only their content needs comparing."""
-    return {path for path in tree_files(tree) if (there := far.entries.get(path)) is not None and there.kind == "f"}
+def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
+    """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt."""
+    index, same = tree.index, []
+    for i, path in enumerate(index.paths):
+        there = far.entries.get(path)
+        if index.kinds[i] in (Kind.FILE, Kind.HARDLINK) and there is not None and there.kind == "f" \
+                and (there.size, there.mtime_ns, there.mode) == (_size(index, i), index.mtimes[i],
+                                                                 index.modes[i] & 0o7777):
+            same.append(path)
+    return same
 
 
-def far_tree(transport: Transport, dest: str, hashed: list[bytes] | None) -> FarTree:
-    """List the tree at ``dest`` there, with md5 of every file (``hashed`` None) or of ``hashed`` only."""
-    names = None if hashed is None else b"".join(b"./" + path + b"\0" for path in hashed)
-    output = transport.run(["sh", "-c", _MANIFEST, "pallet-list", dest, "all" if hashed is None else "list"],
-                           stdin=names)
-    return parse_far_tree(output)
+def far_tree(transport: Transport, dest: str, hashed: list[bytes]) -> FarTree:
+    """List the tree at ``dest`` there, with the md5 of the files ``hashed`` names (relative paths)."""
+    names = b"".join(b"./" + path + b"\0" for path in hashed)
+    return parse_far_tree(transport.run(["sh", "-c", _MANIFEST, "pallet-list", dest], stdin=names))
 
 
 def parse_far_tree(output: bytes) -> FarTree:
@@ -324,8 +328,9 @@ def _record_md5(index, plan, built, digests: dict[bytes, bytes]) -> None:
         digests[path] = built.md5s[16 * number:16 * (number + 1)]
 
 
-def _fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree, far: FarTree) -> None:
-    """chmod/touch the far directories whose mode or mtime differ (tar restored those it extracted)."""
+def _finish_far_side(transport: Transport, endpoint: Endpoint, tree: SourceTree, far: FarTree) -> None:
+    """chmod/touch the far directories whose mode or mtime differ (tar restored those it extracted), then take
+    the INCOMPLETE mark away (and DEST/.pallet when that empties it): one remote command."""
     index, lines = tree.index, []
     for i, path in enumerate(index.paths):
         there = far.entries.get(path)
@@ -335,11 +340,11 @@ def _fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree,
         seconds, nanos = divmod(index.mtimes[i], 1_000_000_000)
         if there.mode != index.modes[i] & 0o7777:
             lines.append(f"chmod {index.modes[i] & 0o7777:o} -- {name}")
-        if there.mtime_ns != index.mtimes[i] or lines and lines[-1].startswith("chmod"):
+        if there.mtime_ns != index.mtimes[i] or there.mode != index.modes[i] & 0o7777:
             lines.append(f"touch -m -d @{seconds}.{nanos:09d} -- {name}")
-    if lines:
-        script = f"cd -- {shlex.quote(endpoint.path)} && {{\n" + "\n".join(reversed(lines)) + "\n}\n"
-        transport.run(["sh", "-s"], stdin=os.fsencode(script))
+    lines.append("rm -f .pallet/INCOMPLETE && { rmdir .pallet 2>/dev/null || true; }")
+    script = f"cd -- {shlex.quote(endpoint.path)} || exit 0\nset -e\n" + "\n".join(lines) + "\n"
+    transport.run(["sh", "-s"], stdin=os.fsencode(script))
 
 
 def _with_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:

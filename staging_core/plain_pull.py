@@ -5,6 +5,7 @@ import os
 import stat
 import threading
 from collections import defaultdict
+from typing import Sequence
 
 from bundles.errors import DestinationError, SourceError
 from bundles.progress import Progress
@@ -25,7 +26,7 @@ _SUFFIXES = {"zstd": ".tar.zst", "gzip": ".tar.gz", "none": ".tar"}
 
 
 def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, jobs: int,
-               progress: Progress) -> PlainOutcome:
+               progress: Progress, items: Sequence[str] | None = None) -> PlainOutcome:
     """Make local ``dest`` (locked by the caller) equal the tree at ``endpoint`` with the far side's own tools.
 
     The far side lists its tree and hashes every file; entries missing here
@@ -34,10 +35,16 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
     directories), kept in DEST/.pallet/incoming and extracted by pallet's
     safe extractor; what was received is hashed again here. What still
     differs is fetched once more, then it is an error naming the files.
-    Directories whose mode or mtime alone differ are fixed here.
+    Directories whose mode or mtime alone differ are fixed here. ``items``
+    (relative paths of files) limits all this to those and their parents.
     """
-    far = far_tree(transport, endpoint.path, None)
+    far = far_tree(transport, endpoint.path, [])
+    if items is not None:
+        far = _selected(far, items)
     _refuse_special(far, endpoint)
+    same = unchanged_here(far, dest)
+    if same:
+        far.md5 = far_tree(transport, endpoint.path, same).md5
     outcome = PlainOutcome()
     wanted = local_differences(far, dest, jobs)
     while wanted:
@@ -49,10 +56,30 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
         outcome.files_sent += len(wanted)
         names = _with_parents(far, wanted)
         outcome.bytes_sent += _fetch(transport, endpoint, route, dest, names, progress)
+        fetched = [path for path in wanted if far.entries[path].kind == "f"]
+        far.md5.update(far_tree(transport, endpoint.path, fetched).md5)      # what the far side holds now
         _fix_directories(far, dest, set(names))
         wanted = local_differences(far, dest, jobs, only=set(wanted))
     _fix_directories(far, dest, set())
     return outcome
+
+
+def unchanged_here(far: FarTree, dest: str) -> list[bytes]:
+    """Far files that ``dest`` holds with the same size, mtime and mode: only their content is in doubt."""
+    here = local_entries(dest)
+    return [path for path, there in far.entries.items() if there.kind == "f" and (mine := here.get(path)) is not None
+            and mine.kind == "f" and (mine.size, mine.mtime_ns, mine.mode) == (there.size, there.mtime_ns, there.mode)]
+
+
+def _selected(far: FarTree, items: Sequence[str]) -> FarTree:
+    """The part of ``far`` that ``items`` name, with their parent directories."""
+    wanted = {os.fsencode(item).strip(b"/") for item in items}
+    parents = {b"/".join(p.split(b"/")[:n]) for p in wanted for n in range(1, p.count(b"/") + 1)}
+    missing = sorted(wanted - far.entries.keys())
+    if missing:
+        raise SourceError(f"{len(missing)} selected file(s) do not exist there: "
+                          f"{', '.join(os.fsdecode(p) for p in missing[:5])}", hint="check the names")
+    return FarTree({p: e for p, e in far.entries.items() if p in wanted or p in parents}, far.md5)
 
 
 def local_differences(far: FarTree, dest: str, jobs: int, only: set[bytes] | None = None) -> list[bytes]:

@@ -1,6 +1,7 @@
 """What the far side of an ssh destination offers (pallet, python3, tar, codecs, launchers, space), probed once per host."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -28,13 +29,14 @@ say() { printf '%s=%s\n' "$1" "$2"; }
 code='import sys, mpi_stager, bundles.stream as s; from importlib.metadata import version as v
 print(sys.executable, v("pallet"), s.STREAM_VERSION, sep="\t")'
 for candidate in "$@"; do
-  case $candidate in
-    @recorded) candidate=$(cat "$HOME/.config/pallet/python" 2>/dev/null) ;;
+  case $candidate in            # a path found there runs as one word; a command given to pallet as shell words
+    @recorded) candidate=$(cat "$HOME/.config/pallet/python" 2>/dev/null); run='"$candidate"' ;;
     @shebang) script=$(command -v pallet 2>/dev/null || echo "$HOME/.local/bin/pallet")
-              candidate=$(head -n 1 "$script" 2>/dev/null | sed -n 's/^#! *//p') ;;
+              candidate=$(head -n 1 "$script" 2>/dev/null | sed -n 's/^#! *//p'); run='"$candidate"' ;;
+    *) run=$candidate ;;
   esac
   [ -n "$candidate" ] || continue
-  found=$(eval "$candidate -c \"\$code\"" 2>/dev/null) && [ -n "$found" ] && {
+  found=$(eval "$run -c \"\$code\"" 2>/dev/null) && [ -n "$found" ] && {
     printf 'pallet=%s\t%s\n' "$candidate" "$found"; break; }
 done
 say python3 "$(python3 -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)"
@@ -185,11 +187,24 @@ def _int(text: str | None, scale: int) -> int | None:
     return int(text) * scale if text and text.strip().isdigit() else None
 
 
-def _cache_path(endpoint: Endpoint, remote_python: str) -> str:
+def forget_probes(host: str) -> None:
+    """Drop every cached finding about ``host`` (after something changed there, e.g. `pallet remote install`)."""
+    directory = _cache_dir()
+    for path in glob.glob(os.path.join(glob.escape(directory), f"{glob.escape(host)}-*.json")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pallet", "probes")
+
+
+def _cache_path(endpoint: Endpoint, remote_python: str) -> str:
     key = json.dumps([endpoint.user, endpoint.host, endpoint.port, endpoint.path, remote_python])
-    name = f"{endpoint.host}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    return os.path.join(base, "pallet", "probes", name)
+    return os.path.join(_cache_dir(), f"{endpoint.host}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
 def _read_cache(path: str, ttl_s: float) -> FarSide | None:

@@ -188,7 +188,7 @@ def test_readme_synopsis_matches_the_help():
     for line in doc_block("README.md", "pallet pack SRC BUNDLE").text.splitlines():
         words = line.split()
         if words[0] == "pallet":
-            command = words[:3] if words[1] == "login" else words[:2]
+            command = words[:3] if words[1] in ("login", "remote") else words[:2]
             helped = subprocess.run([program("pallet"), *command[1:], "--help"], capture_output=True, text=True,
                                     env=user_env(), stdin=subprocess.DEVNULL)
             assert helped.returncode == 0, f"{' '.join(command)} --help: {helped.stderr}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import time
@@ -189,3 +190,36 @@ def _rerun_when_unlocked(server, src, dest) -> dict:
             return summary(done)
         time.sleep(0.2)
     raise AssertionError(f"DEST stayed locked: {done.stderr}")
+
+
+@pytest.mark.slow
+def test_snakemake_reads_2000_inputs_from_a_far_side_without_pallet(bare, tmp_path):
+    from tests.test_snakemake_plugin import make_inputs, snakemake
+    data = make_inputs(tmp_path / "remote" / "data", 2000)
+    done = snakemake(tmp_path / "wf", "--storage-pallet-ssh-options", shlex.join(bare.ssh_options),
+                     "--config", f"data={bare.url(str(data))}", "samples=2000", "parts=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "wf" / "results" / "summary.txt").read_text() == f"2000 {3 * 2000 * 1999 // 2}\n"
+    fetched = [line for line in done.stderr.splitlines() if "pallet: fetched" in line]
+    assert sum(int(line.split("fetched ")[1].split()[0]) for line in fetched) == 2000
+    assert all(": bundle, " in line for line in fetched), fetched
+    assert not (data / ".pallet").exists()
+
+
+@pytest.mark.slow
+def test_parsl_apps_read_2000_files_from_a_far_side_without_pallet(bare, tmp_path):
+    from parsl import python_app
+    from parsl.data_provider.files import File
+
+    from pallet_parsl import PalletStaging
+    from staging_core.options import StagingOptions
+    from tests.test_parsl import finished, read_text, remote_files, threads, workflow
+    paths = remote_files(str(tmp_path / "remote"), 2000)
+    staging = PalletStaging(options=StagingOptions(ssh_options=tuple(bare.ssh_options)), window=2.0, max_files=2000)
+    executor = threads(tmp_path, staging)
+    with workflow(tmp_path, executor):
+        read = python_app(read_text, executors=[executor.label])
+        futures = [read(inputs=[File(bare.url(path))]) for path in paths]
+        assert [f.result(timeout=300) for f in futures] == [f"file {n}\n" for n in range(2000)]
+        batches = finished(staging)
+    assert sum(b.files for b in batches) == 2000 and "bundle" in {b.strategy for b in batches}

@@ -21,6 +21,8 @@ from staging_core.locking import DestinationLock
 from staging_core.options import StagingOptions
 from staging_core.planner import plan
 from staging_core.profiles import load_profile
+from staging_core.plain import PlainRoute
+from staging_core.probe import far_side_options
 from staging_core.routes import closing, pack_route, run_local
 from staging_core.selection import fetch, send
 from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
@@ -222,23 +224,29 @@ def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
 def _move(spec: BatchSpec) -> Moved:
     options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
     endpoint = parse_url(spec.remote_root)
-    with _open(endpoint, options) as transport, closing(pack_route(endpoint, transport, options)) as route:
-        strategy, sizes = _strategy(spec, transport, route is not None)
-        if strategy == "individual":
-            aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
-            result = fetch(spec.remote_root, spec.items, spec.local_root,
-                           replace(options, strategy="individual"), aligned)
-            return Moved(spec, "individual", result.transfers, None, result.bytes_sent)
-        incoming = os.path.join(spec.state_root, INCOMING.format(spec.batch_id))
-        os.makedirs(incoming, exist_ok=True)
-        try:
-            bundle = route.pack(options.codec or "zstd", list(spec.items))
-            name = posixpath.basename(bundle)
-            fetched = transport.transfer(Direction.PULL, incoming, posixpath.dirname(bundle), [name, name + ".pidx"])
-            if not fetched.ok:
-                raise next(iter(fetched.failed.values()))
-        finally:
-            route.cleanup()
+    with _open(endpoint, options) as transport:
+        options, far = far_side_options(transport, endpoint, options)
+        with closing(pack_route(endpoint, transport, options, far)) as route:
+            return _move_with(spec, options, transport, route)
+
+
+def _move_with(spec: BatchSpec, options: StagingOptions, transport: Transport, route) -> Moved:
+    """The move task, once the source's pack route is known (the plain-tools route lands the files itself)."""
+    strategy, sizes = _strategy(spec, transport, route is not None)
+    if strategy == "individual" or isinstance(route, PlainRoute):
+        aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
+        result = fetch(spec.remote_root, spec.items, spec.local_root, replace(options, strategy=strategy), aligned)
+        return Moved(spec, result.strategy, result.transfers, None, result.bytes_sent)
+    incoming = os.path.join(spec.state_root, INCOMING.format(spec.batch_id))
+    os.makedirs(incoming, exist_ok=True)
+    try:
+        bundle = route.pack(options.codec or "zstd", list(spec.items))
+        name = posixpath.basename(bundle)
+        fetched = transport.transfer(Direction.PULL, incoming, posixpath.dirname(bundle), [name, name + ".pidx"])
+        if not fetched.ok:
+            raise next(iter(fetched.failed.values()))
+    finally:
+        route.cleanup()
     return Moved(spec, "bundle", 1, os.path.join(incoming, name), fetched.bytes_sent)
 
 
