@@ -25,9 +25,20 @@ class PlainStats:
     file_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class StreamedArchive:
+    """A plain archive read from a pipe (e.g. a far side's ``tar -c``): what it is called, its codec, the reader."""
+
+    path: str
+    codec: object
+    raw: object
+
+
 def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
-    """Yield the members of a plain archive in stream order; BundleError if it is not one."""
-    stream = bundle.codec.open_stream(_FdReader(bundle.fd))
+    """Yield the members of a plain archive (an opened Bundle, or a StreamedArchive) in stream order; BundleError
+    if it is not one."""
+    raw = bundle.raw if isinstance(bundle, StreamedArchive) else _FdReader(bundle.fd)
+    stream = bundle.codec.open_stream(raw)
     try:
         archive = tarfile.open(fileobj=stream, mode="r|", errorlevel=2)
     except tarfile.ReadError as exc:

@@ -7,11 +7,12 @@ import threading
 from collections import defaultdict
 from typing import Sequence
 
-from bundles.errors import DestinationError, SourceError
+from bundles.codecs import get_codec
+from bundles.errors import BundleError, DestinationError, SourceError
+from bundles.plain import StreamedArchive, extract_plain
 from bundles.progress import Progress
 from bundles.safety import safe_mode
-from bundles.state import ensure_state_dir, prune
-from bundles.unpack import UnpackOptions, unpack
+from bundles.state import finish, mark_incomplete
 
 from .plain import COMPRESSORS, ROUNDS, FarEntry, FarTree, PlainOutcome, PlainRoute, far_tree, md5_of
 from .transports.base import Endpoint, Transport
@@ -22,7 +23,6 @@ _SEND = r"""
 cd -- "$1" || exit 3
 tar -c --null --no-recursion -T - -f - --format=posix --numeric-owner | $2
 """
-_SUFFIXES = {"zstd": ".tar.zst", "gzip": ".tar.gz", "none": ".tar"}
 
 
 def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, jobs: int,
@@ -33,7 +33,7 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
     or different (type, size, mode, mtime, link target, md5, hard-link
     group) come as one tar stream from its ``tar -c`` (with their parent
     directories), kept in DEST/.pallet/incoming and extracted by pallet's
-    safe extractor; what was received is hashed again here. What still
+    safe extractor as it arrives; what was received is hashed again here. What still
     differs is fetched once more, then it is an error naming the files.
     Directories whose mode or mtime alone differ are fixed here. ``items``
     (relative paths of files) limits all this to those and their parents.
@@ -148,32 +148,45 @@ def _with_parents(far: FarTree, wanted: list[bytes]) -> list[bytes]:
 
 def _fetch(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: str, names: list[bytes],
            progress: Progress) -> int:
-    """Stream ``names`` from the far side's tar into DEST/.pallet/incoming, extract it; return the bytes received."""
-    compressor, suffix = COMPRESSORS[route.codec], _SUFFIXES[route.codec]
-    incoming = os.path.join(ensure_state_dir(dest), "incoming")
-    os.makedirs(incoming, exist_ok=True)
-    archive = os.path.join(incoming, "plain-pull" + suffix)
-    far = transport.stream_into(["sh", "-c", _SEND, "pallet-send", endpoint.path, compressor])
+    """Extract ``names`` from the far side's tar stream into ``dest`` as it arrives; return the bytes received."""
+    far = transport.stream_into(["sh", "-c", _SEND, "pallet-send", endpoint.path, COMPRESSORS[route.codec]])
     feeder = threading.Thread(target=_feed, args=(far.stdin, names), name="pallet-tar-names", daemon=True)
     feeder.start()
     errors: list[bytes] = []
     drain = threading.Thread(target=lambda: errors.append(far.stderr.read()), name="pallet-tar-stderr", daemon=True)
     drain.start()
-    received = 0
-    with open(archive, "wb") as out:
-        while piece := far.stdout.read(1 << 20):
-            out.write(piece)
-            received += len(piece)
-    code = far.wait()
-    feeder.join()
-    drain.join()
+    wire = _CountingReader(far.stdout)
+    archive = StreamedArchive(f"{endpoint.url()} (its tar -c)", get_codec(route.codec), wire)
+    try:
+        mark_incomplete(dest, f"pallet is pulling {endpoint.url()} here; if this file remains, the pull did not "
+                              "finish: run it again")
+        extract_plain(archive, dest, progress)
+    except BundleError:
+        far.kill()                              # the far side's own message, if it has one, says more
+        if far.wait() == 0:
+            raise
+    finally:
+        code = far.wait()
+        feeder.join()
+        drain.join()
+        far.stdout.close()
     if code != 0:
         raise classify(b"".join(errors).decode(errors="replace"), code, ["tar", "-c"], endpoint.url(),
                        f"the far side's tar failed with status {code}")
-    unpack(archive, dest, UnpackOptions(lock_held=True, use_index=False), progress)
-    os.unlink(archive)
-    prune(dest, incoming)
-    return received
+    finish(dest)
+    return wire.count
+
+
+class _CountingReader:
+    """A pipe's reader that counts the bytes read through it."""
+
+    def __init__(self, pipe):
+        self.pipe, self.count = pipe, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.pipe.read(1 << 20 if size < 0 else size)
+        self.count += len(data)
+        return data
 
 
 def _feed(pipe, names: list[bytes]) -> None:

@@ -7,6 +7,7 @@ import random
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,13 +99,31 @@ def test_without_pallet_there_auto_still_bundles_many_small_files(bare, tmp_path
     assert snapshot(tmp_path / "dest") == snapshot(src)
 
 
-def test_a_push_killed_mid_transfer_resumes_and_resends_less_than_half(bare, tmp_path):
+RANDOM_BYTES = 600 * 16384
+
+
+def random_tree(src: Path) -> Path:
+    """600 incompressible 16 KiB files in 6 directories."""
     rng = random.Random(7)
-    src = tmp_path / "src"
     for n in range(600):
         (src / f"d{n // 100}").mkdir(parents=True, exist_ok=True)
-        (src / f"d{n // 100}" / f"r{n:03d}.bin").write_bytes(rng.randbytes(16384))   # incompressible
-    total = 600 * 16384
+        (src / f"d{n // 100}" / f"r{n:03d}.bin").write_bytes(rng.randbytes(16384))
+    return src
+
+
+def _kill_when_landed(process: subprocess.Popen, dest: Path) -> None:
+    """kill -9 the whole pallet process group once 360 of the 600 files have landed, before the last one."""
+    deadline = time.monotonic() + 120
+    while _landed(dest) < 360 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert 360 <= _landed(dest) < 600, "the transfer must be killed midway"
+
+
+def test_a_push_killed_mid_transfer_resumes_and_resends_less_than_half(bare, tmp_path):
+    src = random_tree(tmp_path / "src")
+    total = RANDOM_BYTES
     slow = bare.shims / "zstd"
     slow.write_text(SLOW_ZSTD)
     slow.chmod(0o755)
@@ -114,12 +133,7 @@ def test_a_push_killed_mid_transfer_resumes_and_resends_less_than_half(bare, tmp
                                     *[f"--ssh-option={o}" for o in bare.ssh_options], str(src),
                                     bare.url(str(dest))], env=user_env(), start_new_session=True,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while _landed(dest) < 360 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        assert 360 <= _landed(dest) < 600, "the push must be killed mid-transfer"
+        _kill_when_landed(process, dest)
         assert (dest / ".pallet" / "INCOMPLETE").exists()
     finally:
         slow.unlink()
@@ -151,6 +165,25 @@ def pull(server, src, dest, *flags: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, timeout=300)
 
 
+def test_a_pull_killed_mid_transfer_resumes_and_refetches_less_than_half(bare, tmp_path):
+    src, dest = random_tree(tmp_path / "src"), tmp_path / "dest"
+    slow = bare.shims / "zstd"
+    slow.write_text(SLOW_ZSTD)
+    slow.chmod(0o755)
+    try:
+        process = subprocess.Popen([program("pallet"), "pull", "--strategy", "bundle", "--reprobe", "--quiet",
+                                    *[f"--ssh-option={o}" for o in bare.ssh_options], bare.url(str(src)), str(dest)],
+                                   env=user_env(), start_new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _kill_when_landed(process, dest)
+        assert (dest / ".pallet" / "INCOMPLETE").exists()
+    finally:
+        slow.unlink()
+    rerun = summary(pull(bare, src, dest, "--strategy", "bundle"))
+    assert 0 < rerun["bytes_sent"] < RANDOM_BYTES / 2, rerun
+    assert snapshot(dest) == snapshot(src)
+
+
 def test_a_far_pallet_of_another_stream_protocol_is_named_with_the_fix(bare, tmp_path):
     fake, recorded = bare.home / "old-pallet-python", bare.home / ".config" / "pallet" / "python"
     fake.write_text('#!/bin/sh\nprintf "/opt/old/bin/python\\t0.0.1\\t99\\n"\n')
@@ -166,6 +199,20 @@ def test_a_far_pallet_of_another_stream_protocol_is_named_with_the_fix(bare, tmp
     message = done.stderr.strip()
     assert "stream protocol v99" in message and "v1" in message and "pallet remote install" in message
     assert "Traceback" not in done.stderr and len(message.splitlines()) <= 2
+
+
+def test_pallet_behind_a_script_in_local_bin_is_found_without_remote_python(bare, tmp_path):
+    script = bare.home / ".local" / "bin" / "pallet"            # as `pip install --user` leaves it, off PATH
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(f"#!{sys.executable}\nfrom staging_core.cli import main\nmain()\n")
+    script.chmod(0o755)
+    src = make_nasty_tree(str(tmp_path / "src"))
+    try:
+        done = summary(push(bare, src, tmp_path / "dest", "--strategy", "bundle", "--reprobe"))
+    finally:
+        script.unlink()
+    assert done["route"] == "stream", done
+    assert snapshot(tmp_path / "dest") == snapshot(src)
 
 
 def test_plan_shows_what_the_probe_found_and_the_routes_it_allows(bare, tmp_path):
