@@ -55,6 +55,7 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
         outcome.rounds += 1
         outcome.files_sent += len(wanted)
         names = _with_parents(far, wanted)
+        _unlink_non_directories(far, dest, names)
         outcome.bytes_sent += _fetch(transport, endpoint, route, dest, names, progress)
         fetched = [path for path in wanted if far.entries[path].kind == "f"]
         far.md5.update(far_tree(transport, endpoint.path, fetched).md5)      # what the far side holds now
@@ -187,6 +188,21 @@ class _CountingReader:
         data = self.pipe.read(1 << 20 if size < 0 else size)
         self.count += len(data)
         return data
+
+
+def _unlink_non_directories(far: FarTree, dest: str, names: list[bytes]) -> None:
+    """Remove files and links here that stand where the source has a directory (a link is removed, never
+    followed), so that the extraction can make the directory."""
+    root = os.fsencode(dest)
+    for name in names:
+        if far.entries[name].kind != "d":
+            continue
+        path = os.path.join(root, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _feed(pipe, names: list[bytes]) -> None:

@@ -89,6 +89,25 @@ def test_a_flipped_byte_and_a_changed_directory_are_repaired_by_the_next_run(bar
     assert snapshot(dest) == snapshot(src)
 
 
+def test_links_planted_in_dest_are_replaced_never_written_through(bare, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    dest, outside = tmp_path / "dest", tmp_path / "outside"
+    outside.mkdir()
+    dest.mkdir()
+    (dest / "sub").symlink_to(outside)                        # where the source has a directory
+    (dest / "script.sh").symlink_to(outside / "written")      # where the source has a file
+    summary(push(bare, src, dest, "--strategy", "bundle"))
+    assert list(outside.iterdir()) == []
+    assert snapshot(dest) == snapshot(src)
+    here = tmp_path / "here"                                  # and the same planted here, for a pull
+    here.mkdir()
+    (here / "sub").symlink_to(outside)
+    (here / "script.sh").symlink_to(outside / "written")
+    summary(pull(bare, src, here, "--strategy", "bundle"))
+    assert list(outside.iterdir()) == []
+    assert snapshot(here) == snapshot(src)
+
+
 def test_without_pallet_there_auto_still_bundles_many_small_files(bare, tmp_path):
     src = tmp_path / "src"
     for n in range(2000):
