@@ -104,7 +104,7 @@ class PlainRoute(AbstractContextManager):
 
 @dataclass
 class PlainOutcome:
-    """What a plain-tools push did: files sent (over all rounds), bytes written to the far side, rounds run."""
+    """What a plain-tools push or pull did: files sent (over all rounds), bytes moved, rounds run, seconds per stage."""
 
     files_sent: int = 0
     bytes_sent: int = 0
@@ -116,9 +116,10 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
                progress: Progress) -> PlainOutcome:
     """Make the tree at ``endpoint`` equal ``tree`` (a full scan of the source) with the far side's own tools.
 
-    The far side lists its tree and hashes every file (md5sum); entries that
-    are missing or differ in type, size, mode, mtime, link target or content
-    are sent as one bundle stream into its ``tar -x`` (with their parent
+    The far side lists its tree and hashes (md5sum) the files whose size,
+    mtime and mode match the source; entries that are missing or differ in
+    type, size, mode, mtime, link target or content are sent as one bundle
+    stream into its ``tar -x`` (with their parent
     directories and whole hard-link groups), then listed and hashed again.
     What still differs is sent once more; after :data:`ROUNDS` sends it is
     an error naming the files. Directories whose mode or mtime alone differ
@@ -141,22 +142,30 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
             raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
                                    f"{_names(wanted)}", endpoint.url(),
                                    "check the far side's disk and file system; rerun to try again")
-        outcome.rounds += 1
-        outcome.files_sent += len(wanted)
-        with clock("stream"):
-            sent_bytes, sent_md5 = _send(transport, tree, endpoint, route, frozenset(_with_groups(tree, wanted)),
-                                         jobs, progress)
-        outcome.bytes_sent += sent_bytes
-        local_md5.update(sent_md5)
-        files = tree_files(tree)
-        sent_files = [path for path in wanted if path in files]
-        with clock("check"):
-            far = far_tree(transport, endpoint.path, sent_files)
-            local_md5.update(hash_local_files(tree, jobs, set(sent_files) - set(local_md5)))
-        wanted = differing(tree, local_md5, far, set(sent_files))
+        far, wanted = _send_round(transport, tree, endpoint, route, wanted, local_md5, jobs, progress, outcome)
     with clock("check"):
         _finish_far_side(transport, endpoint, tree, far)
     return outcome
+
+
+def _send_round(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: PlainRoute, wanted: list[bytes],
+                local_md5: dict[bytes, bytes], jobs: int, progress: Progress,
+                outcome: PlainOutcome) -> tuple[FarTree, list[bytes]]:
+    """Send ``wanted`` once, then list and hash them there: the far tree and what still differs."""
+    clock = _Clock(outcome.stage_seconds)
+    outcome.rounds += 1
+    outcome.files_sent += len(wanted)
+    with clock("stream"):
+        sent_bytes, sent_md5 = _send(transport, tree, endpoint, route, frozenset(_with_groups(tree, wanted)),
+                                     jobs, progress)
+    outcome.bytes_sent += sent_bytes
+    local_md5.update(sent_md5)
+    files = tree_files(tree)
+    sent_files = [path for path in wanted if path in files]
+    with clock("check"):
+        far = far_tree(transport, endpoint.path, sent_files)
+        local_md5.update(hash_local_files(tree, jobs, set(sent_files) - set(local_md5)))
+    return far, differing(tree, local_md5, far, set(sent_files))
 
 
 class _Clock:
