@@ -20,13 +20,13 @@ from mpi_stager.unpack import StagerOptions, unpack_parallel
 from .inventory import Inventory, compress_ratio, remote_inventory, tree_inventory
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from .pack_routes import PackRoute, PublishedBundle, pack_route
 from .plain import PlainRoute, push_plain
 from .plain_pull import pull_plain
 from .planner import Plan, plan
 from .probe import far_side_options
 from .profiles import load_profile
-from .routes import (INCOMING, PackRoute, PublishedBundle, UnpackRoute, bundle_name, check_route_options, closing,
-                     pack_route, unpack_route)
+from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError

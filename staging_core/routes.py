@@ -1,30 +1,22 @@
-"""Routes: where a bundle is unpacked at a destination, or packed at a source, and by which command."""
+"""Routes: where a bundle is unpacked at a destination and by which command (pack routes: pack_routes.py)."""
 from __future__ import annotations
 
 import json
 import os
 import posixpath
 import shlex
-import shutil
 import subprocess
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
-from typing import Sequence
 
-from bundles.errors import PalletError, SourceError, UsageError
-from bundles.index import Index
+from bundles.errors import PalletError, UsageError
 from bundles.state import prune
-from bundles.tarformat import Kind
-from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
-from .inventory import Inventory
 from .options import StagingOptions
 from .plain import PlainRoute
-from .planner import Candidate, Plan
 from .probe import FarSide
-from .scratch import scratch, scratch_dir
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import NotSupportedError
@@ -258,7 +250,7 @@ def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptio
     if options.keep_packed:
         return KeepPacked(endpoint, options)
     if options.unpack_via:
-        via = _open_via(options.unpack_via, "--unpack-via", options)
+        via = open_via(options.unpack_via, "--unpack-via", options)
         return SlurmJobUnpack(endpoint, options, via) if options.unpack_job else ViaUnpack(endpoint, options, via)
     if endpoint.is_local:
         return LocalUnpack(endpoint, options)
@@ -274,205 +266,9 @@ def has_unpack_route(endpoint: Endpoint, options: StagingOptions) -> bool:
     return endpoint.scheme in ("file", "ssh") or bool(options.unpack_via) or options.keep_packed
 
 
-class PackRoute(AbstractContextManager, ABC):
-    """How the tree at a pull source becomes a bundle there.
-
-    ``pack`` returns the path, in the source transport's path space, of a
-    bundle with its ``.pidx`` beside it: written under ``outgoing`` (a
-    directory the route creates), or the source itself for a published
-    bundle; ``items`` (relative paths) packs only those files and their
-    parent directories instead of the whole tree. ``cleanup`` removes what
-    ``pack`` made.
-    The bytes depend only on the tree and the codec, so a rerun sends the
-    same bundle and the local unpack skips finished shards. A route is a
-    context manager that closes what it opened.
-    """
-
-    description = "in place"
-
-    def __init__(self, endpoint: Endpoint, options: StagingOptions):
-        self.endpoint = endpoint
-        self.options = options
-        self.outgoing: str | None = None
-
-    @abstractmethod
-    def pack(self, codec: str, items: Sequence[str] | None = None) -> str: ...
-
-    @abstractmethod
-    def cleanup(self) -> None: ...
-
-    def close(self) -> None:
-        """Release what the route opened (e.g. its own ssh connection)."""
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class LocalPack(PackRoute):
-    """The source is local: pack in this process into a temporary directory."""
-
-    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
-        self.outgoing = scratch_dir("pallet-outgoing-")
-        bundle = os.path.join(self.outgoing, bundle_name(codec))
-        include = None if items is None else frozenset(os.fsencode(i) for i in items)
-        pack(self.endpoint.path, bundle, PackOptions(codec=codec, shard_size=self.options.shard_size,
-                                                     jobs=self.options.jobs, include=include))
-        return bundle
-
-    def cleanup(self) -> None:
-        if self.outgoing:
-            shutil.rmtree(self.outgoing, ignore_errors=True)
-
-
-# Far side of a pull: remove the outgoing directories ($1/$2*) that no session holds any more (a killed pull's;
-# older than a minute, so that one just made and not yet locked is spared), then make a new one and hold an
-# flock on it for as long as our pipe is open, which ends with this process, even after kill -9.
-_OUTGOING_SCRIPT = (
-    'parent=${1:-${TMPDIR:-/tmp}}; '
-    'for old in "$parent/$2"*; do [ -d "$old" ] && [ -n "$(find "$old" -maxdepth 0 -mmin +1)" ] '
-    '&& flock -n "$old" rm -rf -- "$old"; done; '
-    'new=$(mktemp -d -p "$parent" "$2XXXXXX") && exec flock "$new" sh -c \'echo "$0"; exec cat >/dev/null\' "$new"')
-
-
-class RemoteExecPack(PackRoute):
-    """The source transport can run commands there (ssh): mpi_stager packs into a new ``pallet-outgoing-*``
-    directory in the far side's $TMPDIR, which this session holds (an flock) until ``cleanup`` removes it;
-    the next pull there removes the ones killed sessions left."""
-
-    parent = ""                     # "": the far side's ${TMPDIR:-/tmp}
-    prefix = "pallet-outgoing-"
-
-    def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
-        super().__init__(endpoint, options)
-        self.transport = transport
-        self._holder: subprocess.Popen | None = None
-
-    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
-        self.outgoing = self._make_outgoing()
-        bundle = os.path.join(self.outgoing, bundle_name(codec))
-        comm = [] if self.options.launcher else ["--comm", "serial"]
-        selection = [] if items is None else ["--files-from", "-"]
-        listing = None if items is None else b"\0".join(os.fsencode(i) for i in items)
-        shards = [] if self.options.shard_size is None else ["--shard-size", str(self.options.shard_size)]
-        self.transport.run(stager_argv(self.options, "pack", *comm, *selection, *shards, "--codec", codec,
-                                       self.endpoint.path, bundle), stdin=listing)
-        return bundle
-
-    def _make_outgoing(self) -> str:
-        self._holder = self.transport.stream_into(["sh", "-c", _OUTGOING_SCRIPT, "sh", self.parent, self.prefix])
-        line = self._holder.stdout.readline().decode(errors="replace").strip()
-        if line:
-            return line
-        self._holder.stdin.close()
-        error = self._holder.stderr.read().decode(errors="replace").strip()
-        self._holder.wait()
-        self._holder = None
-        raise PalletError(f"cannot make a directory for the bundle at the source ({error or 'no reason given'})",
-                          self.endpoint.url(), "check that mktemp and flock exist there and its $TMPDIR is writable")
-
-    def cleanup(self) -> None:
-        if self._holder is not None:
-            self._holder.stdin.close()
-            self._holder.wait()
-            self._holder = None
-        if self.outgoing:
-            self.transport.run(["rm", "-rf", "--", self.outgoing])
-
-
-class ViaPack(RemoteExecPack):
-    """``--pack-via ssh://HOST``: mpi_stager packs over ssh on HOST, a node that mounts the source's file
-    system under the same paths, into ``.pallet-outgoing-XXXXXX`` beside the source directory (in its parent,
-    so the bundle is not part of the tree it packs, and on the file system the source transport reads); the
-    source transport then fetches the bundle, and ``cleanup`` removes the directory over ssh."""
-
-    prefix = ".pallet-outgoing-"
-
-    @property
-    def description(self) -> str:
-        return f"packed via {self.options.pack_via}"
-
-    @property
-    def parent(self) -> str:
-        return posixpath.dirname(self.endpoint.path.rstrip("/")) or "/"
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-class PublishedBundle(PackRoute):
-    """The pull source URL names a bundle (``.tar.zst``/``.tar.gz``/``.tar``) with its ``.pidx`` beside it:
-    "publish once, stage many times". Nothing is packed: ``pack`` returns the bundle's own path, and
-    ``cleanup`` removes nothing. ``inventory`` fetches only the ``.pidx`` and reads the tree from it."""
-
-    description = "published bundle"
-
-    def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
-        super().__init__(endpoint, options)
-        self.transport = transport
-
-    def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
-        if items is not None:
-            raise UsageError("a published bundle is fetched whole", self.endpoint.url(),
-                             "pull the bundle, or select files from a directory URL")
-        return self.endpoint.path
-
-    def cleanup(self) -> None:
-        """Nothing to remove: the bundle is the source."""
-
-    def inventory(self) -> tuple[Inventory, Plan]:
-        """The files the bundle holds (from its fetched ``.pidx``) and the fixed plan: the bundle as it is."""
-        name = posixpath.basename(self.endpoint.path) + ".pidx"
-        with scratch("pallet-pidx-") as workdir:
-            fetched = self.transport.transfer(Direction.PULL, workdir, posixpath.dirname(self.endpoint.path), [name])
-            if not fetched.ok:
-                raise next(iter(fetched.failed.values()))
-            with open(os.path.join(workdir, name), "rb") as handle:
-                index = Index.from_bytes(handle.read(), self.endpoint.url() + ".pidx")
-        sizes = [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
-        reason = "published bundle: fetched with its index and unpacked here as it is, without repacking"
-        return Inventory(self.endpoint.path, sizes), Plan("bundle", [Candidate("bundle", 0.0, index.codec)], reason)
-
-
-def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> PublishedBundle | None:
-    """A PublishedBundle when ``endpoint`` names a bundle file whose ``.pidx`` sits beside it, else None. Only
-    a path ending in a bundle suffix costs a ``stat`` (two, when it is a file). Raises SourceError for such a
-    file without its index, and UsageError for ``--strategy individual`` (a bundle is always unpacked)."""
-    if not endpoint.path.endswith(BUNDLE_SUFFIXES):
-        return None
-    entry = transport.stat(endpoint.path)
-    if entry is None or entry.kind != "f":
-        return None
-    if transport.stat(endpoint.path + ".pidx") is None:
-        raise SourceError("is a bundle without its index (.pidx) beside it", endpoint.url(),
-                          "publish BUNDLE.pidx next to it (pallet pack writes both), or fetch the file and "
-                          "run pallet unpack")
-    if options.strategy == "individual":
-        raise UsageError(f"{endpoint.url()} is a published bundle: it is fetched and unpacked as a bundle",
-                         hint="drop --strategy individual")
-    return PublishedBundle(endpoint, options, transport)
-
-
-def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
-               far: FarSide | None = None) -> PackRoute | PlainRoute | None:
-    """The route that packs the tree at ``endpoint``, or None when there is none (bundling impossible). A
-    published bundle needs no packing (:func:`published_bundle`); then ``pack_via`` wins; otherwise local
-    sources pack in this process and sources whose transport runs commands (ssh) pack there."""
-    published = published_bundle(endpoint, transport, options)
-    if published is not None:
-        return published
-    if options.pack_via:
-        return ViaPack(endpoint, options, _open_via(options.pack_via, "--pack-via", options))
-    if endpoint.is_local:
-        return LocalPack(endpoint, options)
-    if transport.capabilities.remote_exec:
-        if far is None or far.pallet_usable:
-            return RemoteExecPack(endpoint, options, transport)
-        return PlainRoute(endpoint.host, far.plain_decoder, pulling=True) if far.plain_decoder else None
-    return None
-
-
-def closing(route: UnpackRoute | PackRoute | None):
-    """``with closing(route) as route:`` closes the route afterwards; None stays None."""
+def closing(route):
+    """``with closing(route) as route:`` closes the route (an unpack, pack or plain route) afterwards; None stays
+    None."""
     return nullcontext() if route is None else route
 
 
@@ -512,7 +308,7 @@ def _via_endpoint(text: str, flag: str) -> Endpoint:
     return endpoint
 
 
-def _open_via(text: str, flag: str, options: StagingOptions) -> Transport:
+def open_via(text: str, flag: str, options: StagingOptions) -> Transport:
     return open_transport(_via_endpoint(text, flag), ssh_options=list(options.ssh_options))
 
 

@@ -23,7 +23,8 @@ from staging_core.planner import plan
 from staging_core.profiles import load_profile
 from staging_core.plain import PlainRoute
 from staging_core.probe import far_side_options
-from staging_core.routes import closing, pack_route, run_local
+from staging_core.pack_routes import pack_route
+from staging_core.routes import closing, run_local
 from staging_core.selection import fetch, send
 from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
 from staging_core.transports.registry import open_transport
