@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shlex
 import subprocess
 
 from bundles.errors import DestinationLocked, PalletError
@@ -20,7 +19,7 @@ class DestinationLock:
     No lock file is made, so nothing of the lock is ever left in DEST, and
     removing pallet's state there at the end cannot break it. Local
     destinations lock in this process; ssh destinations run
-    ``flock -n DEST sh -c 'echo held; exec cat'`` there, whose stdin is our
+    ``mkdir -p DEST && flock -n DEST sh -c 'echo held; exec cat'`` there (one command), whose stdin is our
     pipe, so the lock dies with this process even after ``kill -9`` (no
     stale lock to clean up). Destinations without remote execution are not
     locked (``supported`` is False) — see docs/staging.md. Entering raises
@@ -41,8 +40,8 @@ class DestinationLock:
     def __enter__(self) -> "DestinationLock":
         if not self.supported:
             return self
-        self.transport.mkdir(self.path)
         if self.endpoint.is_local:
+            self.transport.mkdir(self.path)
             self._lock_here()
         else:
             self._lock_there()
@@ -58,8 +57,9 @@ class DestinationLock:
             raise self._busy() from None
 
     def _lock_there(self) -> None:
-        argv = ["flock", *([] if self.wait else ["-n"]), "-E", str(_BUSY), self.path,
-                "sh", "-c", "echo held; exec cat >/dev/null"]
+        flock = "flock" if self.wait else "flock -n"
+        argv = ["sh", "-c", f'mkdir -p -- "$1" && exec {flock} -E {_BUSY} "$1" sh -c "echo held; exec cat >/dev/null"',
+                "pallet-lock", self.path]
         self._holder = self.transport.stream_into(argv)
         line = self._holder.stdout.readline()
         if line.strip() == b"held":
@@ -69,8 +69,9 @@ class DestinationLock:
         self._holder = None
         if status == _BUSY:
             raise self._busy()
-        raise PalletError(f"cannot lock the destination ({shlex.join(argv[:5])}: {stderr or status})",
-                          self.endpoint.url(), "check that `flock` (util-linux) exists there and DEST is writable")
+        raise PalletError(f"cannot create or lock the destination ({stderr or f'status {status}'})",
+                          self.endpoint.url(), "check that DEST can be made there and that `flock` (util-linux) "
+                                               "is installed")
 
     def _busy(self) -> DestinationLocked:
         return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),

@@ -21,7 +21,8 @@ from .inventory import Inventory, compress_ratio, remote_inventory, tree_invento
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
 from .pack_routes import PackRoute, PublishedBundle, pack_route
-from .plain import PlainRoute, push_plain
+from .plain import PlainRoute
+from .plain_push import push_plain
 from .plain_pull import pull_plain
 from .planner import Plan, plan
 from .probe import far_side_options
@@ -76,11 +77,17 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
-    tree = scan(src, "none", 0, include=include)
-    with _open(endpoint, options) as transport, DestinationLock(endpoint, transport, wait=items is not None) as lock:
-        options, far = far_side_options(transport, endpoint, options)
-        with closing(unpack_route(endpoint, transport, options, far)) as route:
-            return _push_locked(tree, endpoint, transport, lock, route, options, progress, include, started)
+    with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
+        walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
+        try:
+            with _open(endpoint, options) as transport, \
+                    DestinationLock(endpoint, transport, wait=items is not None) as lock:
+                options, far = far_side_options(transport, endpoint, options)
+                with closing(unpack_route(endpoint, transport, options, far)) as route:
+                    return _push_locked(walking.result(), endpoint, transport, lock, route, options, progress,
+                                        include, started)
+        finally:
+            walking.cancel()
 
 
 def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock, route,
@@ -99,8 +106,8 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     run, attempts = _with_retries(
         lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
                            progress or NoProgress(), include), options.retries)
-    if include is None and not options.keep_packed:
-        _clear_state(transport, endpoint, route)
+    if include is None and not options.keep_packed and not isinstance(route, PlainRoute):
+        _clear_state(transport, endpoint, route)      # a plain-tools session clears DEST/.pallet itself
     return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
 
 
@@ -241,7 +248,8 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
         with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
             run.count(_send_items(transport, src, endpoint, listed))
     elif isinstance(route, PlainRoute):
-        outcome = push_plain(transport, tree, endpoint, route, options.jobs, progress)
+        outcome = push_plain(transport, tree, endpoint, route, options.jobs, progress,
+                             clear_state=include is None and not options.keep_packed)
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)
     elif strategy == "hybrid":

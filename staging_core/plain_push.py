@@ -1,0 +1,215 @@
+"""Push with the plain-tools route: one far-side shell session, shards into its tar, md5sum checks alongside."""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from bundles.errors import DestinationError
+from bundles.progress import Progress
+from bundles.scan import SourceTree, scan
+from bundles.tarformat import Kind, member_header
+from bundles.writer import iter_shards
+
+from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differing, hash_local_files,
+                    parse_md5_lines, parse_records, shown_names, unchanged_files)
+from .plain_session import FarSession, FrameWriter
+from .streaming import RelaySink, prepare_source
+from .transports.base import Endpoint, Transport
+
+TAR_RUN_BYTES = 16 << 20  # shard bytes (uncompressed) per far-side tar run; its files are checked as the next arrives
+OWNER_RWX = 0o700          # directories are extracted writable by us; their own modes are set last
+
+
+def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: PlainRoute, jobs: int,
+               progress: Progress, clear_state: bool = True) -> PlainOutcome:
+    """Make the tree at ``endpoint`` equal ``tree`` (a full scan of the source) with the far side's own tools.
+
+    Everything runs in one far-side shell session (plain_session.py). It
+    lists its tree and hashes (md5sum) the files whose size, mtime and mode
+    match the source; entries that are missing or differ in type, size,
+    mode, mtime, link target or content are sent as bundle shards (with
+    their parent directories and whole hard-link groups) in runs of about
+    :data:`TAR_RUN_BYTES`, each run extracted by one ``tar -x``, its files
+    hashed there while the next run arrives. Directory modes and mtimes are set last, by one
+    more tar of directory entries only. A file whose digest differs from
+    the one taken while packing is sent once more; after :data:`ROUNDS`
+    sends it is an error naming the files. DEST/.pallet/INCOMPLETE marks
+    DEST while tar runs; with ``clear_state`` all of DEST/.pallet goes at
+    the end. Raises TransportError for the link, DestinationError for a
+    tree that stays wrong or a far side that refuses.
+    """
+    outcome = PlainOutcome()
+    clock = _Clock(outcome.stage_seconds)
+    with FarSession(transport, endpoint, DECODERS[route.codec]) as session:
+        with clock("list"):
+            far = FarTree(parse_records(session.listing()))
+            same = unchanged_files(tree, far)
+            if same:
+                far.md5 = parse_md5_lines(session.hash_now(_names_input(same)))
+        with clock("hash"):
+            local_md5 = hash_local_files(tree, jobs, set(same))
+        wanted = differing(tree, local_md5, far, set(same))
+        while wanted:
+            if outcome.rounds == ROUNDS:
+                raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
+                                       f"{shown_names(wanted)}", endpoint.url(),
+                                       "check the far side's disk and file system; rerun to try again")
+            wanted = _send_round(session, tree, route, wanted, local_md5, jobs, progress, outcome)
+        with clock("finish"):
+            session.finish(clear_state)
+    return outcome
+
+
+def _send_round(session: FarSession, tree: SourceTree, route: PlainRoute, wanted: list[bytes],
+                local_md5: dict[bytes, bytes], jobs: int, progress: Progress, outcome: PlainOutcome) -> list[bytes]:
+    """Send ``wanted`` once; the files whose digest there still differs from the source's."""
+    clock = _Clock(outcome.stage_seconds)
+    outcome.rounds += 1
+    outcome.files_sent += len(wanted)
+    with clock("stream"):
+        sent = _send(session, tree, route, frozenset(_with_groups(tree, wanted)), jobs, progress)
+    outcome.bytes_sent += sent.bytes
+    local_md5.update(sent.md5)
+    with clock("check"):
+        there = parse_md5_lines(session.checked())
+    return [path for path in sent.md5 if there.get(path) != local_md5[path]]
+
+
+class _Clock:
+    """``with clock(name):`` adds the block's wall seconds to ``seconds[name]``."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @contextmanager
+    def __call__(self, name: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+
+
+@dataclass
+class SentShards:
+    """What one send round wrote: bytes on the wire and the md5 of every file sent (taken while packing)."""
+
+    bytes: int = 0
+    md5: dict[bytes, bytes] = field(default_factory=dict)
+
+
+def _send(session: FarSession, tree: SourceTree, route: PlainRoute, items: frozenset[bytes], jobs: int,
+          progress: Progress) -> SentShards:
+    """Stream the bundle of ``items`` into the session in runs of shards, each run extracted by one tar and its
+    files queued for checking; then one tar of the directories alone sets their modes and mtimes."""
+    root = os.fsdecode(tree.root)
+    selected = tree if len(items) == len(tree.index) else scan(root, route.codec, 0, include=items)
+    source = prepare_source(root, route.codec, jobs, tree=selected)
+    index, sent, runs = selected.index, SentShards(), _TarBatches(session)
+    dir_modes = _writable_dirs(index)
+    progress.start("stream", len(index), sum(index.sizes))
+    try:
+        for plan, built in iter_shards(source.tree, source.plans, source.codec, source.jobs, runs.open_big,
+                                       md5=True):
+            sent.bytes += runs.add(plan, built, _record_md5(index, plan, built, sent.md5))
+            progress.advance(plan.count, built.file_bytes)
+    finally:
+        for i, mode in dir_modes.items():
+            index.modes[i] = mode
+        progress.finish()
+    sent.bytes += _send_directories(session, index, source.codec)
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.HARDLINK:
+            sent.md5[index.paths[i]] = sent.md5[index.paths[index.link_groups[i]]]
+    return sent
+
+
+class _TarBatches:
+    """Consecutive shards grouped into far-side tar runs of about :data:`TAR_RUN_BYTES`; each run's files are
+    queued for checking when it ends. A big shard's compressor output is relayed into the open run."""
+
+    def __init__(self, session: FarSession):
+        self.session = session
+        self.frames: FrameWriter | None = None
+        self.relay: RelaySink | None = None
+        self.names: list[bytes] = []
+        self.run_bytes = 0
+
+    def open_big(self, plan) -> RelaySink:
+        """iter_shards' sink for a big shard: relay the compressor's output into the open run."""
+        self.relay = RelaySink(self._open().write)
+        return self.relay
+
+    def add(self, plan, built, files: list[bytes]) -> int:
+        """Send a built shard (a big one has gone through the relay); the compressed bytes it took."""
+        if plan.big:
+            self.relay.finish()
+            sent = self.relay.length
+        else:
+            self._open().write(built.compressed)
+            sent = len(built.compressed)
+        self.names.extend(files)
+        self.run_bytes += built.file_bytes + 1024 * plan.count
+        if self.run_bytes >= TAR_RUN_BYTES or plan.last:
+            self.end()
+        return sent
+
+    def end(self) -> None:
+        """End the open run there and queue its files for checking."""
+        if self.frames is not None:
+            self.session.end_shard(self.frames, b"".join(b"./" + path + b"\0" for path in self.names))
+        self.frames, self.names, self.run_bytes = None, [], 0
+
+    def _open(self) -> FrameWriter:
+        if self.frames is None:
+            self.frames = self.session.shard()
+        return self.frames
+
+
+def _writable_dirs(index) -> dict[int, int]:
+    """Make every directory of ``index`` owner-writable (later shards write into it); the modes it had."""
+    changed = {i: index.modes[i] for i in range(len(index))
+               if index.kinds[i] == Kind.DIR and index.modes[i] & OWNER_RWX != OWNER_RWX}
+    for i in changed:
+        index.modes[i] |= OWNER_RWX
+    return changed
+
+
+def _send_directories(session: FarSession, index, codec) -> int:
+    """One tar of ``index``'s directories alone, so the far tar sets their true modes and mtimes last."""
+    headers = b"".join(member_header(index.paths[i], Kind.DIR, index.modes[i], index.mtimes[i], 0, b"")
+                       for i in range(len(index)) if index.kinds[i] == Kind.DIR)
+    if not headers:
+        return 0
+    compressed = codec.compress(headers + bytes(1024))
+    frames = session.shard()
+    frames.write(compressed)
+    session.end_shard(frames, b"")
+    return len(compressed)
+
+
+def _record_md5(index, plan, built, digests: dict[bytes, bytes]) -> list[bytes]:
+    """File by file, the md5 digests a built shard carries; the shard's files and hard links, to check there."""
+    shard = range(plan.first, plan.first + plan.count)
+    files = [index.paths[i] for i in shard if index.kinds[i] == Kind.FILE]
+    for number, path in enumerate(files):
+        digests[path] = built.md5s[16 * number:16 * (number + 1)]
+    return files + [index.paths[i] for i in shard if index.kinds[i] == Kind.HARDLINK]
+
+
+def _with_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
+    """``wanted`` plus every member of the hard-link groups it touches (tar links them only together)."""
+    index, chosen = tree.index, set(wanted)
+    groups = {index.link_groups[i] if index.kinds[i] == Kind.HARDLINK else i
+              for i, path in enumerate(index.paths) if path in chosen}
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.HARDLINK and index.link_groups[i] in groups:
+            chosen.update((index.paths[i], index.paths[index.link_groups[i]]))
+    return chosen
+
+
+
+def _names_input(paths: list[bytes]) -> bytes:
+    return b"".join(b"./" + path + b"\0" for path in paths)
