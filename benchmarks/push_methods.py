@@ -149,6 +149,8 @@ def measure(rig: Rig, src: Path, specs: list[MethodSpec], repeat: int) -> list[M
             attempt = run_once(spec, src, rig.fresh_dest(spec.slug))
             methods[spec.name].attempts.append(attempt)
             shown = f"{attempt.seconds:8.2f} s" if attempt.seconds is not None else f"FAILED {attempt.error}"
+            stages = (attempt.summary or {}).get("stage_seconds", {})
+            shown += "  " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in stages.items()) if stages else ""
             print(f"    [{rep + 1}/{repeat}] {spec.name:44s} {shown}", flush=True)
     return list(methods.values())
 

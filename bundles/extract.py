@@ -10,7 +10,7 @@ from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
 from .safety import index_problems, safe_mode
-from .tarformat import Kind
+from .tarformat import END_OF_ARCHIVE, Kind, member_header, padding
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _STREAM_CHUNK = 8 << 20
@@ -97,6 +97,8 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
     """
     root = os.fsencode(dest) + b"/"
     data = memoryview(data)
+    if verify:
+        check_members(data, index, shard, source)
     files = nbytes = 0
     bad: list[str] = []
     umask = current_umask()
@@ -126,12 +128,50 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, ver
     if verify and hash_range(bundle, shard) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
-    _skip(reader, index.data_offsets[i])
+    header = _read_up_to(reader, index.data_offsets[i])
+    if verify and (index.offsets[i] != 0 or header != entry_header_bytes(index, i)):
+        raise _members_differ(bundle.path, index, shard, i)
     digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
     if verify and digest != index.hashes[i * 16:i * 16 + 16]:
         raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
                                  [os.fsdecode(index.paths[i])])
+    if verify and not _only_end_zeros(_read_up_to(reader, padding(index.sizes[i]) + len(END_OF_ARCHIVE) + 1),
+                                      padding(index.sizes[i])):
+        raise _members_differ(bundle.path, index, shard, i)
     return ShardOutcome(shard.number, 1, index.sizes[i])
+
+
+def check_members(data: memoryview, index: Index, shard: Shard, source: str | None) -> None:
+    """Raise CorruptBundleError unless the shard's tar bytes ``data`` are exactly the index's members: each
+    entry's header, byte for byte as pallet writes it, at its offset, its data and padding, the next entry
+    right after, and nothing but the end-of-archive zeros after the last. An extra member, one the index
+    omits, or a header that says something else (which plain tar would obey) cannot pass."""
+    position = 0
+    for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
+        start, data_start = index.offsets[i], index.data_offsets[i]
+        if start != position or data[start:data_start] != entry_header_bytes(index, i):
+            raise _members_differ(source, index, shard, i)
+        size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
+        position = data_start + size + padding(size)
+    if not _only_end_zeros(data[position:], 0) or position > len(data):
+        raise _members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
+
+
+def entry_header_bytes(index: Index, i: int) -> bytes:
+    """The header block(s) pallet writes for entry ``i`` (pax, then ustar)."""
+    return member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i], index.sizes[i],
+                         index.links[i])
+
+
+def _only_end_zeros(rest, pad: int) -> bool:
+    """True when ``rest`` is ``pad`` zero bytes, optionally followed by the end-of-archive blocks."""
+    return len(rest) in (pad, pad + len(END_OF_ARCHIVE)) and not any(rest)
+
+
+def _members_differ(source: str | None, index: Index, shard: Shard, i: int) -> CorruptBundleError:
+    return CorruptBundleError(f"shard {shard.number}: its tar members do not match the index at "
+                              f"{os.fsdecode(index.paths[i])!r} (a member added, missing or altered)", source,
+                              _REFETCH, [os.fsdecode(index.paths[i])])
 
 
 def write_streamed_file(reader, index: Index, i: int, dest: str, shard_number: int, source: str | None) -> bytes:
@@ -270,12 +310,16 @@ def remove_stale(path: bytes) -> None:
         pass
 
 
-def _skip(reader, count: int) -> None:
+def _read_up_to(reader, count: int) -> bytes:
+    """``count`` bytes from a stream reader (fewer only at its end); ``count`` is a header's or tail's size."""
+    parts = []
     while count:
-        chunk = reader.read(min(count, _STREAM_CHUNK))
+        chunk = reader.read(count)
         if not chunk:
             break
+        parts.append(chunk)
         count -= len(chunk)
+    return b"".join(parts)
 
 
 def hash_range(bundle: Bundle, shard: Shard) -> bytes:

@@ -199,27 +199,40 @@ def entry_header(index: Index, i: int) -> bytes:
 
 
 def _read_file(path: bytes, size: int) -> bytes:
-    """Return the whole content of a file expected to hold ``size`` bytes (it fits in a shard)."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError:
-        return b"".join(_iter_file(path, size))     # raises the explained error
-    try:
-        data = os.read(fd, size + 1)
-    finally:
-        os.close(fd)
-    return data if len(data) == size else b"".join(_iter_file(path, size))
+    """Return the whole content of a file expected to hold ``size`` bytes (it fits in a shard).
+
+    A file whose size, mtime or ctime moves while it is read is read once
+    more; if it moves again, SourceError (the bytes read may be a mix of
+    two versions, never a state the file was in).
+    """
+    for _ in range(2):
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except OSError:
+            return b"".join(_iter_file(path, size))     # raises the explained error
+        try:
+            before = os.fstat(fd)
+            data = os.read(fd, size + 1)
+            moved = _moved(before, os.fstat(fd))
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            return b"".join(_iter_file(path, size))
+        if not moved:
+            return data
+    raise _changing(path)
 
 
 def _iter_file(path: bytes, size: int) -> Iterator[bytes]:
-    """Yield exactly ``size`` bytes of the file, or raise SourceError if it changed or cannot be read."""
+    """Yield exactly ``size`` bytes of the file, or raise SourceError if it changed (size, mtime or ctime moved
+    while it was read) or cannot be read."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", path,
                           "make it readable (chmod u+r) or remove it from the source") from None
     try:
-        remaining = size
+        before, remaining = os.fstat(fd), size
         while remaining > 0:
             chunk = os.read(fd, min(remaining, _READ_CHUNK))
             if not chunk:
@@ -229,10 +242,23 @@ def _iter_file(path: bytes, size: int) -> Iterator[bytes]:
         if remaining or os.read(fd, 1):
             raise SourceError("changed size while being packed", path,
                               "pack again when nothing is writing to the source")
+        if _moved(before, os.fstat(fd)):
+            raise _changing(path)
     except OSError as exc:
         raise SourceError(f"read failed ({exc.strerror})", path, "check the file system holding the source") from None
     finally:
         os.close(fd)
+
+
+def _moved(before: os.stat_result, after: os.stat_result) -> bool:
+    """True when a file's size, mtime or ctime differ between two fstat calls on one descriptor."""
+    return (before.st_size, before.st_mtime_ns, before.st_ctime_ns) != \
+        (after.st_size, after.st_mtime_ns, after.st_ctime_ns)
+
+
+def _changing(path: bytes) -> SourceError:
+    return SourceError("changed while being read (its size, mtime or ctime moved), so its bytes may mix two "
+                       "versions", path, "pack or push again when nothing is writing to it")
 
 
 def hash_region(out, offset: int, length: int) -> bytes:

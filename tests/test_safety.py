@@ -6,6 +6,7 @@ DEST changed.
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import os
@@ -17,6 +18,7 @@ import pytest
 import zstandard
 
 from bundles import Bundle, Kind, PackOptions, PalletError, UnsafeMemberError, container, pack, unpack
+from bundles.errors import CorruptBundleError
 from tests.conftest import run_pallet, snapshot
 
 VICTIM = b"outside content that must never change\n"
@@ -347,12 +349,53 @@ def test_tampered_index_cli_exits_1_naming_each_member_and_creates_nothing(tmp_p
     assert_outside_unchanged(dest, before)
 
 
-def test_tampered_setuid_and_setgid_modes_are_stripped(tmp_path, sandbox, good_bundle):
+def test_setuid_and_setgid_modes_are_stripped(tmp_path, sandbox):
     dest, _, before = sandbox
-    bundle = write_tampered(good_bundle, tmp_path / "modes.tar.zst",
-                            _all(_set("modes", b"suid", 0o6755), _set("modes", b"dir", 0o2775)), "sidecar")
+    src = tmp_path / "modes"
+    (src / "dir").mkdir(parents=True)
+    (src / "suid").write_bytes(b"suid")
+    (src / "top.txt").write_bytes(b"top")
+    os.symlink("top.txt", src / "sym")
+    os.chmod(src / "suid", 0o6755)
+    os.chmod(src / "dir", 0o2775)
+    bundle = pack(src, tmp_path / "modes.tar.zst").bundle
     unpack(bundle, dest)
     assert os.stat(dest / "suid").st_mode & 0o7777 == 0o755
     assert os.stat(dest / "dir").st_mode & 0o7777 == 0o775
     assert (dest / "suid").read_bytes() == b"suid" and os.readlink(dest / "sym") == "top.txt"
+    assert_outside_unchanged(dest, before)
+
+
+def test_an_index_that_disagrees_with_the_tar_headers_is_refused(tmp_path, sandbox, good_bundle):
+    dest, _, before = sandbox
+    bundle = write_tampered(good_bundle, tmp_path / "modes.tar.zst", _set("modes", b"suid", 0o6755), "sidecar")
+    with pytest.raises(CorruptBundleError, match="do not match the index at 'suid'"):
+        unpack(bundle, dest)
+    assert not (dest / "suid").exists()
+    assert_outside_unchanged(dest, before)
+
+
+def test_a_member_the_index_omits_is_refused_by_unpack_and_verify(tmp_path, sandbox):
+    dest, _, before = sandbox
+    src = tmp_path / "omit"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"listed")
+    (src / "zz-hidden").write_bytes(b"not in the index")
+    good = pack(src, tmp_path / "omit.tar.zst").bundle
+
+    def drop_last(index, at):
+        assert index.paths[-1] == b"zz-hidden"
+        for name in ("paths", "kinds", "modes", "mtimes", "sizes", "links", "link_groups", "shard_of", "offsets",
+                     "data_offsets"):
+            del getattr(index, name)[-1]
+        del index.hashes[-16:]
+        last = index.shards[-1]
+        index.shards[-1] = dataclasses.replace(last, entry_count=last.entry_count - 1,
+                                               file_bytes=last.file_bytes - len(b"not in the index"))
+    bundle = write_tampered(good, tmp_path / "omitted.tar.zst", drop_last, "sidecar")
+    with pytest.raises(CorruptBundleError, match="do not match the index at 'a.txt'"):
+        unpack(bundle, dest)
+    assert not (dest / "zz-hidden").exists()
+    checked = run_pallet("verify", str(bundle))
+    assert checked.returncode != 0 and "do not match the index at 'a.txt'" in checked.stdout + checked.stderr
     assert_outside_unchanged(dest, before)

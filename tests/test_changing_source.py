@@ -1,0 +1,83 @@
+"""A source file rewritten while pallet reads it: never shipped as a mix of two versions with exit 0."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_pallet
+
+TRIES = 3
+A, B = b"A", b"B"
+
+# Rewrites FILE in place, whole, alternating all-A and all-B, until killed.
+WRITER = r"""
+import os, sys
+path, size = sys.argv[1], int(sys.argv[2])
+patterns = [b"A" * (1 << 20), b"B" * (1 << 20)]
+fd = os.open(path, os.O_WRONLY)
+turn = 0
+while True:
+    for offset in range(0, size, 1 << 20):
+        os.pwrite(fd, patterns[turn % 2][:size - offset], offset)
+    turn += 1
+"""
+
+
+@pytest.fixture
+def rewritten(tmp_path, request):
+    """A source tree whose file ``big`` (request.param bytes) a writer process keeps rewriting."""
+    size = request.param
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "small.txt").write_bytes(b"steady\n")
+    (src / "big").write_bytes(A * size)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(src / "big"), str(size)])
+    yield src
+    writer.kill()
+    writer.wait()
+
+
+def _uniform(path: Path) -> bool:
+    data = path.read_bytes()
+    return data in (A * len(data), B * len(data))
+
+
+def _changed(done: subprocess.CompletedProcess) -> bool:
+    return done.returncode != 0 and "changed while being read" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("rewritten", [1 << 20, 64 << 20], indirect=True, ids=["small-shard", "64MiB-streamed"])
+def test_pack_never_records_a_mix(rewritten, tmp_path):
+    refused = 0
+    for number in range(TRIES):
+        bundle = tmp_path / f"try{number}.tar.zst"
+        done = run_pallet("pack", "--quiet", str(rewritten), str(bundle))
+        if done.returncode != 0:
+            assert _changed(done), done.stderr
+            assert not bundle.exists() and not list(tmp_path.glob(f"try{number}*")), "a failed pack left a bundle"
+            refused += 1
+            continue
+        run_pallet("verify", str(bundle), check=True)
+        out = tmp_path / f"out{number}"
+        run_pallet("unpack", "--quiet", str(bundle), str(out), check=True)
+        assert _uniform(out / "big"), "pack exited 0 with a file mixing two versions"
+    assert refused, "the writer never stops, so some read must have seen the file change"
+
+
+@pytest.mark.parametrize("rewritten", [64 << 20], indirect=True, ids=["64MiB-streamed"])
+def test_local_push_never_lands_a_mix(rewritten, tmp_path):
+    refused = 0
+    for number in range(TRIES):
+        dest = tmp_path / f"dest{number}"
+        done = run_pallet("push", "--quiet", "--strategy", "bundle", str(rewritten), str(dest))
+        if done.returncode != 0:
+            assert _changed(done), done.stderr
+            refused += 1
+            continue
+        assert _uniform(dest / "big"), "push exited 0 with a file mixing two versions"
+        assert not os.path.exists(dest / ".pallet")
+    assert refused, "the writer never stops, so some read must have seen the file change"
