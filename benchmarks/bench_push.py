@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -39,6 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = common_parser(__doc__, "smoke run, 1 repetition: W1 1,000 files, W2 4 x 4 MiB, mixed 1,000 x 1 KiB "
                                     "+ 1 x 64 MiB, a 20-file scp sample")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
+    parser.add_argument("--only", type=lambda text: text.split(","), metavar="SLUG[,SLUG...]",
+                        help="run just these W1 methods, and no W2: stream, pallet-auto, pallet-plain, rsync, "
+                             "pallet-gridftp, guc, scp")
+    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir; a tmpfs "
+                                                       "such as /dev/shm takes a noisy disk out of the ratios)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the headline link (default 1gbit)")
     parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 1,000 with --quick)")
     parser.add_argument("--scp-sample", type=int, help="files copied one scp each (default 200; 20 with --quick)")
@@ -79,9 +85,10 @@ def compare(rig: Rig, src: Path, specs: list[MethodSpec], repeat: int) -> list[M
     return methods
 
 
-def w1_specs(rig: Rig, expected: Manifest, sample: int) -> list[MethodSpec]:
+def w1_specs(rig: Rig, expected: Manifest, sample: int, only: list[str] | None = None) -> list[MethodSpec]:
+    """The W1 methods (``only``: just those slugs)."""
     picked = sample_of(expected, sample)
-    return [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), expected),
+    specs = [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), expected),
             MethodSpec(PALLET_PLAIN, "pallet-plain", pallet_push(rig, "bundle", plain=True), expected),
             MethodSpec(STREAM, "stream", stream_peer(rig), expected),
             MethodSpec(RSYNC, "rsync", rsync_peer(rig), expected),
@@ -89,6 +96,7 @@ def w1_specs(rig: Rig, expected: Manifest, sample: int) -> list[MethodSpec]:
             MethodSpec(GRIDFTP_PEER, "guc", gridftp_peer(rig, 16), expected),
             MethodSpec(f"{SCP} per file ({len(picked)}-file sample, extrapolated)", "scp", scp_sample(rig, picked),
                        {p: expected[p] for p in picked}, len(expected) / len(picked))]
+    return [spec for spec in specs if only is None or spec.slug in only]
 
 
 def headline(link: WanLink, rig: Rig, found: dict[str, Tree], args: argparse.Namespace) -> Headline:
@@ -98,15 +106,21 @@ def headline(link: WanLink, rig: Rig, found: dict[str, Tree], args: argparse.Nam
           f"{check.stream_mbit:.0f} Mbit/s", flush=True)
     w1, w2 = found["W1"], found["W2"]
     print(f"-- {w1.label}")
-    w1_methods = compare(rig, w1.path, w1_specs(rig, w1.expected, args.scp_sample), args.repeat)
-    print(f"-- {w2.label}")
-    w2_methods = compare(rig, w2.path, [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), w2.expected),
-                                        MethodSpec(RSYNC, "rsync", rsync_peer(rig), w2.expected)], args.repeat)
+    w1_methods = compare(rig, w1.path, w1_specs(rig, w1.expected, args.scp_sample, args.only), args.repeat)
+    w2_methods = []
+    if args.only is None:
+        print(f"-- {w2.label}")
+        w2_methods = compare(rig, w2.path, [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), w2.expected),
+                                            MethodSpec(RSYNC, "rsync", rsync_peer(rig), w2.expected)], args.repeat)
     return Headline(check, w1.label, w1_methods, w2.label, w2_methods)
 
 
 def targets(result: Headline) -> list[Target]:
     w1, w2 = ({m.name: m for m in methods} for methods in (result.w1, result.w2))
+    if not w2:                              # --only: the ratios its methods allow
+        return [Target(f"W1 {name} / tar|zstd|ssh stream", ratio(w1[name], w1[STREAM]), goal)
+                for name, goal in ((PALLET_AUTO, 1.0), (PALLET_PLAIN, 1.2), (RSYNC, None))
+                if name in w1 and STREAM in w1]
     scp = next(m for name, m in w1.items() if name.startswith(SCP))
     w2_strategies = sorted({a.summary.get("strategy", "?") for a in w2[PALLET_AUTO].attempts if a.summary})
     w2_individual = [a.summary.get("strategy") == "individual" for a in w2[PALLET_AUTO].attempts]
@@ -156,7 +170,9 @@ def run(args: argparse.Namespace, work: Path) -> tuple[Headline | None, list[Gri
         stack.callback(_report_stray_clients, sshd)
         gridftp = start_netns_gridftp(link, work / "gridftp")
         stack.callback(gridftp.stop)
-        rig = Rig(sshd, gridftp, work / "dest", work / "config", args.remote_python)
+        dest_root = args.dest_root / work.name if args.dest_root else work / "dest"
+        stack.callback(shutil.rmtree, dest_root, True)
+        rig = Rig(sshd, gridftp, dest_root, work / "config", args.remote_python)
         rig.clear_destinations()
         result = headline(link, rig, found, args) if args.headline else None
         cases = run_grid(link, rig, [found[k] for k in ("W1", "W2", "mixed")], args.rtt_ms, args.repeat) \
@@ -179,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     goals = targets(result) if result else []
     if result:
         print_methods(f"{result.w1_label} at {result.check.spec.label} (medians of {args.repeat})", result.w1)
-        print_methods(f"{result.w2_label} at {result.check.spec.label} (medians of {args.repeat})", result.w2)
+        if result.w2:
+            print_methods(f"{result.w2_label} at {result.check.spec.label} (medians of {args.repeat})", result.w2)
         print_targets(goals)
     if cases:
         print_grid(cases, [score(cases, w) for w in ("calibrated", "default")])

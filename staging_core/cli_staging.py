@@ -99,7 +99,7 @@ def _probe_for_plan(destination, options):
         return None
     try:
         with open_transport(destination, ssh_options=list(options.ssh_options)) as transport:
-            return far_side_options(transport, destination, options)[1]
+            return far_side_options(transport, destination, options, current_space=True)[1]
     except TransportError as exc:
         print(f"pallet plan: far side not probed: {str(exc).splitlines()[0]}", file=sys.stderr)
         return None

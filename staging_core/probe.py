@@ -117,20 +117,23 @@ class RemoteVersionError(PalletError):
     """pallet at the far side speaks another stream protocol than this one."""
 
 
-def far_side_options(transport: Transport, endpoint: Endpoint,
-                     options: StagingOptions) -> tuple[StagingOptions, FarSide | None]:
+def far_side_options(transport: Transport, endpoint: Endpoint, options: StagingOptions,
+                     current_space: bool = False) -> tuple[StagingOptions, FarSide | None]:
     """Probe an ssh ``endpoint`` that has no explicit route (``--unpack-via``, ``--pack-via``, ``--keep-packed``)
     and no explicit ``remote_python`` (a Python named by the user is used as given, unprobed).
 
     Returns the options with ``remote_python`` naming the Python that
     imports pallet there (when one was found) and the findings; other
-    endpoints give ``(options, None)``. Raises RemoteVersionError when the
-    pallet found there speaks another stream protocol.
+    endpoints give ``(options, None)``. With ``current_space`` the free
+    space and inodes are those of this DEST (cached findings about another
+    path are probed again). Raises RemoteVersionError when the pallet found
+    there speaks another stream protocol.
     """
     if endpoint.scheme != "ssh" or options.keep_packed or options.unpack_via or options.pack_via \
             or options.remote_python != DEFAULT_REMOTE_PYTHON:
         return options, None
-    far = probe_far_side(transport, endpoint, options.remote_python, options.reprobe)
+    far = probe_far_side(transport, endpoint, options.remote_python, options.reprobe,
+                         current_space=current_space)
     if far.pallet_python and not far.pallet_usable:
         from importlib.metadata import version
         raise RemoteVersionError(
@@ -144,21 +147,23 @@ def far_side_options(transport: Transport, endpoint: Endpoint,
 
 
 def probe_far_side(transport: Transport, endpoint: Endpoint, remote_python: str = "python3",
-                   reprobe: bool = False, ttl_s: float = PROBE_TTL_S) -> FarSide:
+                   reprobe: bool = False, ttl_s: float = PROBE_TTL_S, current_space: bool = False) -> FarSide:
     """Probe ``endpoint``'s host with one remote command, or return the cached findings younger than ``ttl_s``.
 
     pallet is looked for with the Python recorded by `pallet remote install`
     (~/.config/pallet/python), then ``remote_python`` and ``python3`` of the
     login shell, then the one in the shebang of `pallet` on the login PATH or
     in ~/.local/bin. Findings are
-    cached per host, user, port, destination and ``remote_python`` under
+    cached per host, user, port and ``remote_python`` under
     $XDG_CACHE_HOME/pallet/probes (written atomically, so concurrent calls
-    are safe). Raises TransportError when the host cannot be reached.
+    are safe); their free space is that of the DEST probed (``dest``), and
+    with ``current_space`` findings about another path are not used.
+    Raises TransportError when the host cannot be reached.
     """
     cache = _cache_path(endpoint, remote_python)
     if not reprobe:
         cached = _read_cache(cache, ttl_s)
-        if cached is not None:
+        if cached is not None and (not current_space or cached.dest == endpoint.path):
             return cached
     candidates = ["@recorded", *dict.fromkeys((remote_python, "python3")), "@shebang"]
     output = transport.run(["sh", "-c", _SCRIPT, "pallet-probe", endpoint.path, *candidates])
@@ -203,7 +208,7 @@ def _cache_dir() -> str:
 
 
 def _cache_path(endpoint: Endpoint, remote_python: str) -> str:
-    key = json.dumps([endpoint.user, endpoint.host, endpoint.port, endpoint.path, remote_python])
+    key = json.dumps([endpoint.user, endpoint.host, endpoint.port, remote_python])
     return os.path.join(_cache_dir(), f"{endpoint.host}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
