@@ -10,7 +10,7 @@ from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
 from .safety import index_problems, safe_mode
-from .tarformat import END_OF_ARCHIVE, Kind, member_header, padding
+from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _STREAM_CHUNK = 8 << 20
@@ -146,14 +146,17 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
     entry's header, byte for byte as pallet writes it, at its offset, its data and padding, the next entry
     right after, and nothing but the end-of-archive zeros after the last. An extra member, one the index
     omits, or a header that says something else (which plain tar would obey) cannot pass."""
+    paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes, index.sizes,
+                                                 index.links)
+    offsets, data_offsets = index.offsets, index.data_offsets
     position = 0
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
-        start, data_start = index.offsets[i], index.data_offsets[i]
-        if start != position or data[start:data_start] != entry_header_bytes(index, i):
+        start, data_start, size = offsets[i], data_offsets[i], sizes[i]
+        if start != position or data[start:data_start] != member_header(paths[i], kinds[i], modes[i], mtimes[i],
+                                                                        size, links[i]):
             raise _members_differ(source, index, shard, i)
-        size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
-        position = data_start + size + padding(size)
-    if not _only_end_zeros(data[position:], 0) or position > len(data):
+        position = data_start + (size + -size % BLOCK if kinds[i] == Kind.FILE else 0)
+    if position > len(data) or not _only_end_zeros(data[position:], 0):
         raise _members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
 
 

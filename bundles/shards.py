@@ -149,7 +149,7 @@ def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool
         parts.append(header)
         if kinds[i] == Kind.FILE:
             size = sizes[i]
-            data = _read_file(root + paths[i], size)
+            data = _read_file(root + paths[i], size, mtimes[i])
             hashes.append(content_hash(data))
             if md5:
                 md5s.append(hashlib.md5(data, usedforsecurity=False).digest())
@@ -198,29 +198,34 @@ def entry_header(index: Index, i: int) -> bytes:
                          index.sizes[i], index.links[i])
 
 
-def _read_file(path: bytes, size: int) -> bytes:
-    """Return the whole content of a file expected to hold ``size`` bytes (it fits in a shard).
+def _read_file(path: bytes, size: int, mtime_ns: int) -> bytes:
+    """Return the whole content of a file the scan saw with ``size`` bytes and ``mtime_ns`` (it fits in a shard).
 
-    A file whose size, mtime or ctime moves while it is read is read once
-    more; if it moves again, SourceError (the bytes read may be a mix of
-    two versions, never a state the file was in).
+    One fstat after the read must still show the scan's size and mtime;
+    otherwise the file is read again between two fstat calls, and if its
+    size, mtime or ctime moves during that read too, SourceError (the bytes
+    read may be a mix of two versions, never a state the file was in).
     """
-    for _ in range(2):
-        try:
-            fd = os.open(path, _READ_FLAGS)
-        except OSError:
-            return b"".join(_iter_file(path, size))     # raises the explained error
-        try:
-            before = os.fstat(fd)
-            data = os.read(fd, size + 1)
-            moved = _moved(before, os.fstat(fd))
-        finally:
-            os.close(fd)
-        if len(data) != size:
-            return b"".join(_iter_file(path, size))
-        if not moved:
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return b"".join(_iter_file(path, size))     # raises the explained error
+    try:
+        data = os.read(fd, size + 1)
+        after = os.fstat(fd)
+        if len(data) == size and after.st_size == size and after.st_mtime_ns == mtime_ns:
             return data
-    raise _changing(path)
+        os.lseek(fd, 0, os.SEEK_SET)
+        before = os.fstat(fd)
+        data = os.read(fd, size + 1)
+        moved = _moved(before, os.fstat(fd))
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        return b"".join(_iter_file(path, size))
+    if moved:
+        raise _changing(path)
+    return data
 
 
 def _iter_file(path: bytes, size: int) -> Iterator[bytes]:

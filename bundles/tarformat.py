@@ -91,10 +91,18 @@ def _pax_block(payload_size: int) -> bytes:
 _FAST_MTIME_LIMIT = (_MAX_OCTAL_11 + 1) * 1_000_000_000     # the ustar mtime field holds it
 
 
+_FILE_SUM = _CONSTANT_SUM + ord("0")                      # a regular file: typeflag "0", no link, no prefix
+_FILE_BLOCK_END = bytes(100) + _TAIL + bytes(155 + 12)    # link name, magic .. device numbers, prefix, padding
+
+
 def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int) -> bytes:
-    """The common case of member_header: a short name, a regular file, an mtime after 1970."""
+    """The common case of member_header: a short name, a regular file, an mtime after 1970 (the same bytes as
+    ``_ustar_block(path, b"", mode & 0o7777, size, seconds, b"0", b"")``, built with fewer steps: every tar
+    member pallet packs, unpacks or verifies goes through here)."""
     seconds, nanos = divmod(mtime_ns, 1_000_000_000)
-    ustar = _ustar_block(path, b"", mode & 0o7777, size, seconds, b"0", b"")
+    numbers = b"%07o\0" % (mode & 0o7777) + _IDS + b"%011o\0%011o\0" % (size, seconds)
+    ustar = b"".join((path.ljust(100, b"\0"), numbers, b"%06o\0 0" % (_FILE_SUM + sum(path) + sum(numbers)),
+                      _FILE_BLOCK_END))
     if not nanos:
         return ustar
     body = b" mtime=%d.%09d\n" % (seconds, nanos)
