@@ -38,6 +38,15 @@ def _read_exactly(fd: int, count: int) -> bytes:
     return b"".join(parts)
 
 
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the thread that started it ends, and exit at once if process
+    ``parent`` is already gone (this process was reparented before the request took effect)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def serve(task_fd: int, result_fd: int, parent: int) -> None:
     """Answer ``(func, item)`` messages with ``(True, func(item))`` or ``(False, exception)`` until EOF.
 
@@ -45,10 +54,7 @@ def serve(task_fd: int, result_fd: int, parent: int) -> None:
     (so a ``kill -9`` of the host leaves no orphan), and exits at once if
     that already happened.
     """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)
     while True:
         try:
             func, item = receive_message(task_fd)

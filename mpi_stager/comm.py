@@ -5,6 +5,7 @@ import os
 from typing import Any, Protocol
 
 from bundles.errors import UsageError
+from bundles.workers import die_with_parent
 
 POISON = 1 << 40        # added to a counter to tell every rank to stop taking work
 
@@ -90,6 +91,8 @@ class MPIComm:
     name = "mpi"
 
     def __init__(self) -> None:
+        if launched_by_mpi():
+            die_with_parent(os.getppid())   # a rank never outlives its launcher: mpirun killed with -9 leaves no orphan
         from mpi4py import MPI      # the only mpi4py import in pallet
         self._mpi = MPI
         self._comm = MPI.COMM_WORLD

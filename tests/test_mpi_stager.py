@@ -116,6 +116,49 @@ def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
     assert_same_tree(src, dest)         # journal and marker gone: nothing of pallet's left
 
 
+@needs_mpi
+def test_ranks_die_with_a_killed_mpirun_and_a_rerun_converges(tmp_path):
+    src = make_tiny_files(tmp_path / "src", 12000, per_dir=200)
+    bundle = str(tmp_path / "b.tar.zst")
+    pack(src, bundle, PackOptions(shard_size=32 * 1024, jobs=2))
+    dest = tmp_path / "dest"
+    journal, index = _journal(dest, bundle)
+    job = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", *python_module("mpi_stager"), "unpack",
+                            bundle, str(dest)], env=MPI_ENV, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and job.poll() is None and not ranks:
+        if len(journal.finished_shards(index)) >= 3:
+            ranks = _python_descendants(job.pid)
+        time.sleep(0.005)
+    assert len(ranks) == 2, "the unpack finished before mpirun could be killed"
+    job.kill()
+    job.wait()
+    survivors = ranks
+    deadline = time.monotonic() + 10
+    while survivors and time.monotonic() < deadline:
+        survivors = [pid for pid in ranks if _alive(pid)]
+        time.sleep(0.05)
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)            # clean up before failing
+    assert not survivors, f"ranks {survivors} outlived their mpirun"
+    finished = len(journal.finished_shards(index))
+    assert finished < len(index.shards), "the ranks went on to finish the job after mpirun was killed"
+    rerun = stager(2, bundle, str(dest))
+    assert rerun.returncode == 0, rerun.stderr
+    assert_same_tree(src, dest)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill_one_rank_after(job, journal: Journal, index: Index, records: int) -> bool:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and job.poll() is None:
