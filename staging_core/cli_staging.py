@@ -125,6 +125,12 @@ def _add_push(commands) -> None:
                    help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
                         "gsiftp://, ftp://, globus://")
     _staging_options(p)
+    p.add_argument("--delete", action="store_true",
+                   help="remove what DEST holds that SRC lacks (local and ssh destinations); without it such "
+                        "entries are kept. A rerun always sends only what differs from SRC (type, size, mtime, "
+                        "mode, link target)")
+    p.add_argument("--dry-run", "-n", action="store_true",
+                   help="list what would be sent (and deleted with --delete); change nothing")
     routes = p.add_argument_group("routes for destinations without remote execution (GridFTP, Globus)")
     routes.add_argument("--unpack-via", metavar="SSH_URL",
                         help="ssh://[user@]host[:port] of a node that mounts the destination's file system "
@@ -207,7 +213,7 @@ def staging_options(args) -> StagingOptions:
         stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
         job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
         pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress,
-        reprobe=args.reprobe)
+        reprobe=args.reprobe, delete=getattr(args, "delete", False), dry_run=getattr(args, "dry_run", False))
 
 
 def _run_staging(args) -> int:
@@ -216,11 +222,28 @@ def _run_staging(args) -> int:
     options = staging_options(args)
     operation = push if args.command == "push" else pull
     result = operation(args.src, args.dest, options, make_progress(args.progress))
-    skipped = f", {result.skipped_shards} shard(s) already done" if result.skipped_shards else ""
-    report(args.json, result.to_json(),
-           f"{args.command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} "
-           f"as {result.strategy} ({result.route}) in {result.seconds:.2f} s, {result.transfers} transfer(s){skipped}")
+    report(args.json, result.to_json(), _summary_line(args.command, result))
     return EXIT_OK
+
+
+def _summary_line(command: str, result) -> str:
+    """The one-line summary of a push or pull: what moved, what was already there, what was deleted."""
+    if result.would_send is not None:
+        lines = [f"would send {len(result.would_send)} entries ({result.files} files, "
+                 f"{human_bytes(result.file_bytes)}) to {result.dest}; {result.in_place} files already in place",
+                 *(f"  send {name}" for name in result.would_send),
+                 *(f"  delete {name}" for name in result.would_delete)]
+        return "\n".join(lines)
+    if result.strategy and result.route == "already in place":
+        text = f"{command}ed nothing: all {result.in_place} files already in place at {result.dest}"
+    else:
+        text = (f"{command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} as "
+                f"{result.strategy} ({result.route}) in {result.seconds:.2f} s, {result.transfers} transfer(s)")
+        text += f", {result.skipped_shards} shard(s) already done" if result.skipped_shards else ""
+        text += f", {result.in_place} files already in place" if result.in_place else ""
+    return text + (f", {result.deleted} entries deleted" if result.deleted else "")
+
+
 def _add_calibrate(commands) -> None:
     p = commands.add_parser("calibrate", help="measure a route and store it as a named link profile",
                             description="Measure round-trip time, bandwidth (32 MiB probe), per-file cost (a batch "

@@ -6,12 +6,13 @@ import posixpath
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
+from bundles.tarformat import Kind
 from bundles.state import STATE_DIR, ensure_state_dir, prune, remove_state
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
@@ -27,6 +28,7 @@ from .plain_pull import pull_plain
 from .planner import Plan, plan
 from .probe import far_side_options
 from .profiles import load_profile
+from .repair import Comparison, compare_with_dest, delete_extra, dirs_to_restore, fix_directories
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
@@ -77,6 +79,8 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
+    if options.dry_run:
+        return _dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
         walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
         try:
@@ -93,8 +97,13 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
 def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock, route,
                  options: StagingOptions, progress: Progress | None, include: frozenset[bytes] | None,
                  started: float) -> StagingResult:
-    """push, once DEST is locked and its route known: plan, run with retries, clear DEST/.pallet."""
-    src = os.fsdecode(tree.root)
+    """push, once DEST is locked and its route known: compare with DEST (a whole tree sends only what
+    differs), plan, run with retries, clear DEST/.pallet, delete extras with ``options.delete``."""
+    src, whole, full = os.fsdecode(tree.root), include is None, tree
+    comparison = _comparison(transport, endpoint, tree, route, options) if whole else None
+    if comparison is not None and not comparison.nothing_to_send:
+        include = frozenset(comparison.to_send)
+        tree = scan(src, "none", 0, include=include)
     inventory, paths = tree_inventory(tree, options.large_file_bytes)
     chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
                   max(1, options.ranks), route is not None)
@@ -103,12 +112,50 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
         strategy = "bundle"
     if not lock.supported:
         transport.mkdir(endpoint.path)      # the lock made DEST otherwise
-    run, attempts = _with_retries(
-        lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
-                           progress or NoProgress(), include), options.retries)
-    if include is None and not options.keep_packed and not isinstance(route, PlainRoute):
+    if comparison is not None and comparison.nothing_to_send:
+        run, attempts, inventory = _Run(route="already in place"), 0, Inventory(src, [], options.large_file_bytes)
+    else:
+        run, attempts = _with_retries(
+            lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
+                               progress or NoProgress(), include), options.retries)
+    in_place = comparison.in_place if comparison else 0
+    if whole and options.delete:
+        comparison = comparison or compare_with_dest(transport, endpoint, full) or Comparison()
+        delete_extra(transport, endpoint, comparison.extra)
+    if comparison is not None:
+        fix_directories(transport, endpoint, full, dirs_to_restore(full, comparison, whole and options.delete))
+    if whole and not options.keep_packed and not isinstance(route, PlainRoute):
         _clear_state(transport, endpoint, route)      # a plain-tools session clears DEST/.pallet itself
-    return _result(endpoint.url(), chosen, strategy, inventory, run, attempts, started)
+    return replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
+                   in_place=in_place, deleted=len(comparison.extra) if whole and options.delete else 0)
+
+
+def _dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
+    """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
+    with _open(endpoint, options) as transport:
+        comparison = compare_with_dest(transport, endpoint, tree)
+    if comparison is None:
+        comparison = Comparison(to_send=list(tree.index.paths))
+    index = tree.index
+    sending = set(comparison.to_send)
+    files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] != Kind.DIR]
+    inventory = Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], options.large_file_bytes)
+    chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks), True)
+    shown = [os.fsdecode(p) for p in comparison.to_send] + [os.fsdecode(index.paths[i]) + "/"
+                                                             for i in comparison.dirs_to_fix]
+    return StagingResult(endpoint.url(), chosen, "dry run", "nothing changed", len(files),
+                         inventory.stats.bytes, 0, time.monotonic() - started, in_place=comparison.in_place,
+                         would_send=tuple(shown),
+                         would_delete=tuple(os.fsdecode(p) for p in comparison.extra) if options.delete else ())
+
+
+def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, route,
+                options: StagingOptions) -> Comparison | None:
+    """DEST compared with the whole source, where a push compares (not into a plain-tools route, which lists
+    DEST itself, nor for --keep-packed)."""
+    if options.keep_packed or isinstance(route, PlainRoute):
+        return None
+    return compare_with_dest(transport, endpoint, tree)
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),

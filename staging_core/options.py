@@ -34,6 +34,8 @@ class StagingOptions:
     retries       attempts after the first for errors marked retryable (network trouble).
     progress      draw per-stage progress on stderr (None: only on a terminal).
     reprobe       probe an ssh far side again instead of using its cached findings (staging_core.probe).
+    delete        after a whole-tree push, remove what DEST holds that the source lacks.
+    dry_run       push: list what would be sent (and deleted), change nothing.
     """
 
     strategy: str = "auto"
@@ -56,6 +58,8 @@ class StagingOptions:
     retries: int = 2
     progress: bool | None = None
     reprobe: bool = False
+    delete: bool = False
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,10 @@ class StagingResult:
     'stream', 'in-place', 'via ssh://host', 'slurm job 123', 'kept packed'),
     ``transfers`` the number of transport transfers made, ``stage_seconds``
     wall seconds per stage, ``skipped_shards`` shards found finished by an
-    earlier run and not sent or unpacked again.
+    earlier run and not sent or unpacked again, ``in_place`` the source files
+    a push found at DEST as they are (not sent; ``files`` counts those sent),
+    ``deleted`` DEST entries removed by ``delete``; a dry run lists in
+    ``would_send`` and ``would_delete`` what it would do.
     """
 
     dest: str
@@ -82,6 +89,10 @@ class StagingResult:
     skipped_shards: int = 0
     attempts: int = 1
     bytes_sent: int | None = None
+    in_place: int = 0
+    deleted: int = 0
+    would_send: tuple[str, ...] | None = None
+    would_delete: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """The ``--json`` summary."""
@@ -89,4 +100,7 @@ class StagingResult:
                 "files": self.files, "file_bytes": self.file_bytes, "transfers": self.transfers,
                 "seconds": round(self.seconds, 3),
                 "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
-                "skipped_shards": self.skipped_shards, "attempts": self.attempts, "bytes_sent": self.bytes_sent}
+                "skipped_shards": self.skipped_shards, "attempts": self.attempts, "bytes_sent": self.bytes_sent,
+                "in_place": self.in_place, "deleted": self.deleted,
+                **({} if self.would_send is None else {"would_send": list(self.would_send),
+                                                       "would_delete": list(self.would_delete)})}

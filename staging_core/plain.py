@@ -230,3 +230,14 @@ def _md5_line(line: bytes) -> tuple[bytes, bytes]:
 def shown_names(paths: list[bytes]) -> str:
     shown = ", ".join(os.fsdecode(p) for p in paths[:5])
     return shown + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def with_link_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
+    """``wanted`` plus every member of the hard-link groups it touches (tar links them only together)."""
+    index, chosen = tree.index, set(wanted)
+    groups = {index.link_groups[i] if index.kinds[i] == Kind.HARDLINK else i
+              for i, path in enumerate(index.paths) if path in chosen}
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.HARDLINK and index.link_groups[i] in groups:
+            chosen.update((index.paths[i], index.paths[index.link_groups[i]]))
+    return chosen

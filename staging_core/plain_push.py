@@ -13,7 +13,8 @@ from bundles.tarformat import Kind, member_header
 from bundles.writer import iter_shards
 
 from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differing, hash_local_files,
-                    parse_md5_lines, parse_records, shown_names, unchanged_files)
+                    parse_md5_lines, parse_records, shown_names, unchanged_files,
+                    with_link_groups)
 from .plain_session import FarSession, FrameWriter
 from .streaming import RelaySink, prepare_source
 from .transports.base import Endpoint, Transport
@@ -69,7 +70,7 @@ def _send_round(session: FarSession, tree: SourceTree, route: PlainRoute, wanted
     outcome.rounds += 1
     outcome.files_sent += len(wanted)
     with clock("stream"):
-        sent = _send(session, tree, route, frozenset(_with_groups(tree, wanted)), jobs, progress)
+        sent = _send(session, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress)
     outcome.bytes_sent += sent.bytes
     local_md5.update(sent.md5)
     with clock("check"):
@@ -197,18 +198,6 @@ def _record_md5(index, plan, built, digests: dict[bytes, bytes]) -> list[bytes]:
     for number, path in enumerate(files):
         digests[path] = built.md5s[16 * number:16 * (number + 1)]
     return files + [index.paths[i] for i in shard if index.kinds[i] == Kind.HARDLINK]
-
-
-def _with_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
-    """``wanted`` plus every member of the hard-link groups it touches (tar links them only together)."""
-    index, chosen = tree.index, set(wanted)
-    groups = {index.link_groups[i] if index.kinds[i] == Kind.HARDLINK else i
-              for i, path in enumerate(index.paths) if path in chosen}
-    for i in range(len(index)):
-        if index.kinds[i] == Kind.HARDLINK and index.link_groups[i] in groups:
-            chosen.update((index.paths[i], index.paths[index.link_groups[i]]))
-    return chosen
-
 
 
 def _names_input(paths: list[bytes]) -> bytes:

@@ -45,8 +45,9 @@ def test_auto_bundles_many_tiny_files_and_a_rerun_converges(sshd, tmp_path):
     options = StagingOptions(jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     first = push(src, sshd.url(str(tmp_path / "dest")), options)
     assert first.plan.strategy == "bundle" and first.strategy == "bundle" and first.route == "stream"
-    again = push(src, sshd.url(str(tmp_path / "dest")), options)     # nothing was kept: it all goes again
-    assert again.strategy == "bundle" and again.files == first.files
+    again = push(src, sshd.url(str(tmp_path / "dest")), options)     # DEST already equals the source
+    assert again.route == "already in place" and again.files == 0 and again.in_place == first.files
+    assert again.transfers == 0
     stored = push(src, sshd.url(str(tmp_path / "dest2")), StagingOptions(**{**options.__dict__, "stream": "off"}))
     assert stored.route != "stream"
     for dest in ("dest", "dest2"):

@@ -1,0 +1,158 @@
+"""What a whole-tree push must change at DEST: its tree compared with the source's (type, size, mtime, mode, link)."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import stat
+from dataclasses import dataclass, field
+
+from bundles.errors import DestinationError
+from bundles.safety import safe_mode
+from bundles.scan import SourceTree
+from bundles.state import STATE_DIR
+from bundles.tarformat import Kind
+
+from .plain import FarEntry, FarTree, differing, parse_records, with_link_groups
+from .transports.base import Endpoint, Transport
+
+_KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
+
+
+@dataclass
+class Comparison:
+    """DEST against the source: what to send (source paths, with whole hard-link groups; a directory only
+    when DEST lacks it, as it is sent whole), the directories DEST holds with another mode or mtime, how
+    many source entries DEST already holds as they are, and DEST's entries the source lacks (topmost only)."""
+
+    to_send: list[bytes] = field(default_factory=list)
+    dirs_to_fix: list[int] = field(default_factory=list)
+    in_place: int = 0
+    extra: list[bytes] = field(default_factory=list)
+
+    @property
+    def nothing_to_send(self) -> bool:
+        return not self.to_send
+
+
+def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree) -> Comparison | None:
+    """Compare ``tree`` with the tree at ``endpoint`` (DEST/.pallet left out): None when DEST cannot be listed
+    with its metadata here (only local paths and ssh hosts can), or when it is empty or missing."""
+    entries = dest_entries(transport, endpoint)
+    if not entries:
+        return None
+    index = tree.index
+    changed = set(differing(tree, {}, FarTree(entries), set()))
+    numbers = {path: i for i, path in enumerate(index.paths) if path in changed}
+    dirs_to_fix = [i for path, i in numbers.items() if index.kinds[i] == Kind.DIR and entries.get(path)
+                   and entries[path].kind == "d"]
+    fixed = {index.paths[i] for i in dirs_to_fix}
+    to_send = sorted(with_link_groups(tree, [path for path in changed if path not in fixed]))
+    sources = set(index.paths)
+    extra = [path for path in entries if path not in sources]
+    extra_set = set(extra)
+    topmost = [path for path in extra if os.path.dirname(path) not in extra_set]
+    sending = set(to_send)
+    in_place = sum(1 for i, path in enumerate(index.paths)
+                   if index.kinds[i] in (Kind.FILE, Kind.HARDLINK) and path not in sending)
+    return Comparison(to_send, sorted(dirs_to_fix), in_place, sorted(topmost))
+
+
+def dirs_to_restore(tree: SourceTree, comparison: Comparison, deleted: bool) -> list[int]:
+    """The directories whose mode and mtime a push sets last: those found different, the parents of what
+    was sent (a transport may write through a temporary name beside it), and with ``deleted`` the parents
+    of the entries --delete removed."""
+    parents = {os.path.dirname(path) for path in comparison.to_send}
+    if deleted:
+        parents.update(os.path.dirname(path) for path in comparison.extra)
+    numbers = set(comparison.dirs_to_fix)
+    numbers.update(i for i, path in enumerate(tree.index.paths) if path in parents and tree.index.kinds[i] == Kind.DIR)
+    return sorted(numbers)
+
+
+def fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree, numbers: list[int]) -> None:
+    """Give DEST's directories ``numbers`` (entries of ``tree``) the source's mode and mtime."""
+    index = tree.index
+    if endpoint.is_local:
+        for i in numbers:
+            path = os.path.join(os.fsencode(endpoint.path), index.paths[i])
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, safe_mode(index.modes[i]))
+                os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
+        return
+    lines = []
+    for i in numbers:
+        name = shlex.quote(os.fsdecode(b"./" + index.paths[i]))
+        seconds, nanos = divmod(index.mtimes[i], 1_000_000_000)
+        lines.append(f"if [ -d {name} ] && [ ! -L {name} ]; then chmod {safe_mode(index.modes[i]):o} -- {name} && "
+                     f"touch -m -d @{seconds}.{nanos:09d} -- {name} || exit 1; fi")
+    if lines:
+        script = f"cd -- {shlex.quote(endpoint.path)} || exit 1\n" + "\n".join(lines) + "\n"
+        transport.run(["sh", "-s"], stdin=os.fsencode(script))
+
+
+# $1 DEST: its find records (type, mode, mtime, size, link target, inode, links, path), or INCOMPLETE.
+_LISTING = r"""
+cd -- "$1" 2>/dev/null || exit 0
+if [ -e .pallet/INCOMPLETE ]; then printf INCOMPLETE; exit 0; fi
+find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'
+"""
+
+
+def dest_entries(transport: Transport, endpoint: Endpoint) -> dict[bytes, FarEntry] | None:
+    """DEST's entries (relative paths) with type, mode, mtime, size and link target; None if they cannot be
+    listed this way, or if DEST is marked INCOMPLETE (an interrupted operation resumes from its journal)."""
+    if endpoint.is_local:
+        if os.path.lexists(os.path.join(endpoint.path, STATE_DIR, "INCOMPLETE")):
+            return None
+        return _local_entries(os.fsencode(endpoint.path))
+    if transport.capabilities.remote_exec and endpoint.scheme == "ssh":
+        listed = transport.run(["sh", "-c", _LISTING, "pallet-listing", endpoint.path])
+        return None if listed == b"INCOMPLETE" else parse_records(listed)
+    return None
+
+
+def _local_entries(root: bytes) -> dict[bytes, FarEntry]:
+    entries: dict[bytes, FarEntry] = {}
+    if not os.path.isdir(root):
+        return entries
+    for top, dirs, files in os.walk(root):
+        relative = os.path.relpath(top, root) if top != root else b""
+        if not relative:
+            dirs[:] = [d for d in dirs if d != STATE_DIR.encode()]
+        for name in dirs + files:
+            path = os.path.join(relative, name) if relative else name
+            try:
+                info = os.lstat(os.path.join(root, path))
+            except FileNotFoundError:
+                continue
+            link = os.readlink(os.path.join(root, path)) if stat.S_ISLNK(info.st_mode) else b""
+            entries[path] = FarEntry(_KIND_LETTERS.get(stat.S_IFMT(info.st_mode), "?"), stat.S_IMODE(info.st_mode),
+                                     info.st_mtime_ns, info.st_size, link, info.st_ino, info.st_nlink)
+    return entries
+
+
+def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes]) -> None:
+    """Remove DEST's entries ``extra`` (relative; directories with what they hold), never following a link."""
+    if not extra:
+        return
+    if endpoint.is_local:
+        root = os.fsencode(endpoint.path)
+        for path in extra:
+            _remove_local(os.path.join(root, path))
+        return
+    names = b"".join(b"./" + path + b"\0" for path in extra)
+    transport.run(["sh", "-c", 'cd -- "$1" && xargs -0 -r rm -rf --', "pallet-delete", endpoint.path], stdin=names)
+
+
+def _remove_local(path: bytes) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise DestinationError(f"cannot delete ({exc.strerror})", os.fsdecode(path),
+                               "check its permissions, or push without --delete") from None

@@ -1,0 +1,85 @@
+"""Reruns that repair: a push compares DEST with the source and sends only what differs; --delete, --dry-run."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.conftest import assert_same_tree, run_pallet, snapshot
+
+FILES = 300
+
+
+def _tree(root) -> str:
+    for n in range(FILES):
+        path = os.path.join(root, f"d{n % 3}", f"f{n:03d}.txt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(f"file {n}\n" * (1 + n % 5))
+    return str(root)
+
+
+def _push(where: str, sshd, src: str, dest, *args: str) -> dict:
+    target = str(dest) if where == "local" else sshd.url(str(dest))
+    ssh = [] if where == "local" else ["--remote-python", sys.executable,
+                                       *(f"--ssh-option={o}" for o in sshd.ssh_options)]
+    done = run_pallet("push", "--json", "--quiet", *ssh, *args, src, target)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _damage(dest) -> None:
+    """Delete one file, rewrite one in place with the same size, one with another size; plant an extra."""
+    os.unlink(dest / "d0" / "f000.txt")
+    (dest / "d1" / "f001.txt").write_text("FILE 1\n" * 2)
+    os.utime(dest / "d1" / "f001.txt", ns=(1, 1))
+    (dest / "d2" / "f002.txt").write_text("shorter\n")
+    (dest / "d2" / "extra.txt").write_text("not in the source\n")
+
+
+@pytest.mark.parametrize("where,strategy", [("local", "bundle"), ("local", "individual"), ("ssh", "bundle"),
+                                            ("ssh", "individual")])
+def test_a_rerun_sends_only_the_damaged_files_and_delete_converges(sshd, tmp_path, where, strategy):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    first = _push(where, sshd, src, dest, "--strategy", strategy)
+    assert first["files"] == FILES and first["in_place"] == 0
+    _damage(dest)
+    repaired = _push(where, sshd, src, dest, "--strategy", strategy)
+    assert (repaired["files"], repaired["in_place"]) == (3, FILES - 3), repaired
+    assert (dest / "d2" / "extra.txt").exists(), "without --delete an extra entry is kept"
+    os.unlink(dest / "d2" / "extra.txt")
+    os.utime(dest / "d2", ns=(os.stat(os.path.join(src, "d2")).st_mtime_ns,) * 2)
+    assert_same_tree(src, dest)
+    (dest / "d2" / "extra.txt").write_text("again\n")
+    os.makedirs(dest / "gone" / "deep")
+    deleted = _push(where, sshd, src, dest, "--strategy", strategy, "--delete")
+    assert deleted["deleted"] == 2 and deleted["files"] == 0 and deleted["transfers"] == 0, deleted
+    assert_same_tree(src, dest)
+    again = _push(where, sshd, src, dest, "--strategy", strategy, "--delete")
+    assert (again["files"], again["in_place"], again["deleted"], again["transfers"]) == (0, FILES, 0, 0)
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_dry_run_lists_what_would_change_and_changes_nothing(sshd, tmp_path, where):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    _push(where, sshd, src, dest)
+    _damage(dest)
+    before = snapshot(dest)
+    planned = _push(where, sshd, src, dest, "--dry-run", "--delete")
+    assert snapshot(dest) == before
+    assert {"d0/f000.txt", "d1/f001.txt", "d2/f002.txt"} <= set(planned["would_send"])
+    assert planned["would_delete"] == ["d2/extra.txt"] and planned["in_place"] == FILES - 3
+    fresh = _push(where, sshd, src, tmp_path / "nowhere", "--dry-run")
+    assert len(fresh["would_send"]) == FILES + 3 and not (tmp_path / "nowhere").exists()
+
+
+def test_the_summary_line_says_what_moved(tmp_path):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    run_pallet("push", "--quiet", src, str(dest), check=True)
+    os.unlink(dest / "d0" / "f000.txt")
+    line = run_pallet("push", "--quiet", src, str(dest), check=True).stdout
+    assert "pushed 1 files" in line and f"{FILES - 1} files already in place" in line
+    line = run_pallet("push", "--quiet", src, str(dest), check=True).stdout
+    assert f"pushed nothing: all {FILES} files already in place" in line
