@@ -135,27 +135,23 @@ class FarSession:
         """End the session, waiting for the far side to exit; raise if it failed before finishing."""
         if self.far.returncode is not None:
             return
-        try:
-            self.far.stdin.close()
-        except OSError:
-            pass
-        code = self.far.wait()
-        self._drain.join()
+        code = self._ended()
         self.far.stdout.close()
         if code not in (0, 9):
             raise self._failure(code)
 
     def _send(self, data: bytes) -> None:
+        self._to_far_side(self.far.stdin.write, data)
+
+    def _to_far_side(self, operation, *args) -> None:
+        """Write to (or flush) the session's input; a far side that has gone raises what its status says."""
         try:
-            self.far.stdin.write(data)
+            operation(*args)
         except (BrokenPipeError, ConnectionResetError):
             raise self._failure(self._ended()) from None
 
     def _reply(self) -> bytes:
-        try:
-            self.far.stdin.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            raise self._failure(self._ended()) from None
+        self._to_far_side(self.far.stdin.flush)
         line = self.far.stdout.readline()
         body = self.far.stdout.read(int(line)) if line.strip().isdigit() else b""
         if not line.strip().isdigit() or len(body) != int(line):
@@ -163,6 +159,7 @@ class FarSession:
         return body
 
     def _ended(self) -> int:
+        """Close the session's input and wait for the far side: its exit status."""
         try:
             self.far.stdin.close()
         except OSError:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import stat
 from dataclasses import dataclass, field
 
 from bundles.errors import DestinationError
 from bundles.safety import safe_mode
 from bundles.scan import SourceTree
-from bundles.state import STATE_DIR
+from bundles.state import STATE_DIR, remove_path
 from bundles.tarformat import Kind
 
 from .plain import FarEntry, FarTree, differing, parse_records, with_link_groups
@@ -147,12 +146,7 @@ def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes]) -
 
 def _remove_local(path: bytes) -> None:
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+        remove_path(path)
     except OSError as exc:
         raise DestinationError(f"cannot delete ({exc.strerror})", os.fsdecode(path),
                                "check its permissions, or push without --delete") from None

@@ -90,16 +90,22 @@ def _journal(dest, bundle) -> Journal:
         return Journal.for_destination(str(dest), opened.index), opened.index
 
 
-@needs_mpi
-def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
+def _start_unpack(tmp_path, output=subprocess.PIPE):
+    """12,000 tiny files packed in 32 KiB shards, and `mpirun -np 2 ... mpi_stager unpack` of them started:
+    (src, bundle, dest, journal, index, job)."""
     src = make_tiny_files(tmp_path / "src", 12000, per_dir=200)
     bundle = str(tmp_path / "b.tar.zst")
     pack(src, bundle, PackOptions(shard_size=32 * 1024, jobs=2))
     dest = tmp_path / "dest"
     journal, index = _journal(dest, bundle)
     job = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", *python_module("mpi_stager"), "unpack",
-                            bundle, str(dest)], env=MPI_ENV, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            bundle, str(dest)], env=MPI_ENV, stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    return src, bundle, dest, journal, index, job
+
+
+@needs_mpi
+def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
+    src, bundle, dest, journal, index, job = _start_unpack(tmp_path)
     killed = _kill_one_rank_after(job, journal, index, records=5)
     job.communicate(timeout=60)
     assert killed, "the unpack finished before a rank could be killed"
@@ -118,14 +124,7 @@ def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
 
 @needs_mpi
 def test_ranks_die_with_a_killed_mpirun_and_a_rerun_converges(tmp_path):
-    src = make_tiny_files(tmp_path / "src", 12000, per_dir=200)
-    bundle = str(tmp_path / "b.tar.zst")
-    pack(src, bundle, PackOptions(shard_size=32 * 1024, jobs=2))
-    dest = tmp_path / "dest"
-    journal, index = _journal(dest, bundle)
-    job = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", *python_module("mpi_stager"), "unpack",
-                            bundle, str(dest)], env=MPI_ENV, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    src, bundle, dest, journal, index, job = _start_unpack(tmp_path, subprocess.DEVNULL)
     ranks: list[int] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and job.poll() is None and not ranks:
