@@ -209,14 +209,32 @@ class Index:
         if version != FORMAT_VERSION:
             raise BundleError(f"index format {version} is not supported (this pallet reads {FORMAT_VERSION})",
                               source, "upgrade pallet, or repack the data with this version")
-        header = json.loads(blob[_HEAD.size:_HEAD.size + header_len])
-        index = cls(header["codec"], header["level"], header["shard_size"])
-        index.shards = [Shard(n, s["offset"], s["length"], s["raw_size"], s["first_entry"],
-                              s["entry_count"], s["file_bytes"], bytes.fromhex(s["hash"]))
-                        for n, s in enumerate(header["shards"])]
-        index.load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE], [name for name, _ in ENTRY_COLUMNS],
-                           header["entries"], source)
+        try:
+            index, entries = cls._from_header(json.loads(blob[_HEAD.size:_HEAD.size + header_len]))
+            index.load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE],
+                               [name for name, _ in ENTRY_COLUMNS], entries, source)
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as exc:
+            raise CorruptBundleError(f"index is damaged (its header or columns are not valid: {exc})", source,
+                                     _REPACK_HINT) from None
         return index
+
+    @classmethod
+    def _from_header(cls, header) -> tuple["Index", int]:
+        """An empty Index with the shards a decoded JSON header lists, and its entry count; ValueError,
+        KeyError or TypeError when a field is missing or of the wrong type."""
+        if not isinstance(header, dict) or not isinstance(header["shards"], list):
+            raise TypeError("the header is not an object with a list of shards")
+        numbers = ("level", "shard_size", "entries")
+        if not isinstance(header["codec"], str) or not all(_natural(header[key]) for key in numbers):
+            raise ValueError("codec, level, shard_size or entries is not valid")
+        index = cls(header["codec"], header["level"], header["shard_size"])
+        fields = ("offset", "length", "raw_size", "first_entry", "entry_count", "file_bytes")
+        for n, shard in enumerate(header["shards"]):
+            if not isinstance(shard, dict) or not all(_natural(shard[key]) for key in fields) \
+                    or not isinstance(shard["hash"], str):
+                raise ValueError(f"shard {n} is not valid")
+            index.shards.append(Shard(n, *(shard[key] for key in fields), bytes.fromhex(shard["hash"])))
+        return index, header["entries"]
 
     def load_columns(self, view: memoryview, names: list[str], count: int, source: str | None) -> int:
         """Decode the named columns (as :meth:`column_parts` wrote them) of ``count`` entries from ``view``.
@@ -261,3 +279,8 @@ def little_endian(values: array) -> array:
     swapped = array(values.typecode, values)
     swapped.byteswap()
     return swapped
+
+
+def _natural(value) -> bool:
+    """True for a non-negative int that fits 64 bits (JSON's booleans are not numbers here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
