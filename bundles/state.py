@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from .errors import DestinationError, DestinationLocked
-from .extract import create_file
+from .extract import create_file, destination_error
 from .reserved import STATE_DIR
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
@@ -85,8 +85,11 @@ def mark_incomplete(dest: str, text: str) -> str:
     """
     ensure_state_dir(dest)
     marker = state_path(dest, INCOMPLETE)
-    with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
-        handle.write(text if text.endswith("\n") else text + "\n")
+    try:
+        with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+    except OSError as exc:
+        raise destination_error(exc, os.fsencode(marker)) from None
     return marker
 
 

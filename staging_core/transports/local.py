@@ -1,6 +1,7 @@
 """The local transport: copies on this host, preserving mode, mtime and symlinks."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -37,7 +38,7 @@ class LocalTransport(Transport):
                 self._copy_one(os.path.join(source, item), os.path.join(target, item), made, directories)
                 result.done.append(item)
             except OSError as exc:
-                result.failed[item] = classify(f"{exc.strerror}", exc.errno, None, os.path.join(source, item),
+                result.failed[item] = classify(f"{exc.strerror}", exc.errno, None, _failed_path(exc, target, item),
                                                "copy failed")
         for path, st in sorted(directories, key=lambda pair: pair[0].count(os.sep), reverse=True):
             os.chmod(path, stat.S_IMODE(st.st_mode))
@@ -106,3 +107,11 @@ def _entry(rel: str, full: str) -> RemoteEntry:
     kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
     link = os.readlink(full) if kind == "l" else ""
     return RemoteEntry(rel, kind, st.st_size if kind == "f" else 0, stat.S_IMODE(st.st_mode), st.st_mtime_ns, link)
+
+
+def _failed_path(exc: OSError, target: str, item: str) -> str:
+    """The path a failed copy names: the destination when its file system is full or read-only (shutil puts the
+    source in ``filename`` and the destination in ``filename2``), else the path the error carries."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return os.fsdecode(exc.filename2) if exc.filename2 else os.path.join(target, item)
+    return os.fsdecode(exc.filename) if exc.filename else os.path.join(target, item)
