@@ -161,6 +161,10 @@ def _add_pull(commands) -> None:
                    help="a remote directory (or a local path), or a bundle whose .pidx sits beside it")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
     _staging_options(p)
+    p.add_argument("--delete", action="store_true",
+                   help="remove what DEST holds that the source lacks (ssh and local sources); without it such "
+                        "entries are kept. A rerun always fetches only what differs (type, size, mtime, mode, "
+                        "link target)")
     p.add_argument("--pack-via", metavar="SSH_URL",
                    help="ssh://[user@]host[:port] of a node that mounts the source's file system under the same "
                         "paths; mpi_stager packs there into a temporary directory beside the source")

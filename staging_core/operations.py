@@ -28,7 +28,8 @@ from .plain_pull import pull_plain
 from .planner import Plan, plan
 from .probe import far_side_options
 from .profiles import load_profile
-from .repair import Comparison, compare_with_dest, delete_extra, dirs_to_restore, fix_directories
+from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dirs_to_restore,
+                     finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
@@ -181,12 +182,16 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     check_route_options(options, Direction.PULL)
     endpoint = parse_url(src_url)
     local = Endpoint("file", os.path.abspath(dest))
+    whole, comparison = items is None, None
     with _open(endpoint, options) as transport:
         options, far = far_side_options(transport, endpoint, options)
         with closing(pack_route(endpoint, transport, options, far)) as route:
             if isinstance(route, PublishedBundle):
                 inventory, chosen = route.inventory()
             else:
+                comparison = _pull_comparison(transport, endpoint, route, local.path) if whole else None
+                if comparison is not None:
+                    items, sizes = comparison.to_fetch, comparison.sizes
                 inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
                              else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
                 chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
@@ -194,13 +199,26 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             strategy = _strategy(chosen, options, route, endpoint)
             strategy = "bundle" if strategy == "hybrid" else strategy
             _prepare_local_dest(dest)
-            with DestinationLock(local, open_transport(local), wait=items is not None):
-                run, attempts = _with_retries(
-                    lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
-                                       progress or NoProgress(), items), options.retries)
-                if items is None:
+            with DestinationLock(local, open_transport(local), wait=not whole):
+                if comparison is not None and not comparison.to_fetch:
+                    run, attempts = _Run(route="already in place"), 0
+                else:
+                    run, attempts = _with_retries(
+                        lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
+                                           progress or NoProgress(), items), options.retries)
+                deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
+                if whole:
                     remove_state(local.path)
-    return _result(local.path, chosen, strategy, inventory, run, attempts, started)
+    return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started),
+                   in_place=comparison.in_place if comparison else 0, deleted=deleted)
+
+
+def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str) -> PullComparison | None:
+    """The local DEST compared with the source's listing, where a pull compares: ssh and local sources (their
+    listings carry exact mtimes), not through the plain-tools route (which lists and hashes itself)."""
+    if endpoint.scheme not in ("ssh", "file") or isinstance(route, PlainRoute) or not os.path.isdir(dest):
+        return None
+    return compare_with_local(transport.list(endpoint.path), dest)
 
 
 def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None) -> None:

@@ -13,7 +13,7 @@ from bundles.state import STATE_DIR, remove_path
 from bundles.tarformat import Kind
 
 from .plain import FarEntry, FarTree, differing, parse_records, with_link_groups
-from .transports.base import Endpoint, Transport
+from .transports.base import Endpoint, RemoteEntry, Transport
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
 
@@ -150,3 +150,76 @@ def _remove_local(path: bytes) -> None:
     except OSError as exc:
         raise DestinationError(f"cannot delete ({exc.strerror})", os.fsdecode(path),
                                "check its permissions, or push without --delete") from None
+
+
+@dataclass
+class PullComparison:
+    """A local DEST against a pull's source listing: the files and links to fetch (with their sizes), the
+    source's directories DEST lacks or holds with another mode or mtime, the files already in place, and
+    DEST's entries the source lacks (topmost only)."""
+
+    to_fetch: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    dirs_to_fix: list[RemoteEntry] = field(default_factory=list)
+    in_place: int = 0
+    extra: list[bytes] = field(default_factory=list)
+    source_dirs: dict[bytes, RemoteEntry] = field(default_factory=dict)
+
+
+def compare_with_local(listed: list[RemoteEntry], dest: str) -> PullComparison | None:
+    """Compare a pull source's listing with the local ``dest``: None when DEST is missing, empty or marked
+    INCOMPLETE (an interrupted pull resumes from its journal)."""
+    if os.path.lexists(os.path.join(dest, STATE_DIR, "INCOMPLETE")):
+        return None
+    local = _local_entries(os.fsencode(dest))
+    if not local:
+        return None
+    found = PullComparison()
+    for entry in listed:
+        here = local.get(os.fsencode(entry.path))
+        if entry.kind == "d":
+            found.source_dirs[os.fsencode(entry.path)] = entry
+            if here is None or here.kind != "d" or (here.mode, here.mtime_ns) != (entry.mode & 0o7777,
+                                                                                  entry.mtime_ns):
+                found.dirs_to_fix.append(entry)
+        elif here is not None and here.kind == entry.kind and _same_entry(here, entry):
+            found.in_place += entry.kind == "f"
+        else:
+            found.to_fetch.append(entry.path)
+            found.sizes.append(entry.size if entry.kind == "f" else 0)
+    sources = {os.fsencode(entry.path) for entry in listed}
+    extra = {path for path in local if path not in sources}
+    found.extra = sorted(path for path in extra if os.path.dirname(path) not in extra)
+    return found
+
+
+def _same_entry(here: FarEntry, there: RemoteEntry) -> bool:
+    if there.kind == "l":
+        return here.target == os.fsencode(there.link)
+    return (here.size, here.mtime_ns, here.mode) == (there.size, there.mtime_ns, there.mode & 0o7777)
+
+
+def finish_local_pull(dest: str, comparison: PullComparison, delete: bool) -> int:
+    """After a repairing pull into ``dest``: with ``delete`` remove the extras, then make the directories the
+    source has (missing ones too) with its modes and mtimes, parents of what changed included; the number
+    of entries deleted."""
+    root = os.fsencode(dest)
+    if delete:
+        for path in comparison.extra:
+            _remove_local(os.path.join(root, path))
+    for entry in comparison.dirs_to_fix:
+        path = os.path.join(root, os.fsencode(entry.path))
+        if not os.path.isdir(path) or os.path.islink(path):
+            _remove_local(path)
+            os.makedirs(path, exist_ok=True)
+    touched = {os.path.dirname(os.fsencode(p)) for p in comparison.to_fetch}
+    if delete:
+        touched.update(os.path.dirname(p) for p in comparison.extra)
+    touched.update(os.fsencode(entry.path) for entry in comparison.dirs_to_fix)
+    for path in sorted(touched, key=len, reverse=True):
+        entry = comparison.source_dirs.get(path)
+        target = os.path.join(root, path) if path else root
+        if entry is not None and os.path.isdir(target) and not os.path.islink(target):
+            os.chmod(target, safe_mode(entry.mode))
+            os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
+    return len(comparison.extra) if delete else 0

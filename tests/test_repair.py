@@ -83,3 +83,29 @@ def test_the_summary_line_says_what_moved(tmp_path):
     assert "pushed 1 files" in line and f"{FILES - 1} files already in place" in line
     line = run_pallet("push", "--quiet", src, str(dest), check=True).stdout
     assert f"pushed nothing: all {FILES} files already in place" in line
+
+
+def _pull(where: str, sshd, src: str, dest, *args: str) -> dict:
+    source = src if where == "local" else sshd.url(src)
+    ssh = [] if where == "local" else ["--remote-python", sys.executable,
+                                       *(f"--ssh-option={o}" for o in sshd.ssh_options)]
+    done = run_pallet("pull", "--json", "--quiet", *ssh, *args, source, str(dest))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("where,strategy", [("local", "bundle"), ("ssh", "bundle"), ("ssh", "individual")])
+def test_a_pull_rerun_fetches_only_the_damaged_files_and_delete_converges(sshd, tmp_path, where, strategy):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    first = _pull(where, sshd, src, dest, "--strategy", strategy)
+    assert first["files"] == FILES and first["in_place"] == 0
+    _damage(dest)
+    os.makedirs(dest / "gone" / "deep")
+    repaired = _pull(where, sshd, src, dest, "--strategy", strategy)
+    assert (repaired["files"], repaired["in_place"]) == (3, FILES - 3), repaired
+    assert (dest / "d2" / "extra.txt").exists() and (dest / "gone").exists()
+    deleted = _pull(where, sshd, src, dest, "--strategy", strategy, "--delete")
+    assert (deleted["files"], deleted["deleted"], deleted["transfers"]) == (0, 2, 0), deleted
+    assert_same_tree(src, dest)
+    again = _pull(where, sshd, src, dest, "--strategy", strategy)
+    assert (again["files"], again["in_place"], again["transfers"]) == (0, FILES, 0), again
