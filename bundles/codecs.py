@@ -17,6 +17,7 @@ from .errors import BundleError, UsageError
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
+_ONE_STEP_LIMIT = 256 << 20   # a zstd shard declaring at most this is decoded in one step; larger, in _CHUNK pieces
 _DAMAGED_HINT = "the archive is damaged or incomplete: transfer it again, or repack the source"
 
 
@@ -62,15 +63,19 @@ class Codec:
         try:
             if self.name == "zstd":
                 declared = zstandard.frame_content_size(data)      # -1: the header does not say
-                if declared not in (-1, raw_size):                 # it would be allocated up front
+                if declared not in (-1, raw_size):
                     raise self.damaged(f"shard frame declares {declared} bytes, index says {raw_size}")
-                result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+                result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size) \
+                    if declared == raw_size <= _ONE_STEP_LIMIT else _unzstd_bounded(data, raw_size)
             elif self.name == "gzip":
                 result = _gunzip_bounded(data, raw_size)
             else:
                 result = data
         except (zstandard.ZstdError, zlib.error) as exc:
             raise self.damaged(f"cannot decompress {self.name} shard: {exc}") from exc
+        except MemoryError:
+            raise self.damaged(f"a shard the index says holds {raw_size} bytes does not fit in this process's "
+                               "memory") from None
         if len(result) != raw_size:
             raise self.damaged(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
         return result
@@ -188,6 +193,20 @@ class _ZstdReader:
             return self._reader.read(size)
         except zstandard.ZstdError as exc:
             raise self._codec.damaged(f"corrupt zstd data: {exc}") from exc
+
+
+def _unzstd_bounded(data: bytes, limit: int) -> bytes:
+    """The zstd frame(s) in ``data`` decompressed in 1 MiB pieces, never more than ``limit`` + 1 bytes: memory
+    follows what the data really holds, never the size a header or the index claims."""
+    parts, total = [], 0
+    with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True) as reader:
+        while total <= limit:
+            piece = reader.read(min(_CHUNK, limit + 1 - total))
+            if not piece:
+                break
+            parts.append(piece)
+            total += len(piece)
+    return b"".join(parts)
 
 
 def _gunzip_bounded(data: bytes, limit: int) -> bytes:
