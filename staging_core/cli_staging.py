@@ -118,7 +118,9 @@ def _add_push(commands) -> None:
                                    "data/ gsiftp://gridftp.hpc/scratch/me/data\n"
                                    "  pallet push --unpack-via ssh://login.hpc --unpack-job slurm --ranks 16 "
                                    "--job-option=--partition=io data/ gsiftp://gridftp.hpc/scratch/me/data\n"
-                                   "  pallet push --keep-packed data/ globus://ENDPOINT-UUID/scratch/me/data\n\n"
+                                   "  pallet push --keep-packed data/ globus://ENDPOINT-UUID/scratch/me/data\n"
+                                   "  pallet push --dry-run --delete data/ ssh://login.hpc/scratch/me/data   "
+                                   "(what a mirror would change)\n\n"
                                    + _STAGING_EPILOG)
     p.add_argument("src", metavar="SRC")
     p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
