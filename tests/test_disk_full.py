@@ -1,5 +1,6 @@
-"""A destination file system that fills up: a clear error and exit status, nothing lost, and a rerun converges
-once there is room. The file system is a small tmpfs the test mounts (root only) and grows afterwards."""
+"""A destination file system that fills up, or is read-only: a clear error and exit status, nothing lost, and a
+rerun converges once there is room. The file system is a small tmpfs the test mounts (root only), grows and
+remounts read-only."""
 from __future__ import annotations
 
 import os
@@ -101,3 +102,33 @@ def test_ssh_push_into_a_full_far_side_then_a_rerun_converges(sshd, source, smal
     grow(small_fs)
     run_pallet("push", "--quiet", "--strategy", "bundle", *flags, source, sshd.url(str(dest)), check=True)
     assert_same_tree(source, dest)
+
+
+@pytest.fixture
+def read_only_fs(small_fs):
+    """The small tmpfs, grown, holding an empty directory ``dest``, then remounted read-only."""
+    grow(small_fs)
+    (small_fs / "dest").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    try:
+        yield small_fs
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+
+
+def _refused_read_only(done: subprocess.CompletedProcess, path) -> None:
+    assert done.returncode in (1, 3), done.stderr
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+    assert any(word in done.stderr.lower() for word in ("read-only", "permission", "not writable")), done.stderr
+    assert str(path) in done.stderr, done.stderr
+
+
+def test_a_read_only_destination_is_refused_in_one_line(tmp_path, source, read_only_fs):
+    dest = read_only_fs / "dest"
+    bundle = tmp_path / "b.tar.zst"
+    run_pallet("pack", "--quiet", source, str(bundle), check=True)
+    _refused_read_only(run_pallet("unpack", "--quiet", str(bundle), str(dest)), dest)
+    for strategy in ("bundle", "individual"):
+        _refused_read_only(run_pallet("push", "--quiet", "--strategy", strategy, source, str(dest)), dest)
+    _refused_read_only(run_pallet("pack", "--quiet", source, str(read_only_fs / "b.tar.zst")), read_only_fs)
+    assert os.listdir(dest) == []
