@@ -205,6 +205,9 @@ def _staging_options(p: argparse.ArgumentParser) -> None:
                        help="always show per-stage progress (default: only on a terminal)")
     group.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
     p.add_argument("--json", action="store_true", help="print a summary as JSON")
+    p.add_argument("--checksum", "-c", action="store_true",
+                   help="when DEST already holds files, compare those whose size, mtime and mode match by md5 "
+                        "too (both sides are read; md5sum runs at an ssh far side)")
     p.set_defaults(run=_run_staging)
 
 
@@ -219,7 +222,8 @@ def staging_options(args) -> StagingOptions:
         stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
         job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
         pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress,
-        reprobe=args.reprobe, delete=getattr(args, "delete", False), dry_run=getattr(args, "dry_run", False))
+        reprobe=args.reprobe, delete=getattr(args, "delete", False), dry_run=getattr(args, "dry_run", False),
+        checksum=args.checksum)
 
 
 def _run_staging(args) -> int:

@@ -28,8 +28,8 @@ from .plain_pull import pull_plain
 from .planner import Plan, plan
 from .probe import far_side_options
 from .profiles import load_profile
-from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dirs_to_restore,
-                     finish_local_pull, fix_directories)
+from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dest_md5,
+                     dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
@@ -116,6 +116,8 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     if comparison is not None and comparison.nothing_to_send:
         run, attempts, inventory = _Run(route="already in place"), 0, Inventory(src, [], options.large_file_bytes)
     else:
+        if comparison is not None:
+            delete_extra(transport, endpoint, comparison.stale)
         run, attempts = _with_retries(
             lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
                                progress or NoProgress(), include), options.retries)
@@ -134,7 +136,7 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
 def _dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
     """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
     with _open(endpoint, options) as transport:
-        comparison = compare_with_dest(transport, endpoint, tree)
+        comparison = compare_with_dest(transport, endpoint, tree, options.checksum)
     if comparison is None:
         comparison = Comparison(to_send=list(tree.index.paths))
     index = tree.index
@@ -156,7 +158,7 @@ def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, rout
     DEST itself, nor for --keep-packed)."""
     if options.keep_packed or isinstance(route, PlainRoute):
         return None
-    return compare_with_dest(transport, endpoint, tree)
+    return compare_with_dest(transport, endpoint, tree, options.checksum)
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
@@ -189,7 +191,8 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             if isinstance(route, PublishedBundle):
                 inventory, chosen = route.inventory()
             else:
-                comparison = _pull_comparison(transport, endpoint, route, local.path) if whole else None
+                comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
+                    if whole else None
                 if comparison is not None:
                     items, sizes = comparison.to_fetch, comparison.sizes
                 inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
@@ -213,12 +216,14 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
                    in_place=comparison.in_place if comparison else 0, deleted=deleted)
 
 
-def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str) -> PullComparison | None:
+def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
+                     checksum: bool) -> PullComparison | None:
     """The local DEST compared with the source's listing, where a pull compares: ssh and local sources (their
     listings carry exact mtimes), not through the plain-tools route (which lists and hashes itself)."""
     if endpoint.scheme not in ("ssh", "file") or isinstance(route, PlainRoute) or not os.path.isdir(dest):
         return None
-    return compare_with_local(transport.list(endpoint.path), dest)
+    hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if checksum else None
+    return compare_with_local(transport.list(endpoint.path), dest, hashes)
 
 
 def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None) -> None:

@@ -36,6 +36,7 @@ class StagingOptions:
     reprobe       probe an ssh far side again instead of using its cached findings (staging_core.probe).
     delete        after a whole-tree push, remove what DEST holds that the source lacks.
     dry_run       push: list what would be sent (and deleted), change nothing.
+    checksum      when comparing with DEST, also compare by md5 the files whose size, mtime and mode match.
     """
 
     strategy: str = "auto"
@@ -60,6 +61,7 @@ class StagingOptions:
     reprobe: bool = False
     delete: bool = False
     dry_run: bool = False
+    checksum: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from bundles.scan import SourceTree
 from bundles.state import STATE_DIR, remove_path
 from bundles.tarformat import Kind
 
-from .plain import FarEntry, FarTree, differing, parse_records, with_link_groups
+from .plain import (FarEntry, FarTree, differing, far_tree, hash_local_files, md5_of, parse_records,
+                    unchanged_files, with_link_groups)
 from .transports.base import Endpoint, RemoteEntry, Transport
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
@@ -28,20 +29,30 @@ class Comparison:
     dirs_to_fix: list[int] = field(default_factory=list)
     in_place: int = 0
     extra: list[bytes] = field(default_factory=list)
+    stale: list[bytes] = field(default_factory=list)    # same size, mtime and mode, other content: removed first
 
     @property
     def nothing_to_send(self) -> bool:
         return not self.to_send
 
 
-def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree) -> Comparison | None:
+def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree,
+                      checksum: bool = False) -> Comparison | None:
     """Compare ``tree`` with the tree at ``endpoint`` (DEST/.pallet left out): None when DEST cannot be listed
-    with its metadata here (only local paths and ssh hosts can), or when it is empty or missing."""
+    with its metadata here (only local paths and ssh hosts can), or when it is empty or missing. With
+    ``checksum`` the files whose metadata match are compared by md5 too (md5sum there over ssh); those that
+    differ are ``stale``: removed before they are sent again, since a transport that skips files whose size
+    and mtime match would skip them."""
     entries = dest_entries(transport, endpoint)
     if not entries:
         return None
-    index = tree.index
-    changed = set(differing(tree, {}, FarTree(entries), set()))
+    index, far = tree.index, FarTree(entries)
+    same = unchanged_files(tree, far) if checksum else []
+    if same:
+        far.md5 = dest_md5(transport, endpoint, same)
+    local_md5 = hash_local_files(tree, 0, set(same)) if same else {}
+    stale = sorted(path for path in same if far.md5.get(path) != local_md5.get(path))
+    changed = set(differing(tree, local_md5, far, set(same)))
     numbers = {path: i for i, path in enumerate(index.paths) if path in changed}
     dirs_to_fix = [i for path, i in numbers.items() if index.kinds[i] == Kind.DIR and entries.get(path)
                    and entries[path].kind == "d"]
@@ -54,7 +65,7 @@ def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree
     sending = set(to_send)
     in_place = sum(1 for i, path in enumerate(index.paths)
                    if index.kinds[i] in (Kind.FILE, Kind.HARDLINK) and path not in sending)
-    return Comparison(to_send, sorted(dirs_to_fix), in_place, sorted(topmost))
+    return Comparison(to_send, sorted(dirs_to_fix), in_place, sorted(topmost), stale)
 
 
 def dirs_to_restore(tree: SourceTree, comparison: Comparison, deleted: bool) -> list[int]:
@@ -88,6 +99,14 @@ def fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree, 
     if lines:
         script = f"cd -- {shlex.quote(endpoint.path)} || exit 1\n" + "\n".join(lines) + "\n"
         transport.run(["sh", "-s"], stdin=os.fsencode(script))
+
+
+def dest_md5(transport: Transport, endpoint: Endpoint, paths: list[bytes]) -> dict[bytes, bytes]:
+    """md5 of the files ``paths`` (relative) under ``endpoint``: hashed here when it is local, by md5sum
+    over ssh."""
+    if endpoint.is_local:
+        return md5_of(os.fsencode(endpoint.path), paths, 0)
+    return far_tree(transport, endpoint.path, paths).md5
 
 
 # $1 DEST: its find records (type, mode, mtime, size, link target, inode, links, path), or INCOMPLETE.
@@ -166,9 +185,11 @@ class PullComparison:
     source_dirs: dict[bytes, RemoteEntry] = field(default_factory=dict)
 
 
-def compare_with_local(listed: list[RemoteEntry], dest: str) -> PullComparison | None:
+def compare_with_local(listed: list[RemoteEntry], dest: str,
+                       source_md5=None) -> PullComparison | None:
     """Compare a pull source's listing with the local ``dest``: None when DEST is missing, empty or marked
-    INCOMPLETE (an interrupted pull resumes from its journal)."""
+    INCOMPLETE (an interrupted pull resumes from its journal). With ``source_md5`` (relative paths -> md5
+    of those files at the source) the files whose metadata match are compared by md5 too."""
     if os.path.lexists(os.path.join(dest, STATE_DIR, "INCOMPLETE")):
         return None
     local = _local_entries(os.fsencode(dest))
@@ -187,10 +208,27 @@ def compare_with_local(listed: list[RemoteEntry], dest: str) -> PullComparison |
         else:
             found.to_fetch.append(entry.path)
             found.sizes.append(entry.size if entry.kind == "f" else 0)
+    if source_md5 is not None:
+        _fetch_differing_content(found, listed, dest, source_md5)
     sources = {os.fsencode(entry.path) for entry in listed}
     extra = {path for path in local if path not in sources}
     found.extra = sorted(path for path in extra if os.path.dirname(path) not in extra)
     return found
+
+
+def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], dest: str, source_md5) -> None:
+    """Move the files in place whose md5 here differs from the source's to ``found.to_fetch``."""
+    fetching = set(found.to_fetch)
+    files = [entry for entry in listed if entry.kind == "f" and entry.path not in fetching]
+    there = source_md5([os.fsencode(entry.path) for entry in files])
+    here = md5_of(os.fsencode(dest), [os.fsencode(entry.path) for entry in files], 0)
+    for entry in files:
+        name = os.fsencode(entry.path)
+        if there.get(name) != here.get(name):
+            _remove_local(os.path.join(os.fsencode(dest), name))      # or a fetch skipping equal metadata skips it
+            found.to_fetch.append(entry.path)
+            found.sizes.append(entry.size)
+            found.in_place -= 1
 
 
 def _same_entry(here: FarEntry, there: RemoteEntry) -> bool:

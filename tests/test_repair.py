@@ -109,3 +109,29 @@ def test_a_pull_rerun_fetches_only_the_damaged_files_and_delete_converges(sshd, 
     assert_same_tree(src, dest)
     again = _pull(where, sshd, src, dest, "--strategy", strategy)
     assert (again["files"], again["in_place"], again["transfers"]) == (0, FILES, 0), again
+
+
+def _sneaky_edit(path) -> None:
+    """Change a file's bytes but keep its size and mtime: only a content comparison can see it."""
+    before = os.stat(path)
+    data = path.read_bytes()
+    path.write_bytes(data[::-1] if data[::-1] != data else data.upper())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_checksum_finds_a_change_that_kept_size_and_mtime(sshd, tmp_path, where):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    _push(where, sshd, src, dest)
+    _sneaky_edit(dest / "d1" / "f004.txt")
+    quick = _push(where, sshd, src, dest)
+    assert (quick["files"], quick["in_place"]) == (0, FILES), "size+mtime cannot see it"
+    checked = _push(where, sshd, src, dest, "--checksum")
+    assert (checked["files"], checked["in_place"]) == (1, FILES - 1), checked
+    assert_same_tree(src, dest)
+    pulled = tmp_path / "pulled"
+    _pull(where, sshd, src, pulled)
+    _sneaky_edit(pulled / "d2" / "f005.txt")
+    again = _pull(where, sshd, src, pulled, "--checksum")
+    assert (again["files"], again["in_place"]) == (1, FILES - 1), again
+    assert_same_tree(src, pulled)
