@@ -49,6 +49,16 @@ def nasty_tree(tmp_path) -> str:
     return make_nasty_tree(str(tmp_path / "src"))
 
 
+def make_files(root, count: int, dirs: int, content) -> str:
+    """``count`` files ``d<k>/f<n>`` spread over ``dirs`` directories under ``root``, each holding
+    ``content(n)`` (bytes); returns ``root`` as a string."""
+    for n in range(count):
+        path = Path(root) / f"d{n % dirs}" / f"f{n:05d}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content(n))
+    return str(root)
+
+
 def run_pallet(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """Run the installed `pallet` command in a user's environment (``env`` adds to it)."""
     env = user_env(**kwargs.pop("env", {}))

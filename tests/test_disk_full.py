@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import assert_same_tree, run_pallet
+from tests.conftest import assert_same_tree, make_files, run_pallet
 
 SMALL, ROOMY = "256k", "16m"
 
@@ -47,12 +47,7 @@ def fill(mount_point) -> None:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> str:
     """About 1 MiB in 400 files: four times the small file system."""
-    root = tmp_path_factory.mktemp("full") / "src"
-    for n in range(400):
-        path = root / f"d{n % 4}" / f"f{n:03d}.bin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(2500))
-    return str(root)
+    return make_files(tmp_path_factory.mktemp("full") / "src", 400, 4, lambda n: os.urandom(2500))
 
 
 def _failed_cleanly(done: subprocess.CompletedProcess, status: int, path) -> None:

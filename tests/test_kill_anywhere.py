@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import assert_same_tree
+from tests.conftest import assert_same_tree, make_files
 from tests.programs import program, python_module, user_env
 
 POINTS = 5                  # kill instants per operation: 5 operations x 5 = 25 kills
@@ -24,12 +24,7 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("kill") / "src"
-    for n in range(3000):
-        path = root / f"d{n % 30:02d}" / f"f{n:05d}.dat"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(300).hex().encode())
-    return str(root)
+    return make_files(tmp_path_factory.mktemp("kill") / "src", 3000, 30, lambda n: os.urandom(300).hex().encode())
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,13 @@ import sys
 
 import pytest
 
-from tests.conftest import assert_same_tree, run_pallet, snapshot
+from tests.conftest import assert_same_tree, make_files, run_pallet, snapshot
 
 FILES = 300
 
 
 def _tree(root) -> str:
-    for n in range(FILES):
-        path = os.path.join(root, f"d{n % 3}", f"f{n:03d}.txt")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as handle:
-            handle.write(f"file {n}\n" * (1 + n % 5))
-    return str(root)
+    return make_files(root, FILES, 3, lambda n: f"file {n}\n".encode() * (1 + n % 5))
 
 
 def _push(where: str, sshd, src: str, dest, *args: str) -> dict:
@@ -32,10 +27,10 @@ def _push(where: str, sshd, src: str, dest, *args: str) -> dict:
 
 def _damage(dest) -> None:
     """Delete one file, rewrite one in place with the same size, one with another size; plant an extra."""
-    os.unlink(dest / "d0" / "f000.txt")
-    (dest / "d1" / "f001.txt").write_text("FILE 1\n" * 2)
-    os.utime(dest / "d1" / "f001.txt", ns=(1, 1))
-    (dest / "d2" / "f002.txt").write_text("shorter\n")
+    os.unlink(dest / "d0" / "f00000")
+    (dest / "d1" / "f00001").write_text("FILE 1\n" * 2)
+    os.utime(dest / "d1" / "f00001", ns=(1, 1))
+    (dest / "d2" / "f00002").write_text("shorter\n")
     (dest / "d2" / "extra.txt").write_text("not in the source\n")
 
 
@@ -69,7 +64,7 @@ def test_dry_run_lists_what_would_change_and_changes_nothing(sshd, tmp_path, whe
     before = snapshot(dest)
     planned = _push(where, sshd, src, dest, "--dry-run", "--delete")
     assert snapshot(dest) == before
-    assert {"d0/f000.txt", "d1/f001.txt", "d2/f002.txt"} <= set(planned["would_send"])
+    assert {"d0/f00000", "d1/f00001", "d2/f00002"} <= set(planned["would_send"])
     assert planned["would_delete"] == ["d2/extra.txt"] and planned["in_place"] == FILES - 3
     fresh = _push(where, sshd, src, tmp_path / "nowhere", "--dry-run")
     assert len(fresh["would_send"]) == FILES + 3 and not (tmp_path / "nowhere").exists()
@@ -78,7 +73,7 @@ def test_dry_run_lists_what_would_change_and_changes_nothing(sshd, tmp_path, whe
 def test_the_summary_line_says_what_moved(tmp_path):
     src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
     run_pallet("push", "--quiet", src, str(dest), check=True)
-    os.unlink(dest / "d0" / "f000.txt")
+    os.unlink(dest / "d0" / "f00000")
     line = run_pallet("push", "--quiet", src, str(dest), check=True).stdout
     assert "pushed 1 files" in line and f"{FILES - 1} files already in place" in line
     line = run_pallet("push", "--quiet", src, str(dest), check=True).stdout
@@ -123,7 +118,7 @@ def _sneaky_edit(path) -> None:
 def test_checksum_finds_a_change_that_kept_size_and_mtime(sshd, tmp_path, where):
     src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
     _push(where, sshd, src, dest)
-    _sneaky_edit(dest / "d1" / "f004.txt")
+    _sneaky_edit(dest / "d1" / "f00004")
     quick = _push(where, sshd, src, dest)
     assert (quick["files"], quick["in_place"]) == (0, FILES), "size+mtime cannot see it"
     checked = _push(where, sshd, src, dest, "--checksum")
@@ -131,7 +126,7 @@ def test_checksum_finds_a_change_that_kept_size_and_mtime(sshd, tmp_path, where)
     assert_same_tree(src, dest)
     pulled = tmp_path / "pulled"
     _pull(where, sshd, src, pulled)
-    _sneaky_edit(pulled / "d2" / "f005.txt")
+    _sneaky_edit(pulled / "d2" / "f00005")
     again = _pull(where, sshd, src, pulled, "--checksum")
     assert (again["files"], again["in_place"]) == (1, FILES - 1), again
     assert_same_tree(src, pulled)
