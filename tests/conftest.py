@@ -1,6 +1,7 @@
 """Shared fixtures; the tree helpers live in staging_core.testing, shipped with the package."""
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -47,6 +48,19 @@ def fresh_venv():
 @pytest.fixture
 def nasty_tree(tmp_path) -> str:
     return make_nasty_tree(str(tmp_path / "src"))
+
+
+@pytest.fixture
+def sweep_mpi_segments():
+    """Remove the shared-memory segments (/dev/shm/vader_segment.*) that mpirun jobs killed by the test left."""
+    pattern = "/dev/shm/vader_segment.*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def make_files(root, count: int, dirs: int, content) -> str:

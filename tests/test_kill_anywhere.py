@@ -90,7 +90,8 @@ def _working_on(dest) -> list[int]:
 
 
 @pytest.mark.parametrize("operation", ["local push", "ssh push", "ssh pull", "unpack", "mpirun unpack"])
-def test_kill_9_at_random_instants_then_a_rerun_converges(sshd, tmp_path, source, bundle, operation):
+def test_kill_9_at_random_instants_then_a_rerun_converges(sshd, tmp_path, source, bundle, operation,
+                                                          sweep_mpi_segments):
     if operation == "mpirun unpack" and MPIRUN is None:
         pytest.skip("OpenMPI's mpirun is not installed (./bootstrap.sh installs it)")
     measured = tmp_path / "measured"

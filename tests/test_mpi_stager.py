@@ -104,7 +104,7 @@ def _start_unpack(tmp_path, output=subprocess.PIPE):
 
 
 @needs_mpi
-def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
+def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path, sweep_mpi_segments):
     src, bundle, dest, journal, index, job = _start_unpack(tmp_path)
     killed = _kill_one_rank_after(job, journal, index, records=5)
     job.communicate(timeout=60)
@@ -123,7 +123,7 @@ def test_sigkill_of_one_rank_then_rerun_redoes_only_unfinished_shards(tmp_path):
 
 
 @needs_mpi
-def test_ranks_die_with_a_killed_mpirun_and_a_rerun_converges(tmp_path):
+def test_ranks_die_with_a_killed_mpirun_and_a_rerun_converges(tmp_path, sweep_mpi_segments):
     src, bundle, dest, journal, index, job = _start_unpack(tmp_path, subprocess.DEVNULL)
     ranks: list[int] = []
     deadline = time.monotonic() + 60
