@@ -15,6 +15,10 @@ from .transports.base import Transport
 MD5_CHUNK = 256                  # files per local hashing task
 ROUNDS = 2                       # a file still wrong after this many sends is an error
 
+# Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target, inode,
+# links, path (what parse_records reads). The scripts that list a far-side tree all use it.
+FIND_RECORDS = r"find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'"
+
 # $1 DEST; md5 of the NUL-separated ./names on stdin (none when stdin is empty).
 # Prints find records (type, mode, mtime, size, link target, inode, links, path; NUL-terminated), an "E" record, then md5sum lines.
 # Both scripts hold a flock on DEST/.pallet: a far-side tar outlives a push killed with -9 until its input ends.
@@ -23,7 +27,7 @@ cd -- "$1" 2>/dev/null || { printf 'E\0\0\0\0\0\0\0\0'; exit 0; }
 if [ -d .pallet ] && [ ! -L .pallet ]; then     # wait for a tar of a killed push that is still writing
   exec 9<.pallet; flock -w 600 9 || { echo "pallet: an earlier transfer into $1 is still running" >&2; exit 6; }
 fi
-find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'
+""" + FIND_RECORDS + r"""
 printf 'E\0\0\0\0\0\0\0\0'
 xargs -0 -r md5sum --
 """

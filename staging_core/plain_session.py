@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from bundles.errors import DestinationError
 
+from .plain import FIND_RECORDS
 from .transports.base import Endpoint, Transport
 from .transports.errors import classify
 
@@ -32,7 +33,7 @@ mkdir -p .pallet && exec 9<.pallet || fail "cannot create $1/.pallet" 5
 flock -w 600 9 || fail "an earlier transfer into $1 is still running" 6
 rm -f .pallet/list .pallet/sums .pallet/queue .pallet/checked
 reply() { wc -c < "$1"; cat -- "$1"; }
-find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0' > .pallet/list
+""" + FIND_RECORDS + r""" > .pallet/list
 reply .pallet/list
 checker=
 while read -r command size; do

@@ -12,7 +12,7 @@ from bundles.scan import SourceTree
 from bundles.state import STATE_DIR, remove_path
 from bundles.tarformat import Kind
 
-from .plain import (FarEntry, FarTree, differing, far_tree, hash_local_files, md5_of, parse_records,
+from .plain import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files, md5_of, parse_records,
                     unchanged_files, with_link_groups)
 from .transports.base import Endpoint, RemoteEntry, Transport
 
@@ -113,8 +113,7 @@ def dest_md5(transport: Transport, endpoint: Endpoint, paths: list[bytes]) -> di
 _LISTING = r"""
 cd -- "$1" 2>/dev/null || exit 0
 if [ -e .pallet/INCOMPLETE ]; then printf INCOMPLETE; exit 0; fi
-find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'
-"""
+""" + FIND_RECORDS + "\n"
 
 
 def dest_entries(transport: Transport, endpoint: Endpoint) -> dict[bytes, FarEntry] | None:
