@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from staging_core.transports.ssh import _MASTER_IDLE_S as MASTER_IDLE_S
 from tests.conftest import assert_same_tree, make_files
 from tests.programs import program, python_module, user_env
 
@@ -104,8 +105,10 @@ def test_kill_9_at_random_instants_then_a_rerun_converges(sshd, tmp_path, source
         dest = tmp_path / f"dest{number}"
         argv, _ = _commands(operation, sshd, source, bundle, dest)
         _killed_at(argv, delay)
-        deadline = time.monotonic() + 20
-        while _working_on(dest) and time.monotonic() < deadline:     # the far side notices the end of its input
+        # the far side sees its input end when the ssh ControlMaster (started with -f, so outside the killed
+        # process group) closes the channel; at the latest, the master exits after its idle time
+        deadline = time.monotonic() + MASTER_IDLE_S + 10
+        while _working_on(dest) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _working_on(dest), f"{operation} killed at {delay} s: processes left working on {dest}"
         rerun = _run(argv)
