@@ -36,8 +36,32 @@ install_apt() {
 # What an install depends on: the package metadata and the list of modules (a strict editable install links
 # each module, so a new one needs a reinstall; edits to existing ones are seen at once).
 install_fingerprint() {
-    (cd "$here" && cat setup.cfg pyproject.toml && find bundles staging_core mpi_stager plugins -name '*.py' | sort) \
+    (cd "$here" && cat setup.cfg pyproject.toml && find bundles staging_core mpi_stager plugins -name '*.py' | sort \
+                    && cat bundles/native/Cargo.toml bundles/native/src/*.rs) \
         | sha256sum | cut -d' ' -f1
+}
+
+# setuptools-rust builds the native engine next to the sources in an editable install, but the strict link tree
+# lists only what setuptools itself built: link the module in, where the installed `bundles` package is.
+link_native_engine() {
+    local built package
+    built=$(find "$here/bundles" -maxdepth 1 -name '_native*.so' -print -quit)
+    if [ -z "$built" ]; then
+        log "the native engine was not built (cargo missing or the build failed): pallet runs its Python engine"
+        return 0
+    fi
+    package=$(cd / && "$venv/bin/python" -I -c 'import bundles, os; print(os.path.dirname(bundles.__file__))')
+    [ "$package" = "$here/bundles" ] || ln -sfn "$built" "$package/$(basename "$built")"
+}
+
+# cargo as rustup installs it, or Debian's; the native engine is optional, so its absence is not fatal.
+find_cargo() {
+    [ -d "$HOME/.cargo/bin" ] && export PATH="$HOME/.cargo/bin:$PATH"
+    command -v cargo >/dev/null && return 0
+    if [ "$(id -u)" -eq 0 ]; then
+        log "installing cargo (Debian's) to build the native engine"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cargo >/dev/null || true
+    fi
 }
 
 install_python() {
@@ -46,6 +70,7 @@ install_python() {
         log "creating virtualenv $venv"
         python3 -m venv "$venv"
     fi
+    find_cargo
     fingerprint=$(install_fingerprint)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
         log "installing pallet and its extras into $venv"
@@ -53,6 +78,7 @@ install_python() {
         # strict mode puts a tree of links on sys.path: Snakemake's plugin scan (pkgutil) cannot see the
         # import hook of the default editable mode, so the plugin would not be found
         "$venv/bin/python" -m pip install -q --config-settings editable_mode=strict -e "$here[all,test,bench]"
+        link_native_engine
         echo "$fingerprint" > "$stamp"
     fi
 }

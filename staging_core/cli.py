@@ -8,6 +8,7 @@ import sys
 
 from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError, pack, unpack,
                      verify_bundle, verify_tree)
+from bundles import native
 from bundles.plain import iter_members
 
 from . import cli_staging, demo, remote_install
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pallet", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
         description="Stage datasets made of many tiny files: pack them into an indexed, sharded bundle "
                     "that any tar can read, move it, and unpack it in parallel with every file verified.")
-    parser.add_argument("--version", action="version", version="pallet 0.1.0")
+    parser.add_argument("--version", action="version", version=_version_text(),
+                        help="show pallet's version and which engine (native or python) runs the per-file loops")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_pack(commands)
     _add_unpack(commands)
@@ -38,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     cli_staging.add_parsers(commands)
     remote_install.add_parser(commands)         # pallet remote install|status
     return parser
+
+
+def _version_text() -> str:
+    engine = native.engine_info()
+    return f"pallet 0.1.0\nengine: {engine.name}" + (f" ({engine.reason})" if engine.reason else "")
 
 
 def _progress_flags(parser: argparse.ArgumentParser) -> None:

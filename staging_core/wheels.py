@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 
 from bundles.errors import PalletError
 
-_SOURCE_JUNK = (".git", ".hg", ".svn", ".venv", "venv", ".tox", ".nox", "build", "dist", "*.egg-info", "__pycache__",
+_SOURCE_JUNK = (".git", "target", ".hg", ".svn", ".venv", "venv", ".tox", ".nox", "build", "dist", "*.egg-info", "__pycache__",
                 ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "*.pyc")
 
 

@@ -45,6 +45,14 @@ def fresh_venv():
         shutil.rmtree(root)
 
 
+@pytest.fixture(params=["native", "python"])
+def each_engine(request, monkeypatch) -> str:
+    """Run the test once with each engine (PALLET_ENGINE reaches in-process calls and the programs the test
+    starts); a module opts in with ``pytestmark = pytest.mark.usefixtures("each_engine")``."""
+    monkeypatch.setenv("PALLET_ENGINE", request.param)
+    return request.param
+
+
 @pytest.fixture
 def nasty_tree(tmp_path) -> str:
     return make_nasty_tree(str(tmp_path / "src"))

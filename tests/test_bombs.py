@@ -53,7 +53,8 @@ def _refused_in_one_line(done: subprocess.CompletedProcess, bundle: Path) -> Non
     assert done.stderr.startswith(f"pallet unpack: error: {bundle}"), done.stderr
 
 
-pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="util-linux prlimit is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("prlimit") is None, reason="util-linux prlimit is not installed"),
+              pytest.mark.usefixtures("each_engine")]
 
 
 def test_a_small_frame_claiming_8_gib_is_refused_without_allocating_it(tmp_path):

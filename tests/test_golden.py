@@ -9,6 +9,9 @@ import pytest
 from bundles import FORMAT_VERSION, Bundle, PackOptions, pack, unpack, verify_bundle
 from tests.conftest import assert_same_tree
 
+# the shared tests of both engines (see tests/test_native_parity.py)
+pytestmark = pytest.mark.usefixtures("each_engine")
+
 GOLDEN = Path(__file__).parent / "golden"
 CASES = [("zstd", "v1.tar.zst"), ("gzip", "v1.tar.gz"), ("none", "v1.tar")]
 

@@ -21,6 +21,9 @@ from bundles import Bundle, Kind, PackOptions, PalletError, UnsafeMemberError, c
 from bundles.errors import CorruptBundleError
 from tests.conftest import run_pallet, snapshot
 
+# the shared tests of both engines (see tests/test_native_parity.py)
+pytestmark = pytest.mark.usefixtures("each_engine")
+
 VICTIM = b"outside content that must never change\n"
 COMPRESS = {".tar": bytes, ".tar.gz": gzip.compress, ".tar.zst": zstandard.ZstdCompressor().compress}
 

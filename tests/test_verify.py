@@ -16,6 +16,9 @@ from bundles import Bundle, PackOptions, PalletError, pack, unpack, verify_bundl
 from bundles.tarformat import END_OF_ARCHIVE, member_header
 from tests.conftest import run_pallet
 
+# the shared tests of both engines (see tests/test_native_parity.py)
+pytestmark = pytest.mark.usefixtures("each_engine")
+
 CODECS = ("zstd", "gzip", "none")
 SHARD_SIZE = 1024
 FULL_SWEEP_LIMIT = 5000     # flip every byte of a bundle smaller than this, else a sample

@@ -1,0 +1,175 @@
+"""The native engine and the pure-Python one give the same tar bytes, index columns, files and errors."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bundles import native
+from bundles.codecs import get_codec
+from bundles.errors import CorruptBundleError, DestinationError, SourceError
+from bundles.extract import extract_shard_data, make_directories
+from bundles.index import Shard
+from bundles.scan import scan
+from bundles.shards import ShardPlan, build_small_shard
+from bundles.tarformat import Kind, member_header
+from tests.conftest import assert_same_tree, run_pallet
+
+ENGINE = native.module()
+needs_native = pytest.mark.skipif(ENGINE is None, reason="the native engine is not built")
+
+
+def test_the_install_built_the_native_engine():
+    """bootstrap.sh builds the extension; `pallet --version` names the engine in use and why."""
+    assert native.engine_info().name == "native", native.engine_info().reason
+    assert "engine: native" in run_pallet("--version", check=True).stdout
+    forced = run_pallet("--version", check=True, env={"PALLET_ENGINE": "python"}).stdout
+    assert "engine: python (PALLET_ENGINE=python)" in forced
+
+
+def test_an_unknown_engine_name_is_a_usage_error(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    done = run_pallet("pack", str(tmp_path / "src"), str(tmp_path / "b.tar.zst"), env={"PALLET_ENGINE": "rust"})
+    assert done.returncode == 2 and "PALLET_ENGINE='rust' is not an engine" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "b.tar.zst").exists()
+
+
+_names = st.binary(min_size=1, max_size=300).filter(lambda b: b"\0" not in b)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(path=_names, kind=st.sampled_from(list(Kind)), mode=st.integers(0, 0o177777),
+       mtime_ns=st.integers(-2**62, 2**62), size=st.integers(0, 2**40), link=st.binary(max_size=300))
+def test_member_headers_are_byte_identical(path, kind, mode, mtime_ns, size, link):
+    link = link.replace(b"\0", b"x")
+    assert ENGINE.member_header(path, kind, mode, mtime_ns, size, link) == \
+        member_header(path, kind, mode, mtime_ns, size, link)
+
+
+def _whole_tree_plan(tree) -> ShardPlan:
+    return ShardPlan(0, 0, len(tree.index), False, True)
+
+
+def _build(monkeypatch, engine: str, tree, md5: bool = True):
+    monkeypatch.setenv("PALLET_ENGINE", engine)
+    return build_small_shard(tree, get_codec("zstd", 3), _whole_tree_plan(tree), md5)
+
+
+@needs_native
+def test_a_shard_of_the_nasty_tree_is_the_same_from_both_engines(monkeypatch, nasty_tree):
+    tree = scan(nasty_tree, "zstd", 3)
+    python, compiled = _build(monkeypatch, "python", tree), _build(monkeypatch, "native", tree)
+    assert dataclasses.asdict(python) == dataclasses.asdict(compiled)
+    assert len(python.md5s) == 16 * sum(1 for k in tree.index.kinds if k == Kind.FILE)
+
+
+def _extract_with(monkeypatch, engine: str, tree, built, dest: str, verify: bool = True, data: bytes | None = None):
+    monkeypatch.setenv("PALLET_ENGINE", engine)
+    index = tree.index
+    index.hashes, index.offsets, index.data_offsets = bytearray(built.hashes), built.offsets, built.data_offsets
+    raw = get_codec("zstd", 3).decompress(built.compressed, built.raw_size) if data is None else data
+    shard = Shard(0, 0, len(built.compressed), built.raw_size, 0, len(index), built.file_bytes, b"")
+    os.makedirs(dest, exist_ok=True)
+    make_directories(index, dest)
+    return extract_shard_data(raw, index, shard, dest, verify, "test.tar.zst")
+
+
+@needs_native
+def test_both_engines_extract_the_same_files(monkeypatch, nasty_tree, tmp_path):
+    tree = scan(nasty_tree, "zstd", 3)
+    built = _build(monkeypatch, "python", tree)
+    outcomes = [_extract_with(monkeypatch, engine, tree, built, str(tmp_path / engine)) for engine in ("python", "native")]
+    assert outcomes[0] == outcomes[1]
+    files = [os.path.join(tmp_path / "python", os.fsdecode(p)) for p, k in zip(tree.index.paths, tree.index.kinds)
+             if k == Kind.FILE]
+    for path in files:
+        twin = path.replace(str(tmp_path / "python"), str(tmp_path / "native"), 1)
+        assert open(path, "rb").read() == open(twin, "rb").read()
+        a, b = os.lstat(path), os.lstat(twin)
+        assert (a.st_mode, a.st_mtime_ns) == (b.st_mode, b.st_mtime_ns)
+
+
+def _flip_first_file_byte(tree, built, raw: bytes) -> tuple[bytes, str]:
+    i = next(i for i, (k, s) in enumerate(zip(tree.index.kinds, tree.index.sizes)) if k == Kind.FILE and s)
+    at = built.data_offsets[i]
+    return raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:], os.fsdecode(tree.index.paths[i])
+
+
+@needs_native
+@pytest.mark.parametrize("damage", ["content", "extra member", "header"])
+def test_both_engines_refuse_the_same_damage_with_the_same_error(monkeypatch, nasty_tree, tmp_path, damage):
+    tree = scan(nasty_tree, "zstd", 3)
+    built = _build(monkeypatch, "python", tree)
+    raw = get_codec("zstd", 3).decompress(built.compressed, built.raw_size)
+    if damage == "content":
+        raw, _ = _flip_first_file_byte(tree, built, raw)
+    elif damage == "extra member":
+        raw = raw[:-1024] + member_header(b"planted", Kind.FILE, 0o644, 0, 0, b"") + bytes(1024)
+    else:
+        raw = raw[:100] + b"7" + raw[101:]          # inside the first header's mode field
+    errors = []
+    for engine in ("python", "native"):
+        with pytest.raises(CorruptBundleError) as caught:
+            _extract_with(monkeypatch, engine, tree, built, str(tmp_path / engine), data=raw)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+
+
+@needs_native
+def test_a_planted_link_is_replaced_not_written_through_by_the_native_engine(monkeypatch, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"new bytes")
+    sentinel = tmp_path / "sentinel"
+    sentinel.write_bytes(b"keep me")
+    tree = scan(str(src), "zstd", 3)
+    built = _build(monkeypatch, "native", tree)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(sentinel, dest / "f")
+    _extract_with(monkeypatch, "native", tree, built, str(dest))
+    assert sentinel.read_bytes() == b"keep me"
+    assert not os.path.islink(dest / "f") and (dest / "f").read_bytes() == b"new bytes"
+
+
+@needs_native
+def test_a_directory_in_place_of_a_file_is_named(monkeypatch, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    tree = scan(str(src), "zstd", 3)
+    built = _build(monkeypatch, "native", tree)
+    (tmp_path / "dest" / "f").mkdir(parents=True)
+    with pytest.raises(DestinationError, match="is a directory in the destination"):
+        _extract_with(monkeypatch, "native", tree, built, str(tmp_path / "dest"))
+
+
+@needs_native
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_an_unreadable_source_file_is_named_by_both_engines(monkeypatch, tmp_path, engine):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok").write_bytes(b"fine")
+    (src / "gone").write_bytes(b"soon removed")
+    tree = scan(str(src), "zstd", 3)
+    (src / "gone").unlink()
+    with pytest.raises(SourceError, match="cannot read") as caught:
+        _build(monkeypatch, engine, tree)
+    assert caught.value.path.endswith("gone")
+
+
+@needs_native
+def test_a_bundle_packed_by_one_engine_unpacks_by_the_other(tmp_path, nasty_tree):
+    for packer, unpacker in (("native", "python"), ("python", "native")):
+        bundle = tmp_path / f"{packer}.tar.zst"
+        run_pallet("pack", nasty_tree, str(bundle), check=True, env={"PALLET_ENGINE": packer})
+        run_pallet("unpack", str(bundle), str(tmp_path / packer), check=True, env={"PALLET_ENGINE": unpacker})
+        assert_same_tree(nasty_tree, tmp_path / packer)
+    assert (tmp_path / "native.tar.zst").read_bytes() == (tmp_path / "python.tar.zst").read_bytes()
+    listing = subprocess.run(["tar", "-tf", str(tmp_path / "native.tar.zst")], capture_output=True)
+    assert listing.returncode == 0
