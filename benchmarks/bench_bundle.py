@@ -1,4 +1,5 @@
-"""Benchmark `pallet pack`/`unpack` against tar + zstd, and the peak RSS of a 1,000,000-entry index."""
+"""Benchmark `pallet pack`/`unpack` (each engine) against tar + zstd and the read/create floors, and the peak RSS
+of a 1,000,000-entry index."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # import this checkout's bundles/, whatever is installed
 
 from workloads import MIB, Workload, common_parser, ensure_workload, workloads  # noqa: E402
-TIME_TARGET = 1.3           # pallet seconds / peer seconds
+TARGETS = {("pack", "W1"): 0.9, ("pack", "W2"): 1.0, ("unpack", "W1"): 0.7}     # pallet seconds / peer seconds
 RSS_TARGET_MB = 500.0       # peak RSS, MB = 10**6 bytes
 GNU_TIME = shutil.which("time", path="/usr/bin:/bin")     # reports each process's own peak RSS
 NOISE_LIMIT = 0.25          # a run during which other processes used more than this share of a CPU is rerun
@@ -44,6 +45,7 @@ class Measurement:
 
     tool: str
     argv: list[list[str]]
+    env: dict[str, str] = field(default_factory=dict)      # added to the children's environment
     runs: list[Run] = field(default_factory=list)
     discarded: list[Run] = field(default_factory=list)
 
@@ -62,17 +64,29 @@ class Measurement:
 
 @dataclass
 class Comparison:
-    """pallet vs the peer pipeline on one workload; ``ratio`` is pallet median / peer median."""
+    """pallet (one engine) vs the peer pipeline on one workload; ``ratio`` is pallet median / peer median,
+    ``floor_ratio`` pallet median / the floor's (reading the tree, or creating it from an uncompressed tar)."""
 
     name: str
     workload: str
+    engine: str
+    files: int
     pallet: Measurement
     peer: Measurement
-    target: float = TIME_TARGET
+    floor: Measurement
+    target: float
 
     @property
     def ratio(self) -> float:
         return self.pallet.median / self.peer.median
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.pallet.median / self.floor.median
+
+    @property
+    def cpu_us_per_file(self) -> float:
+        return self.pallet.cpu_median / self.files * 1e6
 
     @property
     def passed(self) -> bool:
@@ -89,6 +103,7 @@ class Settings:
     idle_wait: float
     retries: int
     unpack_dir: Path
+    engines: tuple[str, ...]
 
 
 @dataclass
@@ -109,7 +124,7 @@ class RssResult:
         return self.max_rss_mb < RSS_TARGET_MB
 
 
-def run(stages: list[list[str]], stdout_path: str | None = None) -> Run:
+def run(stages: list[list[str]], stdout_path: str | None = None, env: dict[str, str] | None = None) -> Run:
     """Run ``stages`` as a pipeline (no shell), timed with perf_counter; CPU via wait4, peak RSS via GNU time."""
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp, "log"), "w+b") as log, \
             open(stdout_path or os.devnull, "wb") as sink:
@@ -118,7 +133,8 @@ def run(stages: list[list[str]], stdout_path: str | None = None) -> Run:
             stdin = procs[-1].stdout if procs else subprocess.DEVNULL
             stdout = (sink if stdout_path else log) if n == len(stages) - 1 else subprocess.PIPE
             wrap = [GNU_TIME, "-f", "%M", "-o", str(Path(tmp, f"rss{n}"))] if GNU_TIME else []
-            procs.append(subprocess.Popen(wrap + argv, stdin=stdin, stdout=stdout, stderr=log, env=child_env()))
+            procs.append(subprocess.Popen(wrap + argv, stdin=stdin, stdout=stdout, stderr=log,
+                                          env={**child_env(), **(env or {})}))
             if n:
                 stdin.close()
         rss, cpu, codes = _wait_all(procs)
@@ -186,7 +202,7 @@ def timed(measurement: Measurement, tag: str, settings: Settings, stdout_path: s
     for attempt in range(settings.retries + 1):
         os.sync()
         waited = wait_for_idle(settings.idle_wait)
-        result = run(measurement.argv, stdout_path)
+        result = run(measurement.argv, stdout_path, measurement.env)
         noisy = result.other_cpu_seconds > NOISE_LIMIT * result.seconds and attempt < settings.retries
         print(f"  {tag:<20} {measurement.tool:<8} {result.seconds:7.3f} s  cpu {result.cpu_seconds:6.2f} s  "
               f"rss {result.max_rss_kb / 1024:6.1f} MiB  other CPU {result.other_cpu_seconds:5.2f} s  "
@@ -199,40 +215,55 @@ def timed(measurement: Measurement, tag: str, settings: Settings, stdout_path: s
     measurement.runs.append(result)
 
 
-def compare(name: str, load: Workload, settings: Settings, commands: Callable) -> Comparison:
-    """Time pallet and peer ``commands(rep)`` -> (pallet argv, peer argv, peer stdout), alternating order."""
-    mine, peer = Measurement("pallet", []), Measurement("tar+zstd", [])
+def compare(name: str, load: Workload, settings: Settings, commands: Callable, floor_name: str) -> list[Comparison]:
+    """Time pallet (each engine), the peer and the floor: ``commands(rep)`` -> (pallet argv, peer argv, peer
+    stdout, floor argv); the order rotates from one repetition to the next."""
+    mine = [Measurement(f"pallet-{e}", [], {"PALLET_ENGINE": e}) for e in settings.engines]
+    peer, floor = Measurement("tar+zstd", []), Measurement(floor_name, [])
+    everyone = [*mine, peer, floor]
     for rep in range(settings.repeat):
-        mine.argv, peer.argv, peer_stdout = commands(rep)
-        for m in ((mine, peer) if rep % 2 == 0 else (peer, mine)):
+        pallet_argv, peer.argv, peer_stdout, floor.argv = commands(rep)
+        for m in mine:
+            m.argv = pallet_argv(m.env["PALLET_ENGINE"])
+        turn = rep % len(everyone)
+        for m in everyone[turn:] + everyone[:turn]:
             timed(m, f"{name} {load.name} rep {rep + 1}", settings, peer_stdout if m is peer else None)
-    return Comparison(name, load.label, mine, peer)
+    target = TARGETS[(name, load.name)]
+    return [Comparison(name, load.label, m.env["PALLET_ENGINE"], load.files, m, peer, floor, target) for m in mine]
 
 
-def compare_pack(load: Workload, src: Path, settings: Settings) -> tuple[Comparison, Path, Path]:
-    """`pallet pack` vs `tar -cf - | zstd -T2`, each rep to a new file; return the first outputs too."""
+def compare_pack(load: Workload, src: Path, settings: Settings) -> tuple[list[Comparison], Path, Path]:
+    """`pallet pack` vs `tar -cf - | zstd -T2` and the reading floor `tar -cf - | cat > /dev/null`, each rep to
+    a new file; return the first outputs too."""
     def out(tool: str, rep: int) -> Path:
         return settings.runs_dir / f"pack-{load.name.lower()}-{tool}-{rep}.tar.zst"
 
     def commands(rep: int):
-        return ([pallet_cmd() + ["pack", str(src), str(out("pallet", rep))]],
-                [["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-T2", "-q"]], str(out("peer", rep)))
+        return (lambda engine: [pallet_cmd() + ["pack", str(src), str(out(f"pallet-{engine}", rep))]],
+                [["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-T2", "-q"]], str(out("peer", rep)),
+                [["tar", "-cf", "-", "-C", str(src), "."], ["cat"]])
     warm_cache(src)
-    return compare("pack", load, settings, commands), out("pallet", 0), out("peer", 0)
+    return (compare("pack", load, settings, commands, "read floor"), out(f"pallet-{settings.engines[0]}", 0),
+            out("peer", 0))
 
 
-def compare_unpack(load: Workload, bundle: Path, tarball: Path, settings: Settings) -> Comparison:
-    """`pallet unpack` (verifying) vs `zstd -dc | tar -x`, each rep into a fresh directory."""
+def compare_unpack(load: Workload, bundle: Path, tarball: Path, settings: Settings) -> list[Comparison]:
+    """`pallet unpack` (verifying) vs `zstd -dc | tar -x` and the creating floor `tar -x` of an uncompressed tar,
+    each rep into a fresh directory."""
     def dest(tool: str, rep: int) -> Path:
-        return settings.unpack_dir / f"unpack-{load.name.lower()}-{tool}-{rep}"
+        path = settings.unpack_dir / f"unpack-{load.name.lower()}-{tool}-{rep}"
+        path.mkdir()
+        return path
+
+    plain = settings.runs_dir / f"{load.name.lower()}.tar"
+    subprocess.run(["zstd", "-dqf", str(tarball), "-o", str(plain)], check=True)
 
     def commands(rep: int):
-        dest("pallet", rep).mkdir()
-        dest("peer", rep).mkdir()
-        return ([pallet_cmd() + ["unpack", str(bundle), str(dest("pallet", rep))]],
-                [["zstd", "-dc", str(tarball)], ["tar", "-x", "-C", str(dest("peer", rep))]], None)
-    warm_cache(bundle, Path(f"{bundle}.pidx"), tarball)
-    return compare("unpack", load, settings, commands)
+        return (lambda engine: [pallet_cmd() + ["unpack", str(bundle), str(dest(f"pallet-{engine}", rep))]],
+                [["zstd", "-dc", str(tarball)], ["tar", "-x", "-C", str(dest("peer", rep))]], None,
+                [["tar", "-xf", str(plain), "-C", str(dest("floor", rep))]])
+    warm_cache(bundle, Path(f"{bundle}.pidx"), tarball, plain)
+    return compare("unpack", load, settings, commands, "create floor")
 
 
 def warm_cache(*paths: Path) -> None:
@@ -345,19 +376,24 @@ def index_rss(runs_dir: Path, entries: int) -> list[RssResult]:
 
 def print_report(comparisons: list[Comparison], rss: list[RssResult], version: str) -> None:
     print("\n" + "=" * 110 + f"\ncode under test: {version}; medians of wall seconds (CPU: user+system, all processes)")
-    print(f"{'benchmark':<7} {'workload':<20} {'pallet s':>8} {'peer s':>7} {'ratio':>6} {'pallet CPU':>10} "
-          f"{'peer CPU':>8} {'noise':>5}  {'pallet runs':<16} peer runs")
+    print(f"{'benchmark':<7} {'workload':<20} {'engine':<7} {'pallet s':>8} {'peer s':>7} {'ratio':>6} "
+          f"{'floor s':>7} {'/floor':>6} {'pallet CPU':>10} {'CPU us/file':>11} {'peer CPU':>8} {'noise':>5}  "
+          f"{'pallet runs':<16} peer runs")
     for c in comparisons:
-        print(f"{c.name:<7} {c.workload:<20} {c.pallet.median:8.3f} {c.peer.median:7.3f} {c.ratio:6.2f} "
-              f"{c.pallet.cpu_median:10.2f} {c.peer.cpu_median:8.2f} {max(c.pallet.noise, c.peer.noise):5.2f}  "
+        print(f"{c.name:<7} {c.workload:<20} {c.engine:<7} {c.pallet.median:8.3f} {c.peer.median:7.3f} "
+              f"{c.ratio:6.2f} {c.floor.median:7.3f} {c.floor_ratio:6.2f} {c.pallet.cpu_median:10.2f} "
+              f"{c.cpu_us_per_file:11.1f} {c.peer.cpu_median:8.2f} {max(c.pallet.noise, c.peer.noise):5.2f}  "
               f"{_runs(c.pallet):<16} {_runs(c.peer)}")
+    print("floor: reading (`tar -cf - | cat > /dev/null`) for pack, creating (`tar -xf` of an uncompressed tar) "
+          "for unpack")
     print("noise: largest share of a CPU that other processes (and kernel threads) used during any one run")
     print(f"\n{'index (synthetic)':<32} {'entries':>10} {'seconds':>8} {'peak RSS MB':>12}")
     for r in rss:
         print(f"{r.name:<32} {r.entries:>10,} {r.seconds:8.2f} {r.max_rss_mb:12.1f}")
     print()
     for c in comparisons:
-        print(f"{'PASS' if c.passed else 'MISS'} {c.name} {c.workload}: ratio {c.ratio:.2f} (target <= {c.target})")
+        print(f"{'PASS' if c.passed else 'MISS'} {c.name} {c.workload} ({c.engine} engine): ratio {c.ratio:.2f} "
+              f"(target <= {c.target})")
     for r in rss:
         print(f"{'PASS' if r.passed else 'MISS'} peak RSS {r.name}: {r.max_rss_mb:.1f} MB "
               f"(target < {RSS_TARGET_MB:.0f} MB)")
@@ -371,12 +407,14 @@ def write_json(path: str, args: argparse.Namespace, version: str, comparisons: l
                rss: list[RssResult]) -> None:
     doc = {
         "command": sys.argv, "code": version, "options": {k: str(v) for k, v in vars(args).items()},
-        "targets": {"ratio": TIME_TARGET, "rss_mb": RSS_TARGET_MB, "noise_limit": NOISE_LIMIT},
+        "targets": {"ratio": {f"{k[0]} {k[1]}": v for k, v in TARGETS.items()}, "rss_mb": RSS_TARGET_MB,
+                    "noise_limit": NOISE_LIMIT},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "comparisons": [{**asdict(c), "pallet_median": c.pallet.median, "peer_median": c.peer.median,
                          "pallet_cpu_median": c.pallet.cpu_median, "peer_cpu_median": c.peer.cpu_median,
                          "noise": max(c.pallet.noise, c.peer.noise),
-                         "ratio": c.ratio, "passed": c.passed} for c in comparisons],
+                         "ratio": c.ratio, "floor_ratio": c.floor_ratio, "cpu_us_per_file": c.cpu_us_per_file,
+                         "passed": c.passed} for c in comparisons],
         "index_rss": [{**asdict(r), "max_rss_mb": r.max_rss_mb, "passed": r.passed} for r in rss],
     }
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
@@ -391,11 +429,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--unpack-into", type=Path, metavar="DIR",
                         help="unpack into new directories under DIR (e.g. /dev/shm, which takes the disk's file "
                              "create rate out of the comparison); default: the run directory under --workdir")
+    parser.add_argument("--engines", default="native,python", metavar="LIST",
+                        help="pallet engines to time, comma-separated (default: %(default)s)")
     parser.add_argument("--retries", type=int, default=2, metavar="N",
                         help=f"rerun a timed run up to N times if other processes used > {NOISE_LIMIT} CPU meanwhile")
     args = parser.parse_args(argv)
+    args.engines = tuple(e for e in args.engines.split(",") if e)
     if args.repeat < 1 or args.index_entries < 2 or args.retries < 0:
         parser.error("--repeat must be >= 1, --index-entries >= 2, --retries >= 0")
+    if not args.engines or set(args.engines) - {"native", "python"}:
+        parser.error("--engines takes native and/or python")
     return args
 
 
@@ -412,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     unpack_dir = Path(tempfile.mkdtemp(prefix="unpacks-", dir=args.unpack_into)) if args.unpack_into else runs_dir
     try:
         print(f"\nruns in {runs_dir}, unpacks in {unpack_dir} ({args.repeat} repetitions, {os.cpu_count()} CPUs)")
-        settings = Settings(runs_dir, args.repeat, args.idle_wait, args.retries, unpack_dir)
+        settings = Settings(runs_dir, args.repeat, args.idle_wait, args.retries, unpack_dir, args.engines)
         pack1, bundle1, tarball1 = compare_pack(w1, sources["W1"], settings)
         pack2, _, _ = compare_pack(w2, sources["W2"], settings)
         unpack1 = compare_unpack(w1, bundle1, tarball1, settings)
@@ -421,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:        # only after every timing: deleting big trees slows file creation for a while
         shutil.rmtree(runs_dir, ignore_errors=True)
         shutil.rmtree(unpack_dir, ignore_errors=True)
-    comparisons = [pack1, pack2, unpack1]
+    comparisons = [*pack1, *pack2, *unpack1]
     print_report(comparisons, rss, version)
     if args.json:
         write_json(args.json, args, version, comparisons, rss)

@@ -151,8 +151,8 @@ def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard
         data, len(part), native.blob(part.paths), native.blob(part.links), native.raw(part.kinds),
         native.raw(part.modes), native.raw(part.mtimes), native.raw(part.sizes), native.raw(part.offsets),
         native.raw(part.data_offsets))
-    if first_bad is not None:
-        raise _members_differ(source, index, shard, shard.first_entry + first_bad)
+    if first_bad is not None:       # len(part): the bytes after the last entry
+        raise _members_differ(source, index, shard, shard.first_entry + min(first_bad, len(part) - 1))
 
 
 def is_streamed(index: Index, shard: Shard) -> bool:
@@ -194,7 +194,7 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
     position = 0
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
         start, data_start, size = offsets[i], data_offsets[i], sizes[i]
-        if start != position or data[start:data_start] != member_header(paths[i], kinds[i], modes[i], mtimes[i],
+        if kinds[i] > Kind.HARDLINK or start != position or data[start:data_start] != member_header(paths[i], kinds[i], modes[i], mtimes[i],
                                                                         size, links[i]):
             raise _members_differ(source, index, shard, i)
         position = data_start + (size + -size % BLOCK if kinds[i] == Kind.FILE else 0)
@@ -214,6 +214,9 @@ def _only_end_zeros(rest, pad: int) -> bool:
 
 
 def _members_differ(source: str | None, index: Index, shard: Shard, i: int) -> CorruptBundleError:
+    if not 0 <= i < len(index):         # a shard of no entries holds more than the end-of-archive blocks
+        return CorruptBundleError(f"shard {shard.number}: holds tar members the index does not list", source,
+                                  _REFETCH)
     return CorruptBundleError(f"shard {shard.number}: its tar members do not match the index at "
                               f"{os.fsdecode(index.paths[i])!r} (a member added, missing or altered)", source,
                               _REFETCH, [os.fsdecode(index.paths[i])])
@@ -303,8 +306,13 @@ def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int, umask
         if not direct:
             os.fchmod(fd, wanted)
         os.utime(fd, ns=(mtime_ns, mtime_ns))
-    finally:
+    except OSError as exc:
         os.close(fd)
+        raise destination_error(exc, path) from None
+    try:
+        os.close(fd)
+    except OSError as exc:
+        raise destination_error(exc, path) from None
 
 
 def write_chunks(path: bytes, chunks: Iterator[bytes], mode: int, mtime_ns: int) -> int:
@@ -353,6 +361,8 @@ def remove_stale(path: bytes) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        raise destination_error(exc, path) from None
 
 
 def _read_up_to(reader, count: int) -> bytes:

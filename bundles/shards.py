@@ -6,6 +6,7 @@ import hashlib
 import os
 from array import array
 from dataclasses import dataclass
+from stat import S_ISREG
 from typing import Iterator
 
 from .codecs import Codec
@@ -20,7 +21,7 @@ MAX_AUTO_SHARD = 64 << 20
 _READ_CHUNK = 8 << 20
 _ZERO_HASH = bytes(HASH_SIZE)
 _ZERO_BLOCK = bytes(BLOCK)
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK     # a FIFO put in its place never blocks
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ def build_small_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool
     engine = native.module()
     if engine is not None:
         return _build_natively(engine, tree, codec, plan, md5)
+    return _build_in_python(tree, codec, plan, md5)
+
+
+def _build_in_python(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool) -> BuiltShard:
+    """build_small_shard in the Python engine."""
     index, parts = tree.index, []
     paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes,
                                                  index.sizes, index.links)
@@ -180,10 +186,12 @@ def _build_natively(engine, tree: SourceTree, codec: Codec, plan: ShardPlan, md5
             native.raw(part.modes), native.raw(part.mtimes), native.raw(part.sizes), plan.last, md5)
     except engine.NativeFailure as failure:
         kind, i = failure.args[:2]
-        path = os.path.join(tree.root, part.paths[i])
-        if kind == "unreadable":
-            _read_file(path, part.sizes[i], part.mtimes[i])     # raises the explained error
-        raise _changing(path) from None
+        if kind == "too large":
+            raise SourceError("does not fit in a shard held in memory", tree.root + b"/" + part.paths[i],
+                              "pack with a smaller --shard-size") from None
+        if kind == "changing":
+            raise _changing(tree.root + b"/" + part.paths[i]) from None
+        return _build_in_python(tree, codec, plan, md5)     # explains the unreadable file (or it was transient)
     return BuiltShard(codec.compress(raw), len(raw), file_bytes, hashes, array("Q", offsets),
                       array("Q", data_offsets), md5s)
 
@@ -237,16 +245,19 @@ def _read_file(path: bytes, size: int, mtime_ns: int) -> bytes:
     try:
         data = os.read(fd, size + 1)
         after = os.fstat(fd)
-        if len(data) == size and after.st_size == size and after.st_mtime_ns == mtime_ns:
+        if len(data) == size and after.st_size == size and after.st_mtime_ns == mtime_ns and S_ISREG(after.st_mode):
             return data
         os.lseek(fd, 0, os.SEEK_SET)
         before = os.fstat(fd)
         data = os.read(fd, size + 1)
         again = os.pread(fd, size + 1, 0)
-        moved = _moved(before, os.fstat(fd)) or again != data
+        after = os.fstat(fd)
+        moved = _moved(before, after) or again != data
+    except OSError:
+        data, after = b"", None         # explained below
     finally:
         os.close(fd)
-    if len(data) != size:
+    if after is None or len(data) != size or not S_ISREG(after.st_mode):
         return b"".join(_iter_file(path, size))
     if moved:
         raise _changing(path)
@@ -263,6 +274,9 @@ def _iter_file(path: bytes, size: int) -> Iterator[bytes]:
                           "make it readable (chmod u+r) or remove it from the source") from None
     try:
         before, remaining = os.fstat(fd), size
+        if not S_ISREG(before.st_mode):
+            raise SourceError("is no longer a regular file (replaced while being packed)", path,
+                              "pack again when nothing is changing the source")
         while remaining > 0:
             chunk = os.read(fd, min(remaining, _READ_CHUNK))
             if not chunk:

@@ -12,7 +12,7 @@ from bundles import native
 from bundles.codecs import get_codec
 from bundles.errors import CorruptBundleError, DestinationError, SourceError
 from bundles.extract import extract_shard_data, make_directories
-from bundles.index import Shard
+from bundles.index import Index, Shard
 from bundles.scan import scan
 from bundles.shards import ShardPlan, build_small_shard
 from bundles.tarformat import Kind, member_header
@@ -173,3 +173,61 @@ def test_a_bundle_packed_by_one_engine_unpacks_by_the_other(tmp_path, nasty_tree
     assert (tmp_path / "native.tar.zst").read_bytes() == (tmp_path / "python.tar.zst").read_bytes()
     listing = subprocess.run(["tar", "-tf", str(tmp_path / "native.tar.zst")], capture_output=True)
     assert listing.returncode == 0
+
+
+def _index_of(entries) -> Index:
+    """An index of ``entries`` (path, kind, mode, mtime_ns, size), laid out as one shard from offset 0."""
+    index = Index("none", 0, 1 << 20)
+    position = 0
+    for path, kind, mode, mtime_ns, size in entries:
+        for column, value in ((index.paths, path), (index.kinds, kind), (index.modes, mode),
+                              (index.mtimes, mtime_ns), (index.sizes, size), (index.links, b""),
+                              (index.link_groups, -1), (index.shard_of, 0), (index.offsets, position)):
+            column.append(value)
+        header = len(member_header(path, min(kind, Kind.HARDLINK), mode, mtime_ns, size, b""))
+        index.data_offsets.append(position + header)
+        position += header + (size + -size % 512 if kind == Kind.FILE and size < 1 << 40 else 0)
+    index.hashes = bytearray(16 * len(index.paths))
+    return index
+
+
+def _tar_of(index: Index) -> bytes:
+    parts = [member_header(p, min(k, Kind.HARDLINK), m, t, s, b"") for p, k, m, t, s in
+             zip(index.paths, index.kinds, index.modes, index.mtimes, index.sizes)]
+    return b"".join(parts) + bytes(1024)
+
+
+@pytest.mark.parametrize("engine", ["python", "native"] if ENGINE else ["python"])
+@pytest.mark.parametrize("case", ["size near 2**64", "unknown kind"])
+def test_hostile_index_columns_are_refused_by_both_engines(monkeypatch, tmp_path, engine, case):
+    monkeypatch.setenv("PALLET_ENGINE", engine)
+    entry = (b"big", Kind.FILE, 0o644, 0, 2**64 - 1) if case == "size near 2**64" else (b"odd", 7, 0o644, 0, 0)
+    index = _index_of([entry, (b"after", Kind.FILE, 0o644, 0, 0)])
+    data = _tar_of(index)
+    shard = Shard(0, 0, len(data), len(data), 0, 2, 0, b"")
+    with pytest.raises(CorruptBundleError, match="do not match the index"):
+        extract_shard_data(data, index, shard, str(tmp_path), True, "hostile.tar")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("engine", ["python", "native"] if ENGINE else ["python"])
+def test_an_empty_file_is_written_wherever_its_offset_points(monkeypatch, tmp_path, engine):
+    monkeypatch.setenv("PALLET_ENGINE", engine)
+    index = _index_of([(b"empty", Kind.FILE, 0o644, 0, 0)])
+    index.data_offsets[0] = 10**6
+    outcome = extract_shard_data(bytes(1024), index, Shard(0, 0, 0, 1024, 0, 1, 0, b""), str(tmp_path), False, "b")
+    assert outcome.files == 1 and (tmp_path / "empty").read_bytes() == b""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("engine", ["python", "native"] if ENGINE else ["python"])
+def test_a_fifo_put_in_a_files_place_is_named_not_waited_on(monkeypatch, tmp_path, engine):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a" * 10)
+    tree = scan(str(src) + "/", "zstd", 3)
+    (src / "a").unlink()
+    os.mkfifo(src / "a")
+    with pytest.raises(SourceError, match="no longer a regular file") as caught:
+        _build(monkeypatch, engine, tree)
+    assert caught.value.path == str(src) + "//a"

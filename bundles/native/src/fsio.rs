@@ -15,6 +15,14 @@ impl Drop for Fd {
     }
 }
 
+/// Close a descriptor and report the error close(2) gives (a write-back failure on NFS, for one).
+pub fn close(fd: Fd) -> io::Result<()> {
+    let raw = fd.0;
+    std::mem::forget(fd);
+    // SAFETY: `raw` came from the owned `Fd`, which was forgotten, so it is closed exactly once, here.
+    check(unsafe { libc::close(raw) }).map(|_| ())
+}
+
 fn c_path(path: &[u8]) -> io::Result<CString> {
     CString::new(path).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }

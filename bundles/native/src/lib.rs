@@ -109,6 +109,7 @@ fn build_shard<'py>(
     let shard = built.map_err(|failure| match failure {
         pack::ReadFailure::Unreadable(i) => NativeFailure::new_err(("unreadable", i, 0)),
         pack::ReadFailure::Changing(i) => NativeFailure::new_err(("changing", i, 0)),
+        pack::ReadFailure::TooLarge(i) => NativeFailure::new_err(("too large", i, 0)),
     })?;
     let words = |values: &[u64]| {
         values
@@ -127,7 +128,8 @@ fn build_shard<'py>(
 }
 
 /// check_members(data, count, paths, links, kinds, modes, mtimes, sizes, offsets, data_offsets) -> int | None:
-/// None when the tar bytes hold exactly these members, else the first entry that differs.
+/// None when the tar bytes hold exactly these members, else the first entry that differs (`count`: the bytes
+/// after the last entry).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn check_members(

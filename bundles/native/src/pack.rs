@@ -7,7 +7,9 @@ use md5::{Digest, Md5};
 use xxhash_rust::xxh3::xxh3_128;
 
 const END_OF_ARCHIVE: usize = 1024;
-const READ_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+// O_NONBLOCK: a FIFO put in a file's place never blocks the read (it fails the regular-file check instead)
+const READ_FLAGS: libc::c_int =
+    libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
 
 /// Why a source file could not be read as the scan saw it (Python turns it into its SourceError).
 pub enum ReadFailure {
@@ -15,6 +17,8 @@ pub enum ReadFailure {
     Unreadable(usize),
     /// Its size, mtime or ctime moved while it was read a second time.
     Changing(usize),
+    /// The shard cannot be held in memory (sizes from a hostile or absurd index, or memory exhausted).
+    TooLarge(usize),
 }
 
 /// One built shard, before compression.
@@ -35,9 +39,20 @@ pub fn build_shard(
     md5: bool,
 ) -> Result<RawShard, ReadFailure> {
     let n = entries.len();
-    let estimate: u64 = (0..n).map(|i| entries.size(i) + 1536).sum::<u64>() + END_OF_ARCHIVE as u64;
+    let estimate = (0..n).try_fold(END_OF_ARCHIVE as u64, |total, i| {
+        total
+            .checked_add(entries.size(i))
+            .and_then(|t| t.checked_add(1536))
+            .ok_or(i)
+    });
+    let mut raw = Vec::new();
+    match estimate.map(usize::try_from) {
+        Ok(Ok(bytes)) if raw.try_reserve_exact(bytes).is_ok() => {}
+        Ok(_) => return Err(ReadFailure::TooLarge(n.saturating_sub(1))),
+        Err(i) => return Err(ReadFailure::TooLarge(i)),
+    }
     let mut shard = RawShard {
-        raw: Vec::with_capacity(estimate as usize),
+        raw,
         file_bytes: 0,
         hashes: Vec::with_capacity(16 * n),
         offsets: Vec::with_capacity(n),
@@ -90,7 +105,9 @@ fn read_file(path: &[u8], size: u64, mtime_ns: i64, out: &mut Vec<u8>) -> Result
     let start = out.len();
     let got = read_into(&fd, size, out)?;
     let after = fsio::fstat(&fd).map_err(|_| false)?;
-    if got == size && after.st_size as u64 == size && fsio::mtime_ns(&after) == mtime_ns {
+    let regular = after.st_mode & libc::S_IFMT == libc::S_IFREG;
+    if got == size && after.st_size as u64 == size && fsio::mtime_ns(&after) == mtime_ns && regular
+    {
         out.truncate(start + size as usize);
         return Ok(());
     }
@@ -102,7 +119,7 @@ fn read_file(path: &[u8], size: u64, mtime_ns: i64, out: &mut Vec<u8>) -> Result
     let mut again = Vec::with_capacity(size as usize + 1);
     read_into(&fd, size, &mut again)?;
     let after = fsio::fstat(&fd).map_err(|_| false)?;
-    if got != size {
+    if got != size || after.st_mode & libc::S_IFMT != libc::S_IFREG {
         out.truncate(start);
         return Err(false);
     }

@@ -2,7 +2,7 @@
 
 use crate::columns::{u64_at, Columns};
 use crate::fsio::{self, Fd};
-use crate::header::{member_header, FILE};
+use crate::header::{member_header, FILE, HARDLINK};
 use std::io;
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -20,14 +20,18 @@ pub struct Layout<'a> {
 
 /// Return None when `data` holds exactly the members of `entries`, each header byte for byte as pallet
 /// writes it at its offset, followed only by zero padding and the end-of-archive blocks; otherwise the
-/// number of the first entry that differs (the last one when extra bytes follow).
+/// number of the first entry that differs, or `entries.len()` when the bytes after the last one are wrong.
 pub fn check_members(data: &[u8], entries: &Columns, layout: &Layout) -> Option<usize> {
     let mut position: u64 = 0;
     let mut header = Vec::with_capacity(1536);
     for i in 0..entries.len() {
         let start = u64_at(layout.offsets, i);
         let data_start = u64_at(layout.data_offsets, i);
-        if start != position || data_start < start || data_start > data.len() as u64 {
+        if start != position
+            || data_start < start
+            || data_start > data.len() as u64
+            || entries.kind(i) > HARDLINK
+        {
             return Some(i);
         }
         header.clear();
@@ -38,17 +42,21 @@ pub fn check_members(data: &[u8], entries: &Columns, layout: &Layout) -> Option<
         position = data_start;
         if entries.kind(i) == FILE {
             let size = entries.size(i);
-            position = position.saturating_add(size + (BLOCK - size % BLOCK) % BLOCK);
+            let padded = size.checked_add((BLOCK - size % BLOCK) % BLOCK);
+            match padded.and_then(|padded| position.checked_add(padded)) {
+                Some(end) => position = end,
+                None => return Some(i),
+            }
         }
     }
-    let last = entries.len().saturating_sub(1);
+    // `entries.len()` stands for "after the last entry": extra or missing bytes at the end
     if position > data.len() as u64 {
-        return Some(last);
+        return Some(entries.len());
     }
     let rest = &data[position as usize..];
     let only_end =
         (rest.is_empty() || rest.len() == END_OF_ARCHIVE) && rest.iter().all(|&b| b == 0);
-    (!only_end).then_some(last)
+    (!only_end).then_some(entries.len())
 }
 
 /// What extracting a shard's files did, or the entry whose write failed.
@@ -92,10 +100,11 @@ pub fn extract_files(
         }
         let start = u64_at(layout.data_offsets, i);
         let size = entries.size(i);
-        let content = start
-            .checked_add(size)
-            .filter(|&end| end <= data.len() as u64)
-            .map(|end| &data[start as usize..end as usize]);
+        let content = match start.checked_add(size) {
+            _ if size == 0 => Some(&data[..0]),
+            Some(end) if end <= data.len() as u64 => Some(&data[start as usize..end as usize]),
+            _ => None,
+        };
         let Some(content) = content else {
             done.bad.push(i);
             continue;
@@ -134,7 +143,7 @@ fn write_file(
         fsio::fchmod(&fd, wanted).map_err(Some)?;
     }
     fsio::set_mtime(&fd, mtime_ns).map_err(Some)?;
-    Ok(())
+    fsio::close(fd).map_err(Some)
 }
 
 /// Open a new, empty file at `path`, unlinking first whatever non-directory stands there.
