@@ -227,7 +227,8 @@ def compare(name: str, load: Workload, settings: Settings, commands: Callable, f
             m.argv = pallet_argv(m.env["PALLET_ENGINE"])
         turn = rep % len(everyone)
         for m in everyone[turn:] + everyone[:turn]:
-            timed(m, f"{name} {load.name} rep {rep + 1}", settings, peer_stdout if m is peer else None)
+            sink = peer_stdout if m is peer else os.devnull if m is floor else None
+            timed(m, f"{name} {load.name} rep {rep + 1}", settings, sink)
     target = TARGETS[(name, load.name)]
     return [Comparison(name, load.label, m.env["PALLET_ENGINE"], load.files, m, peer, floor, target) for m in mine]
 

@@ -8,6 +8,8 @@ import resource
 import sys
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, TextIO
 
@@ -16,6 +18,7 @@ from bundles.errors import CorruptBundleError, PalletError, StreamError
 from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree,
                              make_directories, prepare_destination, write_streamed_file)
 from bundles.index import Shard, content_hash, new_hasher
+from bundles.parallel import default_jobs
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
                             decode_skeleton, frame_limit)
@@ -93,7 +96,8 @@ def _receive_into(reader: FrameReader, out: TextIO, dest: str, skeleton: Skeleto
     _reply(out, skeleton, receiver.recorded)
     make_directories(skeleton.index, dest)
     reader.shard_limit = frame_limit(skeleton)
-    with _ReadAhead(reader) as frames:
+    with _ReadAhead(reader) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
+        receiver.pool = pool
         for plan in skeleton.plans:
             receiver.take(plan, frames)
         receiver.finish(frames)
@@ -122,7 +126,14 @@ def _reply(out: TextIO, skeleton: Skeleton, recorded: dict[int, bytes]) -> None:
 
 
 class _Receiver:
-    """The state of one receive: the index being assembled, the journal, and counters."""
+    """The state of one receive: the index being assembled, the journal, and counters.
+
+    Small shards are checked, decompressed and written by ``threads`` threads
+    (the native engine and the codecs release the GIL), at most ``threads``
+    of them in flight besides the one being read. Each shard is journaled as
+    soon as it is written (under a lock); the index and counters are updated
+    by the receiving thread alone, in shard order.
+    """
 
     def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str):
         self.index, self.dest, self.verify, self.journal, self.source = skeleton.index, dest, verify, journal, source
@@ -130,6 +141,10 @@ class _Receiver:
         self.recorded = journal.recorded_shards()
         self.run = new_run_name()
         self.offset = self.received = self.skipped = self.files = self.file_bytes = self.data_bytes = 0
+        self.threads = max(1, min(default_jobs(), len(skeleton.plans)))
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: deque[tuple[Shard, int, Future]] = deque()
+        self.journal_lock = threading.Lock()
         reset_columns(self.index)
 
     def take(self, plan: ShardPlan, frames: "_ReadAhead") -> None:
@@ -154,11 +169,31 @@ class _Receiver:
 
     def _take_small(self, plan: ShardPlan, record: ShardRecord) -> None:
         shard = self._record(plan, record)
+        self.pending.append((shard, record.length, self.pool.submit(self._extract_small, plan, shard, record)))
+        while len(self.pending) > self.threads:
+            self._complete_oldest()
+
+    def _extract_small(self, plan: ShardPlan, shard: Shard, record: ShardRecord):
+        """In a pool thread: check, decompress and write one small shard."""
         if self.verify and content_hash(record.built.compressed) != record.hash:
             raise damaged_shard(self.source, self.index, shard)
         data = self._codec(plan).decompress(record.built.compressed, record.built.raw_size)
         outcome = extract_shard_data(data, self.index, shard, self.dest, self.verify, self.source)
-        self._done(shard, record.length, outcome.files, outcome.file_bytes)
+        self._journal(shard)        # at once: a sender that stalls must not keep a finished shard unrecorded
+        return outcome
+
+    def _journal(self, shard: Shard) -> None:
+        with self.journal_lock:
+            self.journal.record_shard(self.index, shard.number, self.run, 0)
+
+    def _complete_oldest(self) -> None:
+        shard, length, future = self.pending.popleft()
+        outcome = future.result()
+        self._count(length, outcome.files, outcome.file_bytes)
+
+    def _complete_all(self) -> None:
+        while self.pending:
+            self._complete_oldest()
 
     def _take_big(self, plan: ShardPlan, first: Frame, frames: "_ReadAhead") -> None:
         i, where = plan.first, f"shard {plan.number}"
@@ -178,7 +213,8 @@ class _Receiver:
         if self.verify and digest != record.built.hashes:
             raise CorruptBundleError(f"{where}: content hash mismatch", self.source, _HINT,
                                      [os.fsdecode(self.index.paths[i])])
-        self._done(shard, record.length, 1, self.index.sizes[i])
+        self._journal(shard)
+        self._count(record.length, 1, self.index.sizes[i])
 
     def _codec(self, plan: ShardPlan) -> Codec:
         """The stream's codec, naming the shard in its decoding errors."""
@@ -192,15 +228,16 @@ class _Receiver:
         self.offset += record.length
         return shard
 
-    def _done(self, shard: Shard, length: int, files: int, file_bytes: int) -> None:
-        self.journal.record_shard(self.index, shard.number, self.run, 0)
+    def _count(self, length: int, files: int, file_bytes: int) -> None:
         self.received += 1
         self.data_bytes += length
         self.files += files
         self.file_bytes += file_bytes
 
     def finish(self, frames: "_ReadAhead") -> None:
-        """Check the sender's index against the assembled one, and that the stream ends there."""
+        """Wait for the shards in flight, check the sender's index against the assembled one, and that the
+        stream ends there."""
+        self._complete_all()
         frame = _expect(frames, self.source, "the index")
         if frame.kind != FrameKind.INDEX:
             raise StreamError(f"expected the index, got a {frame.kind.name} frame", self.source, _HINT)
