@@ -52,6 +52,11 @@ def module() -> ModuleType | None:
     return native
 
 
+def releases_gil() -> bool:
+    """True when the per-file loops run natively now, so threads (not processes) can share the work."""
+    return module() is not None
+
+
 def engine_info() -> EngineInfo:
     """The engine calls would use now, for ``pallet --version`` and the benchmarks."""
     if os.environ.get("PALLET_ENGINE", "") == "python":

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator
 
+from . import native
 from .errors import WorkerError
 from .workers import receive_message, send_message
 
@@ -47,7 +48,7 @@ def pool_for(pool: "WorkerPool | None", jobs: int) -> Iterator["WorkerPool"]:
     if pool is not None:
         yield pool
         return
-    with WorkerPool(jobs) as own:
+    with WorkerPool(jobs, native.releases_gil()) as own:
         yield own
 
 
@@ -109,6 +110,10 @@ class _Worker:
 class WorkerPool:
     """``jobs`` worker processes owned by one operation; with ``jobs`` <= 1 all work runs inline.
 
+    With ``in_threads`` the work runs on ``jobs`` threads of this process
+    instead, for work that releases the GIL (the native engine's loops, the
+    codecs): no process is started and nothing is pickled.
+
     Workers are started with ``posix_spawn``/``exec`` (``subprocess``), never
     by forking this process, so a host running threads (Snakemake, Parsl, a
     user's thread pool) is safe: no lock or pipe of another thread is copied
@@ -122,8 +127,9 @@ class WorkerPool:
     it as a context manager) to stop the workers.
     """
 
-    def __init__(self, jobs: int):
+    def __init__(self, jobs: int, in_threads: bool = False):
         self.jobs = max(1, jobs)
+        self.in_threads = in_threads
         self._workers: list[_Worker] = []
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: ThreadPoolExecutor | None = None
@@ -138,7 +144,7 @@ class WorkerPool:
         """Start the worker processes now (no-op inline or when already started)."""
         if self.jobs > 1 and self._threads is None:
             self._threads = ThreadPoolExecutor(self.jobs, thread_name_prefix="pallet-worker")
-            for _ in range(self.jobs):
+            for _ in range(0 if self.in_threads else self.jobs):
                 worker = _Worker()
                 self._workers.append(worker)
                 self._idle.put(worker)
@@ -182,6 +188,8 @@ class WorkerPool:
                     future.cancel()
 
     def _call(self, func: Callable, item: object) -> object:
+        if self.in_threads:
+            return func(item)
         worker = self._idle.get()
         try:
             return worker.call(func, item)

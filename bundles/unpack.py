@@ -6,7 +6,7 @@ import time
 from functools import partial
 from dataclasses import dataclass
 
-from . import plain
+from . import native, plain
 from .extract import ShardOutcome, check_index, extract_shard, finish_tree, make_directories, prepare_destination
 from .index import Index
 from .jobs import ShardJob, shard_jobs
@@ -60,7 +60,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
     started = time.monotonic()
     dest = os.fspath(dest)
     progress = progress or NoProgress()
-    with Bundle.open(bundle_path, options.use_index) as bundle, WorkerPool(_unpack_jobs(bundle.index, options)) as pool:
+    with Bundle.open(bundle_path, options.use_index) as bundle, WorkerPool(_unpack_jobs(bundle.index, options),
+                                                                              native.releases_gil()) as pool:
         pool.start()        # the workers start while the index is checked and the directories made
         if bundle.index is not None:
             check_index(bundle.index, bundle.path)

@@ -13,10 +13,11 @@ from bundles.codecs import get_codec
 from bundles.errors import CorruptBundleError, DestinationError, SourceError
 from bundles.extract import extract_shard_data, make_directories
 from bundles.index import Index, Shard
+from bundles.safety import index_problems
 from bundles.scan import scan
 from bundles.shards import ShardPlan, build_small_shard
 from bundles.tarformat import Kind, member_header
-from tests.conftest import assert_same_tree, run_pallet
+from tests.conftest import assert_same_tree, make_files, run_pallet
 
 ENGINE = native.module()
 needs_native = pytest.mark.skipif(ENGINE is None, reason="the native engine is not built")
@@ -231,3 +232,26 @@ def test_a_fifo_put_in_a_files_place_is_named_not_waited_on(monkeypatch, tmp_pat
     with pytest.raises(SourceError, match="no longer a regular file") as caught:
         _build(monkeypatch, engine, tree)
     assert caught.value.path == str(src) + "//a"
+
+
+_components = st.sampled_from([b"a", b"b", b".", b"..", b"", b".pallet", b".pallet-partial", b".palletx", b"c d"])
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(entries=st.lists(st.tuples(st.lists(_components, min_size=1, max_size=3).map(b"/".join),
+                                  st.sampled_from([0, 0, 1, 1, 2, 3, 9])), max_size=12))
+def test_the_native_safety_precheck_never_passes_what_the_rules_refuse(entries):
+    """trivially_safe may defer (False) for a safe index, but True must mean index_problems finds nothing."""
+    paths, kinds = [p for p, _ in entries], bytes(k for _, k in entries)
+    if ENGINE.trivially_safe(len(paths), native.blob(paths), kinds):
+        index = _index_of([(p, k, 0o644, 0, 0) for p, k in entries])
+        assert index_problems(index) == []
+
+
+@needs_native
+def test_the_native_safety_precheck_proves_a_plain_tree(nasty_tree, tmp_path):
+    plain = scan(make_files(tmp_path / "plain", 50, 5, lambda n: b"x"), "zstd", 3).index
+    assert ENGINE.trivially_safe(len(plain), native.blob(plain.paths), native.raw(plain.kinds))
+    nasty = scan(nasty_tree, "zstd", 3).index      # links: the Python rules decide
+    assert not ENGINE.trivially_safe(len(nasty), native.blob(nasty.paths), native.raw(nasty.kinds))

@@ -8,6 +8,7 @@ mod columns;
 mod fsio;
 mod header;
 mod pack;
+mod safety;
 mod unpack;
 
 use columns::{split_blob, Columns};
@@ -203,6 +204,15 @@ fn extract_files(
     }
 }
 
+/// trivially_safe(count, paths, kinds) -> bool: True only when the extraction rules cannot refuse any entry
+/// (plain names, files and directories only); False means "ask the Python rules", not "unsafe".
+#[pyfunction]
+fn trivially_safe(py: Python<'_>, count: usize, paths: &[u8], kinds: &[u8]) -> PyResult<bool> {
+    let names = split_blob(paths, count).filter(|_| kinds.len() == count);
+    let names = names.ok_or_else(|| PyValueError::new_err("entry columns of different lengths"))?;
+    Ok(py.allow_threads(|| safety::trivially_safe(&names, kinds)))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("INTERFACE", INTERFACE)?;
@@ -210,6 +220,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(member_header, m)?)?;
     m.add_function(wrap_pyfunction!(build_shard, m)?)?;
     m.add_function(wrap_pyfunction!(check_members, m)?)?;
+    m.add_function(wrap_pyfunction!(trivially_safe, m)?)?;
     m.add_function(wrap_pyfunction!(extract_files, m)?)?;
     Ok(())
 }
