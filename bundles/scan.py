@@ -7,9 +7,10 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable
 
+from . import native
 from .errors import SourceError
 from .index import Index
-from .parallel import WorkerPool, jobs_for
+from .parallel import WorkerPool, default_jobs, jobs_for
 from .reserved import reserved_problem
 from .tarformat import Kind
 
@@ -48,6 +49,9 @@ def scan(src: str | os.PathLike, codec: str, level: int, exclude: frozenset[byte
         raise SourceError("does not exist", src, "check the path") from None
     except OSError as exc:
         raise SourceError(f"cannot read ({exc.strerror})", src, "check its permissions") from None
+    engine = native.module()
+    if stat.S_ISDIR(st.st_mode) and include is None and not exclude and engine is not None:
+        return _scan_natively(engine, src, top, Index(codec, level, 0), pool)
     if stat.S_ISDIR(st.st_mode):
         root, names = top, (_walk(top, _warm_up(pool)) if include is None else _selected(top, include))
         if exclude:
@@ -70,6 +74,38 @@ def scan(src: str | os.PathLike, codec: str, level: int, exclude: frozenset[byte
         raise SourceError("cannot be packed:\n" + "\n".join(f"  - {p}" for p in problems), src,
                           "remove or replace these entries, or pack a directory that does not hold them")
     return SourceTree(root, index)
+
+
+def _scan_natively(engine, src, top: bytes, index: Index, pool: WorkerPool | None) -> SourceTree:
+    """scan() of a whole directory by the native engine: walk and lstat on native threads; the entries it
+    leaves to Python (symlinks, special files, reserved names, failed lstat calls) go through _stat_entry."""
+    try:
+        names, kinds, modes, mtimes, sizes, multi, attention = engine.scan_tree(top, default_jobs())
+    except engine.NativeFailure as failure:
+        _, path, number = failure.args
+        raise SourceError(f"cannot list directory ({os.strerror(number)})", path,
+                          "make it readable (chmod u+rx) or leave it out of the source") from None
+    index.paths = names.split(b"\0") if names else []
+    _warm_up(pool)(len(index.paths))
+    index.kinds, index.modes, index.mtimes, index.sizes = (array(code, raw) for code, raw in
+                                                          (("B", kinds), ("I", modes), ("q", mtimes), ("Q", sizes)))
+    index.links = [b""] * len(index.paths)
+    triples = array("Q", multi)
+    multi_linked = [tuple(triples[k:k + 3]) for k in range(0, len(triples), 3)]
+    problems: list[str] = []
+    for n in array("Q", attention):
+        rel = index.paths[n]
+        one = _ChunkStats(n, array("B"), array("I"), array("q"), array("Q"), [], multi_linked, problems)
+        _stat_entry(top + b"/" + rel, rel, n, one)
+        index.kinds[n], index.modes[n], index.mtimes[n], index.sizes[n] = \
+            one.kinds[0], one.modes[0], one.mtimes[0], one.sizes[0]
+        index.links[n] = one.links[0]
+    multi_linked.sort()
+    _link_hard_links(index, multi_linked)
+    if problems:
+        raise SourceError("cannot be packed:\n" + "\n".join(f"  - {p}" for p in problems), src,
+                          "remove or replace these entries, or pack a directory that does not hold them")
+    return SourceTree(top, index)
 
 
 _WHOLE = object()      # an included directory: everything under it
@@ -184,38 +220,42 @@ def _stat_chunk(chunk: StatChunk) -> _ChunkStats:
     root = chunk.root + b"/"
     out = _ChunkStats(chunk.start, array("B"), array("I"), array("q"), array("Q"), [], [], [])
     for n, rel in enumerate(chunk.names, chunk.start):
-        path = root + rel
-        try:
-            st = os.lstat(path)
-        except OSError as exc:
-            raise SourceError(f"cannot stat ({exc.strerror})", path,
-                              "check its permissions, or pack again when nothing is changing the source") from None
-        if b".pallet" in rel and reserved_problem(rel):
-            out.problems.append(f"{os.fsdecode(rel)!r}: {reserved_problem(rel)}")
-        mode, size, link = st.st_mode, 0, b""
-        if stat.S_ISREG(mode):
-            kind, size = Kind.FILE, st.st_size
-            if st.st_nlink > 1:
-                out.multi_linked.append((n, st.st_dev, st.st_ino))
-        elif stat.S_ISDIR(mode):
-            kind = Kind.DIR
-        elif stat.S_ISLNK(mode):
-            kind, link = Kind.SYMLINK, os.readlink(path)
-            if not link_stays_inside(rel, link):
-                out.problems.append(f"{os.fsdecode(rel)!r}: symlink to {os.fsdecode(link)!r} points outside the tree")
-        else:
-            kind = Kind.FILE
-            out.problems.append(f"{os.fsdecode(rel)!r}: special file (device, FIFO or socket)")
-        mtime = st.st_mtime_ns
-        if not _MIN_MTIME <= mtime <= _MAX_MTIME:
-            out.problems.append(f"{os.fsdecode(rel)!r}: mtime is beyond the year 2262 (not representable)")
-            mtime = 0
-        out.kinds.append(kind)
-        out.modes.append(stat.S_IMODE(mode))
-        out.mtimes.append(mtime)
-        out.sizes.append(size)
-        out.links.append(link)
+        _stat_entry(root + rel, rel, n, out)
     return out
+
+
+def _stat_entry(path: bytes, rel: bytes, n: int, out: _ChunkStats) -> None:
+    """lstat (and readlink) entry ``n``, named ``rel``, and append its columns and problems to ``out``."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise SourceError(f"cannot stat ({exc.strerror})", path,
+                          "check its permissions, or pack again when nothing is changing the source") from None
+    if b".pallet" in rel and reserved_problem(rel):
+        out.problems.append(f"{os.fsdecode(rel)!r}: {reserved_problem(rel)}")
+    mode, size, link = st.st_mode, 0, b""
+    if stat.S_ISREG(mode):
+        kind, size = Kind.FILE, st.st_size
+        if st.st_nlink > 1:
+            out.multi_linked.append((n, st.st_dev, st.st_ino))
+    elif stat.S_ISDIR(mode):
+        kind = Kind.DIR
+    elif stat.S_ISLNK(mode):
+        kind, link = Kind.SYMLINK, os.readlink(path)
+        if not link_stays_inside(rel, link):
+            out.problems.append(f"{os.fsdecode(rel)!r}: symlink to {os.fsdecode(link)!r} points outside the tree")
+    else:
+        kind = Kind.FILE
+        out.problems.append(f"{os.fsdecode(rel)!r}: special file (device, FIFO or socket)")
+    mtime = st.st_mtime_ns
+    if not _MIN_MTIME <= mtime <= _MAX_MTIME:
+        out.problems.append(f"{os.fsdecode(rel)!r}: mtime is beyond the year 2262 (not representable)")
+        mtime = 0
+    out.kinds.append(kind)
+    out.modes.append(stat.S_IMODE(mode))
+    out.mtimes.append(mtime)
+    out.sizes.append(size)
+    out.links.append(link)
 
 
 def _add_chunk(index: Index, chunk: _ChunkStats, multi_linked: list, problems: list) -> None:

@@ -80,12 +80,18 @@ def build_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, threads: int, o
     return place_shard(tree.index, plan, built, out, offset)
 
 
-def place_shard(index: Index, plan: ShardPlan, built: BuiltShard, out, offset: int) -> Shard:
-    """Write a built shard (unless it was streamed there) and record it with its position and hash."""
+def place_shard(index: Index, plan: ShardPlan, built: BuiltShard, out, offset: int,
+                streamed_hash: bytes | None = None) -> Shard:
+    """Write a built shard (unless it was streamed there) and record it with its position and hash
+    (``streamed_hash``: the hash of a streamed shard's bytes, taken as they were written; else they are read
+    back to hash them)."""
     if not plan.big:
         out.write(built.compressed)
     length = out.tell() - offset
-    digest = content_hash(built.compressed) if not plan.big else hash_region(out, offset, length)
+    if not plan.big:
+        digest = content_hash(built.compressed)
+    else:
+        digest = streamed_hash or hash_region(out, offset, length)
     shard = Shard(plan.number, offset, length, built.raw_size, plan.first, plan.count, built.file_bytes, digest)
     record_shard(index, plan, built, shard)
     return shard
@@ -303,6 +309,24 @@ def _moved(before: os.stat_result, after: os.stat_result) -> bool:
 def _changing(path: bytes) -> SourceError:
     return SourceError("changed while being read (its size, mtime or ctime moved), so its bytes may mix two "
                        "versions", path, "pack or push again when nothing is writing to it")
+
+
+class HashingWriter:
+    """A file-like wrapper that hashes what is written through it to ``out`` (for shards streamed by a codec
+    that writes to a file object, not to a descriptor)."""
+
+    def __init__(self, out):
+        self.out, self.hasher = out, new_hasher()
+
+    def write(self, data) -> int:
+        self.hasher.update(data)
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def digest(self) -> bytes:
+        return self.hasher.digest()
 
 
 def hash_region(out, offset: int, length: int) -> bytes:

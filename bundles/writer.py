@@ -6,15 +6,15 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterator
 
-from . import container
+from . import container, native
 from .codecs import Codec, get_codec
 from .errors import DestinationError, PalletError
 from .index import Index
 from .parallel import WorkerPool, default_jobs, jobs_for, pool_for
 from .progress import NoProgress, Progress
 from .scan import PACK_SECONDS_PER_ENTRY, SourceTree, scan
-from .shards import (BuiltShard, ShardPlan, auto_shard_size, build_from_source, build_streamed_shard, place_shard,
-                     plan_shards, reset_columns, shard_source)
+from .shards import (BuiltShard, HashingWriter, ShardPlan, auto_shard_size, build_from_source, build_streamed_shard,
+                     place_shard, plan_shards, reset_columns, shard_source)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def pack(src: str | os.PathLike, bundle: str | os.PathLike, options: PackOptions
     codec = get_codec(options.codec, options.level)
     bundle = os.fspath(bundle)
     check_destination(bundle)
-    with WorkerPool(options.jobs or default_jobs()) as pool:
+    with WorkerPool(options.jobs or default_jobs(), native.releases_gil()) as pool:
         tree = scan(src, codec.name, codec.level, options.exclude, options.include, pool)
         return _write_bundle(tree, bundle, codec, options, progress, pool, started)
 
@@ -90,8 +90,17 @@ def _write_shards(tree: SourceTree, plans: list[ShardPlan], codec: Codec, jobs: 
                   progress) -> None:
     reset_columns(tree.index)
     offset = out.tell()
-    for plan, built in iter_shards(tree, plans, codec, jobs, lambda plan: out, pool):
-        place_shard(tree.index, plan, built, out, offset)
+    hashing: dict[int, HashingWriter] = {}
+
+    def sink(plan: ShardPlan):
+        if codec.name == "gzip":       # pigz writes to the descriptor: its bytes are read back to hash them
+            return out
+        hashing[plan.number] = HashingWriter(out)
+        return hashing[plan.number]
+
+    for plan, built in iter_shards(tree, plans, codec, jobs, sink, pool):
+        writer = hashing.pop(plan.number, None)
+        place_shard(tree.index, plan, built, out, offset, writer.digest() if writer else None)
         offset = out.tell()
         progress.advance(plan.count, built.file_bytes)
 

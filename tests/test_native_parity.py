@@ -255,3 +255,38 @@ def test_the_native_safety_precheck_proves_a_plain_tree(nasty_tree, tmp_path):
     assert ENGINE.trivially_safe(len(plain), native.blob(plain.paths), native.raw(plain.kinds))
     nasty = scan(nasty_tree, "zstd", 3).index      # links: the Python rules decide
     assert not ENGINE.trivially_safe(len(nasty), native.blob(nasty.paths), native.raw(nasty.kinds))
+
+
+def _columns(tree) -> dict:
+    index = tree.index
+    return {name: list(getattr(index, name)) for name in ("paths", "kinds", "modes", "mtimes", "sizes", "links",
+                                                          "link_groups")} | {"root": tree.root}
+
+
+@needs_native
+def test_both_engines_scan_the_same_columns(monkeypatch, nasty_tree, tmp_path):
+    big = make_files(tmp_path / "many", 3000, 40, lambda n: b"y" * (n % 7))
+    os.link(os.path.join(big, "d0", "f00000"), os.path.join(big, "d1", "hard"))
+    for tree in (nasty_tree, big):
+        scanned = []
+        for engine in ("python", "native"):
+            monkeypatch.setenv("PALLET_ENGINE", engine)
+            scanned.append(_columns(scan(tree, "zstd", 3)))
+        assert scanned[0] == scanned[1]
+
+
+@needs_native
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_both_engines_refuse_the_same_entries_when_scanning(monkeypatch, tmp_path, engine):
+    monkeypatch.setenv("PALLET_ENGINE", engine)
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "ok").write_bytes(b"fine")
+    os.symlink("/etc/passwd", src / "sub" / "escape")
+    os.mkfifo(src / "fifo")
+    (src / ".pallet").mkdir()
+    with pytest.raises(SourceError) as caught:
+        scan(str(src), "zstd", 3)
+    text = str(caught.value)
+    assert "'.pallet': the name .pallet is reserved" in text
+    assert "'fifo': special file" in text and "'sub/escape': symlink to '/etc/passwd'" in text

@@ -9,6 +9,7 @@ mod fsio;
 mod header;
 mod pack;
 mod safety;
+mod scan;
 mod unpack;
 
 use columns::{split_blob, Columns};
@@ -213,6 +214,49 @@ fn trivially_safe(py: Python<'_>, count: usize, paths: &[u8], kinds: &[u8]) -> P
     Ok(py.allow_threads(|| safety::trivially_safe(&names, kinds)))
 }
 
+type ScanColumns<'py> = (
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
+
+/// scan_tree(root, threads) -> (names, kinds, modes, mtimes, sizes, multi_linked, attention): the walk and lstat
+/// of a directory tree, see scan.rs; a directory that cannot be listed is NativeFailure("list", path, errno).
+#[pyfunction]
+fn scan_tree<'py>(py: Python<'py>, root: &[u8], threads: usize) -> PyResult<ScanColumns<'py>> {
+    let scanned =
+        py.allow_threads(|| scan::walk(root).map(|names| scan::stat_all(root, names, threads)));
+    let tree = scanned.map_err(|failure| {
+        let errno = failure.error.raw_os_error().unwrap_or(libc::EIO);
+        NativeFailure::new_err(("list", PyBytes::new(py, &failure.path).unbind(), errno))
+    })?;
+    let bytes = |raw: Vec<u8>| PyBytes::new(py, &raw);
+    Ok((
+        bytes(tree.names.join(&0u8)),
+        bytes(tree.kinds),
+        bytes(tree.modes.iter().flat_map(|v| v.to_ne_bytes()).collect()),
+        bytes(tree.mtimes.iter().flat_map(|v| v.to_ne_bytes()).collect()),
+        bytes(tree.sizes.iter().flat_map(|v| v.to_ne_bytes()).collect()),
+        bytes(
+            tree.multi_linked
+                .iter()
+                .flatten()
+                .flat_map(|v| v.to_ne_bytes())
+                .collect(),
+        ),
+        bytes(
+            tree.attention
+                .iter()
+                .flat_map(|v| v.to_ne_bytes())
+                .collect(),
+        ),
+    ))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("INTERFACE", INTERFACE)?;
@@ -221,6 +265,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_shard, m)?)?;
     m.add_function(wrap_pyfunction!(check_members, m)?)?;
     m.add_function(wrap_pyfunction!(trivially_safe, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_tree, m)?)?;
     m.add_function(wrap_pyfunction!(extract_files, m)?)?;
     Ok(())
 }
