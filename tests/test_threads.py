@@ -190,7 +190,8 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_workers_die_with_a_killed_pallet(tmp_path):
-    """kill -9 of `pallet pack` while its workers build shards: no worker outlives it."""
+    """kill -9 of `pallet pack` while its workers build shards: no worker outlives it. The Python engine
+    packs on worker processes (the native engine on threads of its own process, which leave nothing behind)."""
     src = tmp_path / "src"
     for n in range(20_000):
         path = src / f"d{n % 50}" / f"f{n:05d}"
@@ -199,7 +200,8 @@ def test_workers_die_with_a_killed_pallet(tmp_path):
     pallet = shutil.which("pallet", path=os.path.dirname(sys.executable))
     process = subprocess.Popen([pallet, "pack", "--jobs", "2", "--shard-size", "64K", str(src),
                                 str(tmp_path / "b.tar.zst")], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+                               stderr=subprocess.DEVNULL,
+                               env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PALLET_ENGINE": "python"})
     workers: set[int] = set()
     while process.poll() is None and len(workers) < 2:
         workers = children(process.pid)

@@ -19,6 +19,19 @@ class TestLocalConformance(TransportConformance):
         return ConformanceTarget(open_transport(str(remote)), str(remote))
 
 
+class TestLocalPythonEngineConformance(TransportConformance):
+    """The local transport again, copying one file at a time as the Python engine does."""
+
+    scheme = "file"
+
+    @pytest.fixture
+    def conformance_target(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("PALLET_ENGINE", "python")
+        remote = tmp_path / "remote"
+        remote.mkdir()
+        return ConformanceTarget(open_transport(str(remote)), str(remote))
+
+
 class TestSSHConformance(TransportConformance):
     scheme = "ssh"
 

@@ -128,11 +128,16 @@ pub fn fchmod(fd: &Fd, mode: u32) -> io::Result<()> {
 
 /// Set access and modification time of an open file to `mtime_ns`.
 pub fn set_mtime(fd: &Fd, mtime_ns: i64) -> io::Result<()> {
-    let stamp = libc::timespec {
-        tv_sec: mtime_ns.div_euclid(1_000_000_000) as libc::time_t,
-        tv_nsec: mtime_ns.rem_euclid(1_000_000_000) as libc::c_long,
+    set_times(fd, mtime_ns, mtime_ns)
+}
+
+/// Set the access time of an open file to `atime_ns` and its modification time to `mtime_ns`.
+pub fn set_times(fd: &Fd, atime_ns: i64, mtime_ns: i64) -> io::Result<()> {
+    let stamp = |ns: i64| libc::timespec {
+        tv_sec: ns.div_euclid(1_000_000_000) as libc::time_t,
+        tv_nsec: ns.rem_euclid(1_000_000_000) as libc::c_long,
     };
-    let times = [stamp, stamp];
+    let times = [stamp(atime_ns), stamp(mtime_ns)];
     // SAFETY: `times` points to two valid timespec values for the duration of the call.
     check(unsafe { libc::futimens(fd.0, times.as_ptr()) }).map(|_| ())
 }

@@ -5,6 +5,7 @@
 //! Python wrapper in `bundles/native.py` to turn into pallet's own errors.
 
 mod columns;
+mod copy;
 mod fsio;
 mod header;
 mod pack;
@@ -257,6 +258,53 @@ fn scan_tree<'py>(py: Python<'py>, root: &[u8], threads: usize) -> PyResult<Scan
     ))
 }
 
+/// kinds_of(root, count, items, threads) -> bytes: per item 0 regular file, 1 directory, 2 anything else (or
+/// an lstat that failed), 3 regular file with more than one link; `root` ends with a slash.
+#[pyfunction]
+fn kinds_of<'py>(
+    py: Python<'py>,
+    root: &[u8],
+    count: usize,
+    items: &[u8],
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let names =
+        split_blob(items, count).ok_or_else(|| PyValueError::new_err("wrong item count"))?;
+    let kinds = py.allow_threads(|| copy::kinds_of(root, &names, threads));
+    Ok(PyBytes::new(py, &kinds))
+}
+
+/// Bytes copied, and (entry, errno, the error concerns the target) per failed file.
+type CopyOutcome = (u64, Vec<(usize, i32, bool)>);
+
+/// copy_files(src_root, dst_root, count, items, threads) -> (bytes copied, [(entry, errno, on_target)]):
+/// copy regular files between local trees; both roots end with a slash, the targets' parents exist.
+#[pyfunction]
+fn copy_files(
+    py: Python<'_>,
+    src_root: &[u8],
+    dst_root: &[u8],
+    count: usize,
+    items: &[u8],
+    threads: usize,
+) -> PyResult<CopyOutcome> {
+    let names =
+        split_blob(items, count).ok_or_else(|| PyValueError::new_err("wrong item count"))?;
+    let (bytes, failures) =
+        py.allow_threads(|| copy::copy_files(src_root, dst_root, &names, threads));
+    let failures = failures
+        .into_iter()
+        .map(|f| {
+            (
+                f.entry,
+                f.error.raw_os_error().unwrap_or(libc::EIO),
+                f.on_target,
+            )
+        })
+        .collect();
+    Ok((bytes, failures))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("INTERFACE", INTERFACE)?;
@@ -266,6 +314,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_members, m)?)?;
     m.add_function(wrap_pyfunction!(trivially_safe, m)?)?;
     m.add_function(wrap_pyfunction!(scan_tree, m)?)?;
+    m.add_function(wrap_pyfunction!(kinds_of, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_files, m)?)?;
     m.add_function(wrap_pyfunction!(extract_files, m)?)?;
     Ok(())
 }

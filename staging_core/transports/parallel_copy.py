@@ -1,0 +1,96 @@
+"""The local transport's parallel copy: regular files copied by the native engine's threads."""
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+
+from bundles import native
+from bundles.parallel import default_jobs
+
+from .base import TransferResult
+from .errors import classify
+
+_FILE, _DIR, _OTHER, _LINKED = 0, 1, 2, 3
+
+
+@dataclass
+class CopyPlan:
+    """The items of one transfer by how they are copied: ``one_by_one`` in order first (directories,
+    symlinks, and whatever could not be classified), then ``files`` in parallel, then ``followers``: the
+    later names of a file with several hard links, linked to the first name's copy ``(item, first item)``."""
+
+    one_by_one: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    followers: list[tuple[str, str]] = field(default_factory=list)
+
+
+def plan(engine, source: str, items) -> CopyPlan:
+    """Classify ``items`` under ``source`` with one lstat each, on native threads."""
+    names = [os.fsencode(item) for item in items]
+    kinds = engine.kinds_of(os.fsencode(source) + b"/", len(names), native.blob(names), default_jobs())
+    copy_plan, first_names = CopyPlan(), {}
+    for item, kind in zip(items, kinds):
+        if kind == _FILE:
+            copy_plan.files.append(item)
+        elif kind == _LINKED:
+            inode = _inode(os.path.join(source, item))
+            if inode in first_names:
+                copy_plan.followers.append((item, first_names[inode]))
+            else:
+                first_names[inode] = item
+                copy_plan.files.append(item)
+        else:
+            copy_plan.one_by_one.append(item)
+    return copy_plan
+
+
+def _inode(path: str) -> tuple[int, int] | str:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return path                 # unique: copied on its own, and a failure is reported by the copy
+    return st.st_dev, st.st_ino
+
+
+def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: TransferResult) -> None:
+    """Copy ``copy_plan.files`` from ``source`` to ``target`` (their directories exist) and record each in
+    ``result``, a failure with the path it concerns."""
+    for parent in sorted({os.path.dirname(os.path.join(target, item)) for item in copy_plan.files}):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError:
+            pass                    # the copies into it fail and are reported, each with its path
+    names = [os.fsencode(item) for item in copy_plan.files]
+    _, failures = engine.copy_files(os.fsencode(source) + b"/", os.fsencode(target) + b"/", len(names),
+                                    native.blob(names), default_jobs())
+    failed = {}
+    for entry, number, on_target in failures:
+        item = copy_plan.files[entry]
+        path = os.path.join(target if on_target else source, item)
+        failed[entry] = item
+        result.failed[item] = classify(os.strerror(number), number, None, path, "copy failed")
+    result.done.extend(item for n, item in enumerate(copy_plan.files) if n not in failed)
+    for item, first in copy_plan.followers:
+        if first in result.failed:
+            result.failed[item] = result.failed[first]
+            continue
+        try:
+            link_anew(os.path.join(target, first), os.path.join(target, item))
+            result.done.append(item)
+        except OSError as exc:
+            result.failed[item] = classify(exc.strerror or "", exc.errno, None, os.path.join(target, item),
+                                           "hard link failed")
+
+
+def link_anew(existing: str, path: str) -> None:
+    """Make ``path`` a hard link to ``existing``; a stale file or link at ``path`` is unlinked first (a
+    directory there is an error)."""
+    try:
+        os.link(existing, path, follow_symlinks=False)
+        return
+    except FileExistsError:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path) from None
+        os.unlink(path)
+    os.link(existing, path, follow_symlinks=False)

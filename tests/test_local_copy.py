@@ -1,0 +1,68 @@
+"""The local transport's parallel copy (native threads) against the one-by-one copy: same trees, same rules."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bundles import native
+from staging_core.transports.base import Direction
+from staging_core.transports.local import LocalTransport
+from staging_core.transports.registry import parse_url
+from tests.conftest import assert_same_tree, make_files, run_pallet
+
+pytestmark = pytest.mark.usefixtures("each_engine")
+
+
+def _transport(dest) -> LocalTransport:
+    return LocalTransport(parse_url(str(dest)))
+
+
+def test_the_nasty_tree_is_copied_exactly(nasty_tree, tmp_path):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    result = _transport(dest).transfer(Direction.PUSH, nasty_tree, str(dest))
+    assert not result.failed
+    assert_same_tree(nasty_tree, dest)
+
+
+def test_many_files_in_new_directories_and_a_rerun(tmp_path):
+    src = make_files(tmp_path / "src", 2000, 30, lambda n: b"%d\n" % n * (n % 50))
+    dest = tmp_path / "dest"
+    run_pallet("push", "--quiet", "--strategy", "individual", src, str(dest), check=True)
+    assert_same_tree(src, dest)
+    (dest / "d3" / "f00003").write_bytes(b"damaged")
+    os.unlink(dest / "d4" / "f00004")
+    done = json.loads(run_pallet("push", "--json", "--strategy", "individual", src, str(dest), check=True).stdout)
+    assert (done["files"], done["in_place"]) == (2, 1998), done
+    assert_same_tree(src, dest)
+
+
+def test_a_planted_link_is_replaced_not_written_through(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"new bytes")
+    sentinel = tmp_path / "sentinel"
+    sentinel.write_bytes(b"keep me")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(sentinel, dest / "f")
+    result = _transport(dest).transfer(Direction.PUSH, str(src), str(dest), ["f"])
+    assert result.done == ["f"] and sentinel.read_bytes() == b"keep me"
+    assert not os.path.islink(dest / "f") and (dest / "f").read_bytes() == b"new bytes"
+
+
+def test_a_failed_copy_names_the_file_it_concerns(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "ok").write_bytes(b"ok")
+    dest = tmp_path / "dest"
+    (dest / "sub" / "ok").mkdir(parents=True)       # a directory where the file goes
+    result = _transport(dest).transfer(Direction.PUSH, str(src), str(dest), ["sub", "sub/ok"])
+    assert list(result.failed) == ["sub/ok"]
+    assert str(dest / "sub" / "ok") in str(result.failed["sub/ok"])
+
+
+def test_the_engine_in_use_is_the_one_asked_for(each_engine):
+    assert (native.module() is not None) == (each_engine == "native")
