@@ -57,6 +57,7 @@ def _add_plan(commands) -> None:
 
 def _run_plan(args) -> int:
     from .inventory import compress_ratio, local_inventory
+    from .local_profile import local_profile, uses_local_copy
     from .options import StagingOptions
     from .planner import plan
     from .profiles import load_profile
@@ -70,7 +71,10 @@ def _run_plan(args) -> int:
     inventory, paths = local_inventory(args.src)
     far = _probe_for_plan(destination, routes)
     routed = has_unpack_route(destination, routes) if far is None else bool(far.routes())
-    chosen = plan(inventory.stats, load_profile(args.profile), compress_ratio(args.src, paths), max(1, args.ranks),
+    profile = load_profile(args.profile)
+    if uses_local_copy(destination.scheme, args.profile) and not args.unpack_via and not args.keep_packed:
+        profile, routed = local_profile(destination.path), False
+    chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths), max(1, args.ranks),
                   bundle_possible=routed)
     if args.json:
         print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url(),

@@ -25,8 +25,9 @@ from .pack_routes import PackRoute, PublishedBundle, pack_route
 from .plain import PlainRoute
 from .plain_push import push_plain
 from .plain_pull import pull_plain
-from .planner import Plan, plan
+from .planner import LinkProfile, Plan, plan
 from .probe import far_side_options
+from .local_profile import local_profile, uses_local_copy
 from .profiles import load_profile
 from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dest_md5,
                      dirs_to_restore, finish_local_pull, fix_directories)
@@ -106,8 +107,8 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
         include = frozenset(comparison.to_send)
         tree = scan(src, "none", 0, include=include)
     inventory, paths = tree_inventory(tree, options.large_file_bytes)
-    chosen = plan(inventory.stats, load_profile(options.profile), compress_ratio(src, paths),
-                  max(1, options.ranks), route is not None)
+    profile, bundle_possible = route_profile(endpoint, options, route is not None)
+    chosen = plan(inventory.stats, profile, compress_ratio(src, paths), max(1, options.ranks), bundle_possible)
     strategy = _strategy(chosen, options, route, endpoint)
     if strategy == "hybrid" and (include is not None or isinstance(route, PlainRoute)):
         strategy = "bundle"
@@ -143,7 +144,8 @@ def _dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, star
     sending = set(comparison.to_send)
     files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] != Kind.DIR]
     inventory = Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], options.large_file_bytes)
-    chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks), True)
+    profile, bundle_possible = route_profile(endpoint, options, True, measure=False)
+    chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
     shown = [os.fsdecode(p) for p in comparison.to_send] + [os.fsdecode(index.paths[i]) + "/"
                                                              for i in comparison.dirs_to_fix]
     return StagingResult(endpoint.url(), chosen, "dry run", "nothing changed", len(files),
@@ -197,8 +199,8 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
                     items, sizes = comparison.to_fetch, comparison.sizes
                 inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
                              else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
-                chosen = plan(inventory.stats, load_profile(options.profile), 0.5, max(1, options.ranks),
-                              route is not None)
+                profile, bundle_possible = route_profile(endpoint, options, route is not None, local.path)
+                chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
             strategy = _strategy(chosen, options, route, endpoint)
             strategy = "bundle" if strategy == "hybrid" else strategy
             _prepare_local_dest(dest)
@@ -250,6 +252,18 @@ def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
     if endpoint.scheme == "ssh":
         return open_transport(endpoint, ssh_options=list(options.ssh_options))
     return open_transport(endpoint)
+
+
+def route_profile(endpoint: Endpoint, options: StagingOptions, unpack_route: bool, local_dest: str | None = None,
+                  measure: bool = True) -> tuple[LinkProfile, bool]:
+    """The link profile to plan with, and whether a bundle may be planned. Between local paths (with the native
+    engine) the local profile is used (measured now unless ``measure`` is False) and, unless a strategy is
+    asked for, no bundle: the parallel copy needs none. ``local_dest``: the local side of a pull (else
+    ``endpoint`` is the destination)."""
+    if uses_local_copy(endpoint.scheme, options.profile):
+        profile = local_profile(local_dest or endpoint.path, measure)
+        return profile, unpack_route and options.strategy != "auto"
+    return load_profile(options.profile), unpack_route
 
 
 def _strategy(chosen: Plan, options: StagingOptions, route, endpoint: Endpoint) -> str:
@@ -315,6 +329,8 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
     if strategy == "individual":
         run.route = "individual"
         listed = None if include is None else [os.fsdecode(p) for p in paths]
+        if listed is None and transport.scheme == "file":        # the scan's names: no second walk of SRC
+            listed = [os.fsdecode(p) for p in tree.index.paths]
         with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
             run.count(_send_items(transport, src, endpoint, listed))
     elif isinstance(route, PlainRoute):

@@ -46,6 +46,9 @@ class LinkProfile:
     is_default: bool = True
 
 
+LOCAL_PROFILE_PREFIX = "local-"      # profiles measured by the first local copy to a file system
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One strategy with its settings and predicted seconds."""
@@ -139,7 +142,9 @@ def _reason(best: Candidate, candidates: list[Candidate], stats: TreeStats, prof
             compress: bool, ratio: float) -> str:
     per_file_total = stats.files * profile.per_file_s
     others = ", ".join(f"{c.strategy} {c.predicted_seconds:.2f} s" for c in candidates if c is not best) \
-        or "nothing else (no route to unpack a bundle at the destination)"
+        or ("nothing else (a local copy runs in parallel and needs no bundle; --strategy bundle to force one)"
+            if profile.name.startswith(LOCAL_PROFILE_PREFIX)
+            else "nothing else (no route to unpack a bundle at the destination)")
     why = {"individual": f"{stats.files} files cost only {per_file_total:.2f} s in per-file overhead",
            "bundle": f"{stats.files} files would cost {per_file_total:.2f} s in per-file overhead alone",
            "hybrid": "large files stream well alone while the small ones need a bundle"}[best.strategy]

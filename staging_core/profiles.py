@@ -6,6 +6,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import asdict, fields, replace
@@ -46,11 +47,12 @@ def save_profile(profile: LinkProfile) -> str:
     """Write ``profile`` as NAME.toml (atomically) and return the path."""
     os.makedirs(profile_dir(), exist_ok=True)
     path = os.path.join(profile_dir(), f"{profile.name}.toml")
-    lines = ["# pallet link profile, measured by `pallet calibrate`"]
+    lines = ["# pallet link profile, measured by `pallet calibrate` (local-*: by the first local push)"]
     lines += [f"{key} = {_toml_value(value)}" for key, value in asdict(profile).items() if key != "is_default"]
-    with open(path + ".tmp", "w") as handle:
+    fd, tmp = tempfile.mkstemp(prefix=f".{profile.name}.", suffix=".tmp", dir=profile_dir())
+    with open(fd, "w") as handle:
         handle.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
     return path
 
 

@@ -19,8 +19,10 @@ from tests.servers import start_sshd
 
 @pytest.fixture(scope="session", autouse=True)
 def probe_cache(tmp_path_factory):
-    """Far-side probes are cached under $XDG_CACHE_HOME: the suite's own, never the user's."""
+    """Far-side probes are cached under $XDG_CACHE_HOME and local-copy profiles saved under $XDG_CONFIG_HOME:
+    the suite's own, never the user's."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
 
 
 @pytest.fixture(scope="session")

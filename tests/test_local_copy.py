@@ -66,3 +66,24 @@ def test_a_failed_copy_names_the_file_it_concerns(tmp_path):
 
 def test_the_engine_in_use_is_the_one_asked_for(each_engine):
     assert (native.module() is not None) == (each_engine == "native")
+
+
+def test_a_local_push_plans_a_parallel_copy_from_a_measured_profile(tmp_path, monkeypatch, each_engine):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    src = make_files(tmp_path / "src", 300, 6, lambda n: b"%d\n" % n)
+    planned = json.loads(run_pallet("plan", "--json", src, str(tmp_path / "dest"), check=True).stdout)
+    saved = list((tmp_path / "config" / "pallet" / "profiles").glob("local-*.toml"))
+    if each_engine == "native":
+        assert planned["strategy"] == "individual" and planned["details"]["profile"].startswith("local-")
+        assert "needs no bundle" in planned["reason"] and len(saved) == 1
+        assert "per_file_s = " in saved[0].read_text()
+    else:       # one file at a time in Python: bundles stay in the running, on the generic profile
+        assert planned["details"]["profile"] == "default" and not saved
+    pushed = json.loads(run_pallet("push", "--json", src, str(tmp_path / "dest"), check=True).stdout)
+    assert pushed["strategy"] == planned["strategy"]
+    forced = json.loads(run_pallet("push", "--json", "--strategy", "bundle", src, str(tmp_path / "packed"),
+                                   check=True).stdout)
+    assert forced["strategy"] == "bundle"
+    for dest in ("dest", "packed"):
+        assert_same_tree(src, tmp_path / dest)
+    assert {p.name for p in tmp_path.iterdir()} - {"config"} == {"dest", "packed", "src"}     # no scratch left

@@ -56,9 +56,9 @@ def _inode(path: str) -> tuple[int, int] | str:
 def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: TransferResult) -> None:
     """Copy ``copy_plan.files`` from ``source`` to ``target`` (their directories exist) and record each in
     ``result``, a failure with the path it concerns."""
-    for parent in sorted({os.path.dirname(os.path.join(target, item)) for item in copy_plan.files}):
+    for parent in sorted({item.rpartition("/")[0] for item in copy_plan.files}):
         try:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(os.path.join(target, parent), exist_ok=True)
         except OSError:
             pass                    # the copies into it fail and are reported, each with its path
     names = [os.fsencode(item) for item in copy_plan.files]

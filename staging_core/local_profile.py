@@ -1,0 +1,85 @@
+"""The local route's costs: measured once per destination file system by copying a sample, kept as a profile."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+
+from bundles import native
+from bundles.errors import PalletError, UsageError
+from bundles.scan import scan
+
+from .planner import LOCAL_PROFILE_PREFIX, LinkProfile
+from .profiles import load_profile, save_profile
+from .transports.base import Direction, parse_url
+from .transports.local import LocalTransport
+
+SAMPLE_FILES = 1000
+SAMPLE_DIRS = 10
+SAMPLE_BIG_BYTES = 16 << 20
+
+
+def uses_local_copy(scheme: str, profile: str | None) -> bool:
+    """True when a transfer to or from ``scheme`` is a local copy the native engine runs in parallel, planned
+    with the measured local profile (a user's ``--profile`` still wins)."""
+    return scheme == "file" and profile is None and native.module() is not None
+
+
+def local_profile(dest: str, measure_now: bool = True) -> LinkProfile:
+    """The profile of copying into ``dest``'s file system: loaded, or measured now and saved as
+    ``local-DEVICE`` (see :func:`measure`); without ``measure_now``, or where it cannot be measured (the
+    parent directory is full or not writable), the default profile."""
+    parent = _existing_parent(dest)
+    name = f"{LOCAL_PROFILE_PREFIX}{os.stat(parent).st_dev}"
+    try:
+        return load_profile(name)
+    except UsageError:
+        if not measure_now:
+            return LinkProfile()
+    try:
+        profile = measure(parent, name)
+        save_profile(profile)
+    except (OSError, PalletError):      # no room or no right to measure here: plan with the generic figures
+        return LinkProfile()
+    return profile
+
+
+def measure(directory: str, name: str) -> LinkProfile:
+    """Time what a local push does (scan, then the parallel copy) for SAMPLE_FILES files of 1 KiB, and for one
+    file of 16 MiB, in a scratch directory under ``directory``; return them as per-file and per-byte costs."""
+    scratch = tempfile.mkdtemp(prefix=".pallet-calibrate-", dir=directory)
+    try:
+        small = _sample(os.path.join(scratch, "small"), [1024] * SAMPLE_FILES)
+        big = _sample(os.path.join(scratch, "big"), [SAMPLE_BIG_BYTES])
+        per_file = _copy_seconds(small, os.path.join(scratch, "small-copy")) / SAMPLE_FILES
+        bandwidth = SAMPLE_BIG_BYTES / max(_copy_seconds(big, os.path.join(scratch, "big-copy")), 1e-6)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=bandwidth, per_file_s=per_file,
+                   create_rate=float("inf"), concurrency=1, is_default=False)
+
+
+def _sample(root: str, sizes: list[int]) -> str:
+    for n, size in enumerate(sizes):
+        directory = os.path.join(root, f"d{n % SAMPLE_DIRS}")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"f{n:05d}"), "wb") as handle:
+            handle.write(os.urandom(size) if size > 4096 else b"x" * size)
+    return root
+
+
+def _copy_seconds(src: str, dest: str) -> float:
+    os.makedirs(dest)
+    started = time.perf_counter()
+    items = [os.fsdecode(path) for path in scan(src, "none", 0).index.paths]
+    LocalTransport(parse_url(dest)).transfer(Direction.PUSH, src, dest, items)
+    return time.perf_counter() - started
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
