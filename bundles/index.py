@@ -216,9 +216,6 @@ class Index:
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as exc:
             raise CorruptBundleError(f"index is damaged (its header or columns are not valid: {exc})", source,
                                      _REPACK_HINT) from None
-        if index.kinds and max(index.kinds) > max(Kind):
-            raise CorruptBundleError(f"index is damaged (it names entry type {max(index.kinds)}, which does not "
-                                     "exist)", source, _REPACK_HINT)
         return index
 
     @classmethod

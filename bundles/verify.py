@@ -148,7 +148,7 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool
 
 
 def _holds(index: Index, shard: Shard) -> str:
-    names = [index.entry(i).name for i in _entry_range(shard)]
+    names = [os.fsdecode(index.paths[i]) for i in _entry_range(shard)]
     return f"it holds: {', '.join(names[:20])}" + (" ..." if len(names) > 20 else "")
 
 
@@ -157,6 +157,8 @@ def _entry_range(shard: Shard) -> range:
 
 
 def _content_problems(index: Index, i: int, data: bytes) -> list[str]:
+    if index.kinds[i] != Kind.FILE:     # (an unknown kind, from a damaged index, is the members check's to name)
+        return []
     entry = index.entry(i)
     if entry.kind == Kind.FILE:
         content = memoryview(data)[entry.data_offset:entry.data_offset + entry.size]
@@ -174,7 +176,11 @@ def verify_tree(index: Index, dest: str) -> VerifyReport:
     report = VerifyReport(entries=len(index))
     root = os.fsencode(dest)
     inodes: dict[int, int] = {}
-    for entry in index:
+    for i in range(len(index)):
+        if index.kinds[i] > max(Kind):      # a damaged index: no entry type stands for this
+            report.problems.append(f"{os.fsdecode(index.paths[i])}: unknown entry type {index.kinds[i]} in the index")
+            continue
+        entry = index.entry(i)
         path = os.path.join(root, entry.path)
         try:
             st = os.lstat(path)

@@ -289,3 +289,16 @@ def test_cli_verify_bundle_dest_reports_modified_missing_mode_and_extra(unpacked
     done = run_pallet("verify", str(bundle), str(dest))
     assert done.returncode == 1 and "4 problem(s)" in done.stderr
     assert all(DAMAGE[kind][1] in done.stderr for kind in ("modified", "missing", "mode", "extra"))
+
+
+def test_a_tree_check_names_an_entry_type_the_index_cannot_hold(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a")
+    pack(src, tmp_path / "b.tar.zst", PackOptions())
+    unpack(tmp_path / "b.tar.zst", tmp_path / "dest")
+    with Bundle.open(tmp_path / "b.tar.zst") as bundle:
+        index = bundle.index
+    index.kinds[index.paths.index(b"a")] = 7
+    report = verify_tree(index, str(tmp_path / "dest"))
+    assert report.problems == ["a: unknown entry type 7 in the index"]
