@@ -132,10 +132,8 @@ def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: byt
     if verify:
         _check_natively(engine, data, part, index, shard, source)
     try:
-        files, nbytes, bad = engine.extract_files(
-            data, root, len(part), native.blob(part.paths), native.raw(part.kinds), native.raw(part.modes),
-            native.raw(part.mtimes), native.raw(part.sizes), native.raw(part.data_offsets), bytes(part.hashes),
-            verify, current_umask())
+        files, nbytes, bad = engine.extract_files(data, root, native.entry_columns(part), native.raw(part.data_offsets),
+                                                  bytes(part.hashes), verify, current_umask())
     except engine.NativeFailure as failure:
         kind, i, number = failure.args
         path = root + part.paths[i]
@@ -151,10 +149,8 @@ def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: byt
 
 def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard, source: str | None) -> None:
     """check_members in the native engine, for the entries of ``shard`` sliced out as ``part``."""
-    first_bad = engine.check_members(
-        data, len(part), native.blob(part.paths), native.blob(part.links), native.raw(part.kinds),
-        native.raw(part.modes), native.raw(part.mtimes), native.raw(part.sizes), native.raw(part.offsets),
-        native.raw(part.data_offsets))
+    first_bad = engine.check_members(data, native.entry_columns(part), native.raw(part.offsets),
+                                     native.raw(part.data_offsets))
     if first_bad is not None:       # len(part): the bytes after the last entry
         raise _members_differ(source, index, shard, shard.first_entry + min(first_bad, len(part) - 1))
 

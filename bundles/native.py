@@ -17,7 +17,7 @@ from types import ModuleType
 
 from .errors import UsageError
 
-INTERFACE = 1          # the extension's interface version this wrapper speaks
+INTERFACE = 2          # the extension's interface version this wrapper speaks
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,13 @@ def engine_info() -> EngineInfo:
 def blob(parts) -> bytes:
     """NUL-joined names, as the extension takes them (names never hold a NUL)."""
     return b"\0".join(parts)
+
+
+def entry_columns(index) -> tuple:
+    """The entry columns of ``index`` (an Index) as the extension takes them, one tuple: (count, paths,
+    links, kinds, modes, mtimes, sizes)."""
+    return (len(index), blob(index.paths), blob(index.links), raw(index.kinds), raw(index.modes),
+            raw(index.mtimes), raw(index.sizes))
 
 
 def as_bytes(data) -> bytes:

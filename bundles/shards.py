@@ -188,8 +188,7 @@ def _build_natively(engine, tree: SourceTree, codec: Codec, plan: ShardPlan, md5
     part = tree.index.slice(plan.first, plan.count) if (plan.first, plan.count) != (0, len(tree.index)) else tree.index
     try:
         raw, file_bytes, hashes, offsets, data_offsets, md5s = engine.build_shard(
-            tree.root + b"/", plan.count, native.blob(part.paths), native.blob(part.links), native.raw(part.kinds),
-            native.raw(part.modes), native.raw(part.mtimes), native.raw(part.sizes), plan.last, md5)
+            tree.root + b"/", native.entry_columns(part), plan.last, md5)
     except engine.NativeFailure as failure:
         kind, i = failure.args[:2]
         if kind == "too large":

@@ -1,0 +1,80 @@
+//! Bindings of the unpack side: checking a shard's members, writing its files, the safety pre-check.
+
+use crate::{names, safety, unpack, EntryArgs, NativeFailure};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// check_members(data, entries, offsets, data_offsets) -> int | None: None when the tar bytes hold exactly
+/// these members, else the first entry that differs (the entry count: the bytes after the last entry).
+#[pyfunction]
+pub fn check_members(
+    py: Python<'_>,
+    data: &[u8],
+    entries: EntryArgs<'_>,
+    offsets: &[u8],
+    data_offsets: &[u8],
+) -> PyResult<Option<usize>> {
+    let count = entries.count();
+    let entries = entries.columns()?;
+    if offsets.len() != 8 * count || data_offsets.len() != 8 * count {
+        return Err(PyValueError::new_err("offset columns of the wrong length"));
+    }
+    let layout = unpack::Layout {
+        offsets,
+        data_offsets,
+    };
+    Ok(py.allow_threads(|| unpack::check_members(data, &entries, &layout)))
+}
+
+/// extract_files(data, root, entries, data_offsets, hashes, verify, umask) -> (files, bytes, bad entries):
+/// write a shard's regular files under `root` (ending with a slash); see unpack::extract_files.
+#[pyfunction]
+#[pyo3(signature = (data, root, entries, data_offsets, hashes, verify, umask))]
+#[allow(clippy::too_many_arguments)]
+pub fn extract_files(
+    py: Python<'_>,
+    data: &[u8],
+    root: &[u8],
+    entries: EntryArgs<'_>,
+    data_offsets: &[u8],
+    hashes: &[u8],
+    verify: bool,
+    umask: Option<u32>,
+) -> PyResult<(u64, u64, Vec<usize>)> {
+    let count = entries.count();
+    let entries = entries.columns()?;
+    if data_offsets.len() != 8 * count || hashes.len() != 16 * count {
+        return Err(PyValueError::new_err(
+            "offset or hash columns of the wrong length",
+        ));
+    }
+    let layout = unpack::Layout {
+        offsets: data_offsets,
+        data_offsets,
+    };
+    let done = py.allow_threads(|| {
+        unpack::extract_files(data, root, &entries, &layout, hashes, verify, umask)
+    });
+    match done {
+        Ok(done) => Ok((done.files, done.bytes, done.bad)),
+        Err(unpack::ExtractFailure::IsDirectory(i)) => {
+            Err(NativeFailure::new_err(("directory", i, 0)))
+        }
+        Err(unpack::ExtractFailure::Write(i, err)) => Err(NativeFailure::new_err((
+            "write",
+            i,
+            err.raw_os_error().unwrap_or(libc::EIO),
+        ))),
+    }
+}
+
+/// trivially_safe(count, paths, kinds) -> bool: True only when the extraction rules cannot refuse any entry
+/// (plain names, files and directories only); False means "ask the Python rules", not "unsafe".
+#[pyfunction]
+pub fn trivially_safe(py: Python<'_>, count: usize, paths: &[u8], kinds: &[u8]) -> PyResult<bool> {
+    let paths = names(paths, count)?;
+    if kinds.len() != count {
+        return Err(PyValueError::new_err("entry columns of different lengths"));
+    }
+    Ok(py.allow_threads(|| safety::trivially_safe(&paths, kinds)))
+}
