@@ -53,12 +53,30 @@ def measure(directory: str, name: str) -> LinkProfile:
     try:
         small = _sample(os.path.join(scratch, "small"), [1024] * SAMPLE_FILES)
         big = _sample(os.path.join(scratch, "big"), [SAMPLE_BIG_BYTES])
-        per_file = _copy_seconds(small, os.path.join(scratch, "small-copy")) / SAMPLE_FILES
+        per_file = min(_copy_seconds(small, os.path.join(scratch, f"small-copy{n}")) for n in range(2)) / SAMPLE_FILES
         bandwidth = SAMPLE_BIG_BYTES / max(_copy_seconds(big, os.path.join(scratch, "big-copy")), 1e-6)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=bandwidth, per_file_s=per_file,
                    create_rate=float("inf"), concurrency=1, is_default=False)
+
+
+def observe(dest: str, files: int, nbytes: int, seconds: float) -> None:
+    """Fold a finished local copy of ``files`` files (``nbytes``) into ``dest``'s profile, if it has one: its
+    per-file cost moves halfway to the one this copy showed. A first measurement taken while the file
+    system was busy (write-back after a large copy, say) is so corrected by the next real copies. Copies
+    of fewer than SAMPLE_FILES files say too little and are ignored."""
+    if files < SAMPLE_FILES:
+        return
+    try:
+        profile = load_profile(f"{LOCAL_PROFILE_PREFIX}{os.stat(_existing_parent(dest)).st_dev}")
+    except (UsageError, OSError):
+        return
+    shown = max(seconds - nbytes / profile.bandwidth, 0.0) / files
+    try:
+        save_profile(replace(profile, per_file_s=(profile.per_file_s + shown) / 2))
+    except OSError:
+        pass                            # the profile directory is not writable: keep planning with the old one
 
 
 def _sample(root: str, sizes: list[int]) -> str:

@@ -27,7 +27,7 @@ from .plain_push import push_plain
 from .plain_pull import pull_plain
 from .planner import LinkProfile, Plan, plan
 from .probe import far_side_options
-from .local_profile import local_profile, uses_local_copy
+from .local_profile import local_profile, observe, uses_local_copy
 from .profiles import load_profile
 from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dest_md5,
                      dirs_to_restore, finish_local_pull, fix_directories)
@@ -130,8 +130,11 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
         fix_directories(transport, endpoint, full, dirs_to_restore(full, comparison, whole and options.delete))
     if whole and not options.keep_packed and not isinstance(route, PlainRoute):
         _clear_state(transport, endpoint, route)      # a plain-tools session clears DEST/.pallet itself
-    return replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
-                   in_place=in_place, deleted=len(comparison.extra) if whole and options.delete else 0)
+    result = replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
+                     in_place=in_place, deleted=len(comparison.extra) if whole and options.delete else 0)
+    if strategy == "individual" and not in_place and uses_local_copy(endpoint.scheme, options.profile):
+        observe(endpoint.path, result.files, result.file_bytes, result.seconds)
+    return result
 
 
 def _dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:

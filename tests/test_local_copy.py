@@ -87,3 +87,19 @@ def test_a_local_push_plans_a_parallel_copy_from_a_measured_profile(tmp_path, mo
     for dest in ("dest", "packed"):
         assert_same_tree(src, tmp_path / dest)
     assert {p.name for p in tmp_path.iterdir()} - {"config"} == {"dest", "packed", "src"}     # no scratch left
+
+
+def test_a_finished_local_copy_corrects_a_profile_measured_at_a_bad_moment(tmp_path, monkeypatch, each_engine):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    src = make_files(tmp_path / "src", 1200, 12, lambda n: b"x")
+    run_pallet("plan", src, str(tmp_path / "dest"), check=True)          # measures the profile (native)
+    saved = list((tmp_path / "config" / "pallet" / "profiles").glob("local-*.toml"))
+    if each_engine == "python":
+        assert not saved
+        return
+    text = saved[0].read_text()
+    saved[0].write_text(text.replace(next(l for l in text.splitlines() if l.startswith("per_file_s")),
+                                     "per_file_s = 1.0"))     # as if measured while the disk was stalled
+    pushed = json.loads(run_pallet("push", "--json", src, str(tmp_path / "dest"), check=True).stdout)
+    corrected = float(next(l for l in saved[0].read_text().splitlines() if l.startswith("per_file_s")).split("=")[1])
+    assert 0.5 < corrected < 0.5 + pushed["seconds"] / 1200
