@@ -43,6 +43,7 @@ def _commands(operation: str, sshd, source: str, bundle: str, dest) -> tuple[lis
     return {
         "local push": ([pallet, "push", "--quiet", "--strategy", "bundle", "--shard-size", "64K", source, str(dest)],
                        source),
+        "local copy": ([pallet, "push", "--quiet", "--strategy", "individual", source, str(dest)], source),
         "ssh push": ([pallet, "push", "--quiet", "--strategy", "bundle", "--shard-size", "64K", *ssh, source,
                       sshd.url(str(dest))], source),
         "ssh pull": ([pallet, "pull", "--quiet", "--strategy", "bundle", *ssh, sshd.url(source), str(dest)], source),
@@ -90,7 +91,7 @@ def _working_on(dest) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("operation", ["local push", "ssh push", "ssh pull", "unpack", "mpirun unpack"])
+@pytest.mark.parametrize("operation", ["local push", "local copy", "ssh push", "ssh pull", "unpack", "mpirun unpack"])
 def test_kill_9_at_random_instants_then_a_rerun_converges(sshd, tmp_path, source, bundle, operation,
                                                           sweep_mpi_segments):
     if operation == "mpirun unpack" and MPIRUN is None:

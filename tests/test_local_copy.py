@@ -15,14 +15,15 @@ from tests.conftest import assert_same_tree, make_files, run_pallet
 pytestmark = pytest.mark.usefixtures("each_engine")
 
 
-def _transport(dest) -> LocalTransport:
-    return LocalTransport(parse_url(str(dest)))
+def _transport(dest, threads: int = 0) -> LocalTransport:
+    return LocalTransport(parse_url(str(dest)), threads=threads)
 
 
-def test_the_nasty_tree_is_copied_exactly(nasty_tree, tmp_path):
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_nasty_tree_is_copied_exactly(nasty_tree, tmp_path, threads):
     dest = tmp_path / "dest"
     dest.mkdir()
-    result = _transport(dest).transfer(Direction.PUSH, nasty_tree, str(dest))
+    result = _transport(dest, threads).transfer(Direction.PUSH, nasty_tree, str(dest))
     assert not result.failed
     assert_same_tree(nasty_tree, dest)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from bundles import native
+from bundles.parallel import default_jobs
 
 from . import parallel_copy
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
@@ -16,18 +17,22 @@ from .errors import RemotePathMissingError, TransportError, classify
 
 
 class LocalTransport(Transport):
-    """Copies between two local paths; ``link_mode`` 'copy' (default), 'hardlink' or 'reflink'."""
+    """Copies between two local paths; ``link_mode`` 'copy' (default), 'hardlink' or 'reflink'; ``threads``
+    copy regular files at once with the native engine (0: one per CPU)."""
 
     scheme = "file"
     capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=False,
                                 checksums=(), preserves_mtime=True, preserves_mode=True, symlinks=True,
                                 hardlinks=True, per_file_overhead_s=3e-5, concurrency=1)
 
-    def __init__(self, endpoint: Endpoint, link_mode: str = "copy"):
+    def __init__(self, endpoint: Endpoint, link_mode: str = "copy", threads: int = 0):
         super().__init__(endpoint)
         if link_mode not in ("copy", "hardlink", "reflink"):
             raise ValueError(f"link_mode must be copy, hardlink or reflink, not {link_mode!r}")
+        if threads < 0:
+            raise ValueError(f"threads must be 0 (one per CPU) or more, not {threads}")
         self.link_mode = link_mode
+        self.threads = threads or default_jobs()
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
                  items: Sequence[str] | None = None) -> TransferResult:
@@ -41,11 +46,11 @@ class LocalTransport(Transport):
         directories: list[tuple[str, os.stat_result]] = []
         first_names: dict[tuple[int, int], str] = {}      # hard links: inode -> the copy of its first name
         engine = native.module() if self.link_mode == "copy" else None
-        files = parallel_copy.plan(engine, source, items) if engine is not None else None
+        files = parallel_copy.plan(engine, source, items, self.threads) if engine is not None else None
         for item in items if files is None else files.one_by_one:
             self._copy_item(source, target, item, _Copying(made, directories, first_names), result)
         if files is not None:
-            parallel_copy.copy(engine, source, target, files, result)
+            parallel_copy.copy(engine, source, target, files, result, self.threads)
         self._finish_directories(directories)
         return result
 

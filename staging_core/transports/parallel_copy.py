@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 
 from bundles import native
-from bundles.parallel import default_jobs
 
 from .base import TransferResult
 from .errors import classify
@@ -25,10 +24,10 @@ class CopyPlan:
     followers: list[tuple[str, str]] = field(default_factory=list)
 
 
-def plan(engine, source: str, items) -> CopyPlan:
-    """Classify ``items`` under ``source`` with one lstat each, on native threads."""
+def plan(engine, source: str, items, threads: int) -> CopyPlan:
+    """Classify ``items`` under ``source`` with one lstat each, on ``threads`` native threads."""
     names = [os.fsencode(item) for item in items]
-    kinds = engine.kinds_of(os.fsencode(source) + b"/", len(names), native.blob(names), default_jobs())
+    kinds = engine.kinds_of(os.fsencode(source) + b"/", len(names), native.blob(names), threads)
     copy_plan, first_names = CopyPlan(), {}
     for item, kind in zip(items, kinds):
         if kind == _FILE:
@@ -53,8 +52,8 @@ def _inode(path: str) -> tuple[int, int] | str:
     return st.st_dev, st.st_ino
 
 
-def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: TransferResult) -> None:
-    """Copy ``copy_plan.files`` from ``source`` to ``target`` (their directories exist) and record each in
+def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: TransferResult, threads: int) -> None:
+    """Copy ``copy_plan.files`` from ``source`` to ``target`` on ``threads`` native threads and record each in
     ``result``, a failure with the path it concerns."""
     for parent in sorted({item.rpartition("/")[0] for item in copy_plan.files}):
         try:
@@ -63,7 +62,7 @@ def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: Transfer
             pass                    # the copies into it fail and are reported, each with its path
     names = [os.fsencode(item) for item in copy_plan.files]
     _, failures = engine.copy_files(os.fsencode(source) + b"/", os.fsencode(target) + b"/", len(names),
-                                    native.blob(names), default_jobs())
+                                    native.blob(names), threads)
     failed = {}
     for entry, number, on_target in failures:
         item = copy_plan.files[entry]
