@@ -53,7 +53,6 @@ def measure(directory: str, name: str) -> LinkProfile:
     try:
         small = _sample(os.path.join(scratch, "small"), [1024] * SAMPLE_FILES)
         big = _sample(os.path.join(scratch, "big"), [SAMPLE_BIG_BYTES])
-        os.sync()           # the samples' own write-back must not slow the timed copies
         per_file = min(_copy_seconds(small, os.path.join(scratch, f"small-copy{n}")) for n in range(2)) / SAMPLE_FILES
         bandwidth = SAMPLE_BIG_BYTES / max(_copy_seconds(big, os.path.join(scratch, "big-copy")), 1e-6)
     finally:
