@@ -5,7 +5,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from . import container
+from . import container, native
 from .errors import BundleError, CorruptBundleError
 from .extract import RangeReader, check_members, hash_range, is_streamed
 from .index import Index, Shard, content_hash, new_hasher
@@ -46,7 +46,7 @@ def verify_bundle(bundle: Bundle, jobs: int = 0) -> VerifyReport:
     report.problems += _sidecar_problems(bundle)
     report.problems += _index_section_problems(bundle, index)
     jobs = min(jobs_for(sum(map(shard_cost, index.shards)), jobs), max(1, len(index.shards)))
-    with WorkerPool(jobs) as pool:
+    with WorkerPool(jobs, native.releases_gil()) as pool:
         for problems in pool.map(_check_job, shard_jobs(bundle, index.shards)):
             report.problems += problems
     expected_end = index.shards[-1].offset + index.shards[-1].length if index.shards else 0
@@ -102,8 +102,7 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[
         check_members(memoryview(data), index, shard, bundle.path)
     except CorruptBundleError as exc:
         problems.append(exc.message)
-    for i in _entry_range(shard):
-        problems += _content_problems(index, i, data)
+    problems += _contents_problems(index, shard, data)
     if last and not _tail_matches(index, shard, data):
         problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     return problems
@@ -154,6 +153,17 @@ def _holds(index: Index, shard: Shard) -> str:
 
 def _entry_range(shard: Shard) -> range:
     return range(shard.first_entry, shard.first_entry + shard.entry_count)
+
+
+def _contents_problems(index: Index, shard: Shard, data: bytes) -> list[str]:
+    """A problem for each file of ``shard`` whose content in its tar bytes ``data`` does not match its hash."""
+    engine = native.module()
+    if engine is None:
+        return [p for i in _entry_range(shard) for p in _content_problems(index, i, data)]
+    part = index.slice(shard.first_entry, shard.entry_count)
+    bad = engine.content_mismatches(native.as_bytes(data), native.entry_columns(part), native.raw(part.data_offsets),
+                                    bytes(part.hashes))
+    return [f"{os.fsdecode(part.paths[i])}: content does not match its hash" for i in bad]
 
 
 def _content_problems(index: Index, i: int, data: bytes) -> list[str]:

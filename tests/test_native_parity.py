@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bundles import native
+from bundles import native, verify_bundle
 from bundles.codecs import get_codec
 from bundles.errors import CorruptBundleError, DestinationError, SourceError
 from bundles.extract import extract_shard_data, make_directories
@@ -290,3 +290,19 @@ def test_both_engines_refuse_the_same_entries_when_scanning(monkeypatch, tmp_pat
     text = str(caught.value)
     assert "'.pallet': the name .pallet is reserved" in text
     assert "'fifo': special file" in text and "'sub/escape': symlink to '/etc/passwd'" in text
+
+
+@needs_native
+def test_both_engines_verify_a_damaged_bundle_with_the_same_report(monkeypatch, tmp_path):
+    src = make_files(tmp_path / "src", 400, 4, lambda n: b"row %d\n" % n * 20)
+    bundle = tmp_path / "b.tar"
+    run_pallet("pack", "--codec", "none", src, str(bundle), check=True)
+    data = bytearray(bundle.read_bytes())
+    at = data.index(b"row 123\n")
+    data[at] ^= 1                                   # one file's content, inside an uncompressed shard
+    bundle.write_bytes(bytes(data))
+    reports = []
+    for engine in ("python", "native"):
+        monkeypatch.setenv("PALLET_ENGINE", engine)
+        reports.append(verify_bundle(str(bundle)).problems)
+    assert reports[0] == reports[1] and any("content does not match its hash" in p for p in reports[0])

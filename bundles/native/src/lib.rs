@@ -31,7 +31,7 @@ create_exception!(
 );
 
 /// The version of this engine's interface, checked by the Python wrapper before use.
-const INTERFACE: u32 = 2;
+const INTERFACE: u32 = 3;
 
 /// The entry columns as Python passes them, one tuple: (count, paths, links, kinds, modes, mtimes, sizes),
 /// names NUL-joined and numbers as `array` bytes (see `entry_columns` in bundles/native.py).
@@ -85,6 +85,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_pack::scan_tree, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::check_members, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::extract_files, m)?)?;
+    m.add_function(wrap_pyfunction!(py_unpack::content_mismatches, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::trivially_safe, m)?)?;
     m.add_function(wrap_pyfunction!(py_copy::kinds_of, m)?)?;
     m.add_function(wrap_pyfunction!(py_copy::copy_files, m)?)?;

@@ -68,6 +68,30 @@ pub fn extract_files(
     }
 }
 
+/// content_mismatches(data, entries, data_offsets, hashes) -> [entry]: the regular files whose content in the
+/// shard's tar bytes is missing or does not match its hash.
+#[pyfunction]
+pub fn content_mismatches(
+    py: Python<'_>,
+    data: &[u8],
+    entries: EntryArgs<'_>,
+    data_offsets: &[u8],
+    hashes: &[u8],
+) -> PyResult<Vec<usize>> {
+    let count = entries.count();
+    let entries = entries.columns()?;
+    if data_offsets.len() != 8 * count || hashes.len() != 16 * count {
+        return Err(PyValueError::new_err(
+            "offset or hash columns of the wrong length",
+        ));
+    }
+    let layout = unpack::Layout {
+        offsets: data_offsets,
+        data_offsets,
+    };
+    Ok(py.allow_threads(|| unpack::content_mismatches(data, &entries, &layout, hashes)))
+}
+
 /// trivially_safe(count, paths, kinds) -> bool: True only when the extraction rules cannot refuse any entry
 /// (plain names, files and directories only); False means "ask the Python rules", not "unsafe".
 #[pyfunction]

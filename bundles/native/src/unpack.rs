@@ -59,6 +59,35 @@ pub fn check_members(data: &[u8], entries: &Columns, layout: &Layout) -> Option<
     (!only_end).then_some(entries.len())
 }
 
+/// The regular files of `entries` whose content in `data` (at their data offsets) is missing or does not
+/// match their xxh3-128 in `hashes`, in entry order.
+pub fn content_mismatches(
+    data: &[u8],
+    entries: &Columns,
+    layout: &Layout,
+    hashes: &[u8],
+) -> Vec<usize> {
+    (0..entries.len())
+        .filter(|&i| entries.kind(i) == FILE)
+        .filter(|&i| {
+            let start = u64_at(layout.data_offsets, i);
+            match file_content(data, start, entries.size(i)) {
+                Some(content) => xxh3_128(content).to_be_bytes()[..] != hashes[16 * i..16 * i + 16],
+                None => true,
+            }
+        })
+        .collect()
+}
+
+/// The `size` bytes at `start` in `data`, if they are all there (an empty file always is).
+fn file_content(data: &[u8], start: u64, size: u64) -> Option<&[u8]> {
+    match start.checked_add(size) {
+        _ if size == 0 => Some(&data[..0]),
+        Some(end) if end <= data.len() as u64 => Some(&data[start as usize..end as usize]),
+        _ => None,
+    }
+}
+
 /// What extracting a shard's files did, or the entry whose write failed.
 pub enum ExtractFailure {
     /// A system call failed at entry `.0` with the error `.1`.
@@ -100,12 +129,7 @@ pub fn extract_files(
         }
         let start = u64_at(layout.data_offsets, i);
         let size = entries.size(i);
-        let content = match start.checked_add(size) {
-            _ if size == 0 => Some(&data[..0]),
-            Some(end) if end <= data.len() as u64 => Some(&data[start as usize..end as usize]),
-            _ => None,
-        };
-        let Some(content) = content else {
+        let Some(content) = file_content(data, start, size) else {
             done.bad.push(i);
             continue;
         };
