@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bundles import native, verify_bundle
+from bundles import Bundle, native, verify_bundle
 from bundles.codecs import get_codec
 from bundles.errors import CorruptBundleError, DestinationError, SourceError
 from bundles.extract import extract_shard_data, make_directories
@@ -304,5 +304,6 @@ def test_both_engines_verify_a_damaged_bundle_with_the_same_report(monkeypatch, 
     reports = []
     for engine in ("python", "native"):
         monkeypatch.setenv("PALLET_ENGINE", engine)
-        reports.append(verify_bundle(str(bundle)).problems)
+        with Bundle.open(bundle) as opened:
+            reports.append(verify_bundle(opened).problems)
     assert reports[0] == reports[1] and any("content does not match its hash" in p for p in reports[0])
