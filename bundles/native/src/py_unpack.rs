@@ -1,8 +1,34 @@
-//! Bindings of the unpack side: checking a shard's members, writing its files, the safety pre-check.
+//! Bindings of the unpack side: checking a shard's members and contents, writing its files, the safety
+//! pre-check.
 
+use crate::columns::Columns;
 use crate::{names, safety, unpack, EntryArgs, NativeFailure};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+
+/// The columns of `entries` and where each entry sits in the shard; ValueError unless the offset columns (and
+/// `hashes`, when given) hold one value per entry.
+fn laid_out<'a>(
+    entries: &'a EntryArgs<'_>,
+    offsets: &'a [u8],
+    data_offsets: &'a [u8],
+    hashes: Option<&[u8]>,
+) -> PyResult<(Columns<'a>, unpack::Layout<'a>)> {
+    let count = entries.count();
+    let wrong_hashes = hashes.is_some_and(|hashes| hashes.len() != 16 * count);
+    if offsets.len() != 8 * count || data_offsets.len() != 8 * count || wrong_hashes {
+        return Err(PyValueError::new_err(
+            "offset or hash columns of the wrong length",
+        ));
+    }
+    Ok((
+        entries.columns()?,
+        unpack::Layout {
+            offsets,
+            data_offsets,
+        },
+    ))
+}
 
 /// check_members(data, entries, offsets, data_offsets) -> int | None: None when the tar bytes hold exactly
 /// these members, else the first entry that differs (the entry count: the bytes after the last entry).
@@ -14,15 +40,7 @@ pub fn check_members(
     offsets: &[u8],
     data_offsets: &[u8],
 ) -> PyResult<Option<usize>> {
-    let count = entries.count();
-    let entries = entries.columns()?;
-    if offsets.len() != 8 * count || data_offsets.len() != 8 * count {
-        return Err(PyValueError::new_err("offset columns of the wrong length"));
-    }
-    let layout = unpack::Layout {
-        offsets,
-        data_offsets,
-    };
+    let (entries, layout) = laid_out(&entries, offsets, data_offsets, None)?;
     Ok(py.allow_threads(|| unpack::check_members(data, &entries, &layout)))
 }
 
@@ -41,17 +59,7 @@ pub fn extract_files(
     verify: bool,
     umask: Option<u32>,
 ) -> PyResult<(u64, u64, Vec<usize>)> {
-    let count = entries.count();
-    let entries = entries.columns()?;
-    if data_offsets.len() != 8 * count || hashes.len() != 16 * count {
-        return Err(PyValueError::new_err(
-            "offset or hash columns of the wrong length",
-        ));
-    }
-    let layout = unpack::Layout {
-        offsets: data_offsets,
-        data_offsets,
-    };
+    let (entries, layout) = laid_out(&entries, data_offsets, data_offsets, Some(hashes))?;
     let done = py.allow_threads(|| {
         unpack::extract_files(data, root, &entries, &layout, hashes, verify, umask)
     });
@@ -78,17 +86,7 @@ pub fn content_mismatches(
     data_offsets: &[u8],
     hashes: &[u8],
 ) -> PyResult<Vec<usize>> {
-    let count = entries.count();
-    let entries = entries.columns()?;
-    if data_offsets.len() != 8 * count || hashes.len() != 16 * count {
-        return Err(PyValueError::new_err(
-            "offset or hash columns of the wrong length",
-        ));
-    }
-    let layout = unpack::Layout {
-        offsets: data_offsets,
-        data_offsets,
-    };
+    let (entries, layout) = laid_out(&entries, data_offsets, data_offsets, Some(hashes))?;
     Ok(py.allow_threads(|| unpack::content_mismatches(data, &entries, &layout, hashes)))
 }
 
