@@ -13,7 +13,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${PALLET_VENV:-$here/.venv}
 apt_packages=(pigz zstd rsync openssh-server openssh-client openmpi-bin libopenmpi-dev
               globus-gridftp-server-progs globus-gass-copy-progs iproute2 python3-venv slurm-wlm munge
-              iptables iputils-ping libnetfilter-queue-dev gcc)
+              iptables iputils-ping libnetfilter-queue-dev gcc fuse3)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 

@@ -1,12 +1,12 @@
 """Where the index lives in a bundle file: an index section and a fixed-size locator at the end."""
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 
 from . import codecs
+from .byte_source import ByteSource, pread_from
 from .errors import BundleError, CorruptBundleError
 from .index import FORMAT_VERSION, Index, content_hash
 
@@ -66,7 +66,7 @@ def _locator_bytes(loc: Locator) -> bytes:
     return body[:-8] + content_hash(body[:-8])[:8]
 
 
-def read_locator(fd: int, file_size: int, codec_name: str) -> Locator | None:
+def read_locator(fd: int | ByteSource, file_size: int, codec_name: str) -> Locator | None:
     """Return the locator at the end of the file, or None if there is none (a plain archive).
 
     The locator counts only inside exactly the wrapper ``index_section`` writes
@@ -75,7 +75,7 @@ def read_locator(fd: int, file_size: int, codec_name: str) -> Locator | None:
     tail_size = _TAIL_SIZE[codec_name]
     if file_size < tail_size:
         return None
-    raw = _unwrap_locator(codec_name, os.pread(fd, tail_size, file_size - tail_size))
+    raw = _unwrap_locator(codec_name, pread_from(fd, tail_size, file_size - tail_size))
     if raw is None or not raw.startswith(_LOCATOR_MAGIC):
         return None
     _, version, offset, length, digest, check = _LOCATOR.unpack(raw)
@@ -90,7 +90,7 @@ def read_locator(fd: int, file_size: int, codec_name: str) -> Locator | None:
     return Locator(offset, length, digest)
 
 
-def find_locator(fd: int, file_size: int) -> tuple[str, Locator] | None:
+def find_locator(fd: int | ByteSource, file_size: int) -> tuple[str, Locator] | None:
     """Return (codec name, locator) read from the shape of the file's end, or None for a plain archive.
 
     The codec is taken from the tail rather than from the first bytes, so
@@ -104,7 +104,7 @@ def find_locator(fd: int, file_size: int) -> tuple[str, Locator] | None:
     return None
 
 
-def damaged_locator(fd: int, file_size: int) -> bool:
+def damaged_locator(fd: int | ByteSource, file_size: int) -> bool:
     """True when the file ends like a pallet locator whose wrapper or magic bytes are damaged.
 
     A plain archive's last bytes match neither the exact wrapper of any codec
@@ -114,7 +114,7 @@ def damaged_locator(fd: int, file_size: int) -> bool:
     for codec_name, tail_size in _TAIL_SIZE.items():
         if file_size < tail_size:
             continue
-        tail = os.pread(fd, tail_size, file_size - tail_size)
+        tail = pread_from(fd, tail_size, file_size - tail_size)
         raw = _raw_locator_place(codec_name, tail)
         near_magic = sum(a != b for a, b in zip(raw[:len(_LOCATOR_MAGIC)], _LOCATOR_MAGIC)) <= 2
         if near_magic or (codec_name != "none" and _unwrap_locator(codec_name, tail) is not None):
@@ -142,14 +142,14 @@ def _unwrap_locator(codec_name: str, tail: bytes) -> bytes | None:
     return tail
 
 
-def read_index_section(fd: int, loc: Locator, codec_name: str, source: str) -> Index:
+def read_index_section(fd: int | ByteSource, loc: Locator, codec_name: str, source: str) -> Index:
     """Read, check and decode the embedded index that ``loc`` points to."""
     return Index.from_bytes(read_index_payload(fd, loc, codec_name, source), source)
 
 
-def read_index_payload(fd: int, loc: Locator, codec_name: str, source: str) -> bytes:
+def read_index_payload(fd: int | ByteSource, loc: Locator, codec_name: str, source: str) -> bytes:
     """Read and check the embedded index that ``loc`` points to; return its ``.pidx`` bytes."""
-    stored = os.pread(fd, loc.index_length, loc.index_offset)
+    stored = pread_from(fd, loc.index_length, loc.index_offset)
     if content_hash(stored) != loc.index_hash:
         raise CorruptBundleError("the embedded index is damaged (hash mismatch)", source, _HINT)
     if codec_name == "zstd":
@@ -162,9 +162,9 @@ def read_index_payload(fd: int, loc: Locator, codec_name: str, source: str) -> b
     return stored
 
 
-def sniff_file(fd: int) -> str:
+def sniff_file(fd: int | ByteSource) -> str:
     """Return the codec name of the stream in ``fd`` from its first bytes."""
-    return codecs.sniff(os.pread(fd, 4, 0))
+    return codecs.sniff(pread_from(fd, 4, 0))
 
 
 _HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"

@@ -97,3 +97,7 @@ class UnsafeMemberError(BundleError):
 
 class WorkerError(PalletError):
     """A worker process of a pool ended without answering (killed, out of memory, or broken install)."""
+
+
+class SetupError(PalletError):
+    """Something pallet needs on this machine is missing (a library, a kernel feature, an optional extra)."""

@@ -6,6 +6,7 @@ import stat
 from dataclasses import dataclass
 
 from . import container
+from .byte_source import ByteSource
 from .codecs import Codec, get_codec
 from .errors import BundleError, CorruptBundleError
 from .index import Index, Shard
@@ -53,7 +54,8 @@ class Bundle:
         size = st.st_size
         if size == 0:
             raise BundleError("is empty, not a bundle", path, "the copy is incomplete: transfer it again")
-        codec_name, payload = _embedded_payload(path, fd, size)
+        has_sidecar = os.path.exists(path + container.SIDECAR_SUFFIX)
+        codec_name, payload = _embedded_payload(path, fd, size, has_sidecar)
         index = Index.from_bytes(payload, path) if payload is not None else None
         sidecar = _read_sidecar(path, index, payload)
         index = index or sidecar
@@ -87,7 +89,23 @@ class Bundle:
         self.close()
 
 
-def _embedded_payload(path: str, fd: int, size: int) -> tuple[str, bytes | None]:
+def read_embedded_index(source: ByteSource) -> tuple[Codec, Index]:
+    """The codec and the embedded index of the bundle held by ``source`` (no sidecar is looked for).
+
+    Raises BundleError naming ``source.name`` for a plain archive (no index)
+    or a bundle too short for its shards, CorruptBundleError for a damaged
+    locator or index.
+    """
+    codec_name, payload = _embedded_payload(source.name, source, source.size, False)
+    if payload is None:
+        raise BundleError("has no pallet index: it is a plain archive", source.name,
+                          "unpack it (pallet unpack), or repack it with pallet pack to read it in place")
+    index = Index.from_bytes(payload, source.name)
+    _check_matches_data(source.name, index, codec_name, source.size)
+    return get_codec(index.codec, index.level, source.name), index
+
+
+def _embedded_payload(path: str, fd: int | ByteSource, size: int, has_sidecar: bool) -> tuple[str, bytes | None]:
     """The codec and the embedded index bytes (None for a plain archive); indexed, the codec comes from the tail."""
     try:
         found = container.find_locator(fd, size)
@@ -95,7 +113,7 @@ def _embedded_payload(path: str, fd: int, size: int) -> tuple[str, bytes | None]
         exc.path = path
         raise
     if found is None:
-        if container.damaged_locator(fd, size) and not os.path.exists(path + container.SIDECAR_SUFFIX):
+        if container.damaged_locator(fd, size) and not has_sidecar:
             raise CorruptBundleError("the index locator at the end of the bundle is damaged, so its index "
                                      "cannot be found", path,
                                      "fetch the bundle again, or put its .pidx beside it; to extract it anyway "

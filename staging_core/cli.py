@@ -1,4 +1,4 @@
-"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, calibrate, demo, login and remote."""
+"""The `pallet` command line: pack, unpack, ls, verify, plan, push, pull, calibrate, demo, login, remote and mount."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError
 from bundles import native
 from bundles.plain import iter_members
 
-from . import cli_staging, demo, remote_install
+from . import cli_staging, demo, mount, remote_install
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     cli_staging.add_parsers(commands)
     remote_install.add_parser(commands)         # pallet remote install|status
+    mount.add_parser(commands)
     return parser
 
 

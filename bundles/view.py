@@ -1,0 +1,295 @@
+"""Read a bundle in place: its directory tree from the index, and verified reads of single files."""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .byte_source import ByteSource, FileSource
+from .codecs import Codec
+from .errors import BundleError, CorruptBundleError
+from .extract import check_members, damaged_shard, is_streamed
+from .index import Index, Shard, content_hash, new_hasher
+from .reader import Bundle, read_embedded_index
+from .safety import index_problems, safe_mode
+from .tarformat import Kind
+
+DEFAULT_CACHE_BYTES = 256 << 20
+_HASH_CHUNK = 8 << 20
+_ROOT = b""
+_OPEN_CURSORS = 8
+
+
+@dataclass(frozen=True)
+class Node:
+    """What ``stat`` shows for one path of the view.
+
+    ``kind`` is FILE, DIR or SYMLINK (a hard link shows as the FILE it links
+    to, with the group's ``inode`` and ``nlink``); ``entry`` is the index
+    entry whose bytes a read returns (-1 for the root directory); ``mode``
+    has setuid, setgid and sticky bits removed, as extraction would.
+    """
+
+    entry: int
+    kind: Kind
+    mode: int
+    mtime_ns: int
+    size: int
+    link: bytes
+    inode: int
+    nlink: int
+
+
+class BundleView:
+    """Random access to the files of an indexed bundle without unpacking it; safe to share between threads.
+
+    Listings, stat and readlink come from the index alone. A read fetches
+    and decompresses only the shard that holds the file, checks the shard's
+    hash and its tar members against the index before serving a byte, and
+    keeps decoded shards in an LRU of at most ``cache_bytes`` (plus the
+    shards being decoded, one per reading thread). A file too large for a
+    shard of its own is decoded as a stream from its shard's start; its
+    shard's hash is checked once, by reading the whole shard, before its
+    first byte is served. Entries that extraction would refuse (unsafe
+    names or links, and everything under them) are not shown; ``hidden``
+    lists them with the reason. A damaged shard raises CorruptBundleError
+    naming the shard and its files, every time it is read; other shards
+    stay readable.
+    """
+
+    def __init__(self, source: ByteSource, codec: Codec, index: Index, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 owner: Bundle | None = None):
+        self.source, self.codec, self.index = source, codec, index
+        self.cache_bytes = cache_bytes
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cached_bytes = 0
+        self._loading: dict[int, threading.Lock] = {}
+        self._cursors: OrderedDict[int, _StreamCursor] = OrderedDict()
+        self.hidden = index_problems(index)
+        self._nodes, self._children = _build_tree(index, {os.fsencode(name) for name, _ in self.hidden})
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
+        """The view of a local bundle file (its ``.pidx`` sidecar is used as ``pallet unpack`` uses it)."""
+        bundle = Bundle.open(path)
+        try:
+            if bundle.index is None:
+                raise BundleError("has no pallet index: it is a plain archive", bundle.path,
+                                  "unpack it (pallet unpack), or repack it with pallet pack to read it in place")
+            return cls(FileSource(bundle.fd, bundle.path, bundle.size), bundle.codec, bundle.index, cache_bytes,
+                       owner=bundle)
+        except BaseException:
+            bundle.close()
+            raise
+
+    @classmethod
+    def from_source(cls, source: ByteSource, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
+        """The view of the bundle held by ``source`` (its embedded index; no sidecar)."""
+        codec, index = read_embedded_index(source)
+        return cls(source, codec, index, cache_bytes)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    # ------------------------------------------------------------ the tree
+
+    def lookup(self, path: str) -> Node | None:
+        """The node at ``path`` (relative, or absolute from the view's root; "" and "/" are the root)."""
+        return self._nodes.get(_key(path))
+
+    def listdir(self, path: str) -> list[str]:
+        """Names in the directory at ``path``; raises NotADirectoryError or FileNotFoundError like os.listdir."""
+        key = _key(path)
+        node = self._nodes.get(key)
+        if node is None:
+            raise FileNotFoundError(path)
+        if node.kind != Kind.DIR:
+            raise NotADirectoryError(path)
+        return [os.fsdecode(name) for name in self._children.get(key, ())]
+
+    def walk_files(self):
+        """Every (path, Node) of the view that is not a directory, in index order."""
+        return ((os.fsdecode(path), node) for path, node in self._nodes.items() if node.kind != Kind.DIR)
+
+    # ------------------------------------------------------------ reads
+
+    def read(self, node: Node, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of the file ``node`` from ``offset`` (b"" at or past its end)."""
+        if node.kind != Kind.FILE:
+            raise IsADirectoryError(self.name) if node.kind == Kind.DIR else BundleError("not a regular file")
+        size = max(0, min(size, node.size - offset))
+        if size == 0:
+            return b""
+        shard = self.index.shards[self.index.shard_of[node.entry]]
+        if is_streamed(self.index, shard):
+            return self._cursor(shard).read(self.index.data_offsets[node.entry] + offset, size)
+        start = self.index.data_offsets[node.entry] + offset
+        return self._shard_bytes(shard)[start:start + size]
+
+    def _shard_bytes(self, shard: Shard) -> bytes:
+        with self._lock:
+            data = self._cache.get(shard.number)
+            if data is not None:
+                self._cache.move_to_end(shard.number)
+                return data
+            loading = self._loading.setdefault(shard.number, threading.Lock())
+        with loading:                   # one thread decodes a shard; the others wait for it, then hit the cache
+            with self._lock:
+                data = self._cache.get(shard.number)
+            if data is None:
+                data = self._decode(shard)
+                self._remember(shard.number, data)
+        with self._lock:
+            self._loading.pop(shard.number, None)
+        return data
+
+    def _decode(self, shard: Shard) -> bytes:
+        compressed = self.source.pread(shard.length, shard.offset)
+        if len(compressed) != shard.length:
+            raise BundleError(f"shard {shard.number} is cut short: the bundle is truncated", self.name,
+                              "the copy is incomplete: transfer it again")
+        if content_hash(compressed) != shard.hash:
+            raise damaged_shard(self.name, self.index, shard)
+        data = self.codec.decompress(compressed, shard.raw_size)
+        check_members(memoryview(data), self.index, shard, self.name)
+        return data
+
+    def _remember(self, number: int, data: bytes) -> None:
+        with self._lock:
+            if number in self._cache or len(data) > self.cache_bytes:
+                return
+            self._cache[number] = data
+            self._cached_bytes += len(data)
+            while self._cached_bytes > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= len(dropped)
+
+    def _cursor(self, shard: Shard) -> "_StreamCursor":
+        with self._lock:
+            cursor = self._cursors.get(shard.number)
+            if cursor is None:
+                cursor = self._cursors[shard.number] = _StreamCursor(self, shard)
+                if len(self._cursors) > _OPEN_CURSORS:
+                    self._cursors.popitem(last=False)
+            self._cursors.move_to_end(shard.number)
+            return cursor
+
+    def close(self) -> None:
+        """Release the cache and the bundle file (or the source)."""
+        with self._lock:
+            self._cache.clear()
+            self._cursors.clear()
+            self._cached_bytes = 0
+        if self._owner is not None:
+            self._owner.close()
+        else:
+            self.source.close()
+
+    def __enter__(self) -> "BundleView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _StreamCursor:
+    """A decoder over one large-file shard, kept at its position so sequential reads do not start over."""
+
+    def __init__(self, view: BundleView, shard: Shard):
+        self.view, self.shard = view, shard
+        self.lock = threading.Lock()
+        self.checked = False
+        self.reader = None
+        self.position = 0
+
+    def read(self, start: int, size: int) -> bytes:
+        """``size`` decompressed bytes of the shard's tar stream from ``start``."""
+        with self.lock:
+            if not self.checked:
+                self._check_hash()
+            if self.reader is None or start < self.position:
+                self.reader = self.view.codec.open_stream(_SourceRange(self.view.source, self.shard))
+                self.position = 0
+            self._skip(start - self.position)
+            data = _read_exactly(self.reader, size)
+            self.position += len(data)
+            if len(data) != size:
+                raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
+                                         "fetch the bundle again, or repack the source")
+            return data
+
+    def _check_hash(self) -> None:
+        hasher, done, shard = new_hasher(), 0, self.shard
+        while done < shard.length:
+            chunk = self.view.source.pread(min(_HASH_CHUNK, shard.length - done), shard.offset + done)
+            if not chunk:
+                break
+            hasher.update(chunk)
+            done += len(chunk)
+        if done != shard.length or hasher.digest() != shard.hash:
+            raise damaged_shard(self.view.name, self.view.index, shard)
+        self.checked = True
+
+    def _skip(self, count: int) -> None:
+        while count > 0:
+            chunk = self.reader.read(min(count, _HASH_CHUNK))
+            if not chunk:
+                raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
+                                         "fetch the bundle again, or repack the source")
+            count -= len(chunk)
+            self.position += len(chunk)
+
+
+class _SourceRange:
+    """File-like reader over one shard's compressed bytes in a ByteSource."""
+
+    def __init__(self, source: ByteSource, shard: Shard):
+        self.source, self.position, self.end = source, shard.offset, shard.offset + shard.length
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.end - self.position if size < 0 else min(size, self.end - self.position)
+        data = self.source.pread(size, self.position) if size > 0 else b""
+        self.position += len(data)
+        return data
+
+
+def _read_exactly(reader, size: int) -> bytes:
+    parts = []
+    while size > 0:
+        chunk = reader.read(size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size -= len(chunk)
+    return b"".join(parts)
+
+
+def _key(path: str) -> bytes:
+    return os.fsencode(path).strip(b"/")
+
+
+def _build_tree(index: Index, refused: set[bytes]) -> tuple[dict[bytes, Node], dict[bytes, list[bytes]]]:
+    """Nodes by path and names by directory, leaving out ``refused`` entries and everything under them."""
+    nodes = {_ROOT: Node(-1, Kind.DIR, 0o755, max(index.mtimes, default=0), 0, b"", 1, 2)}
+    children: dict[bytes, list[bytes]] = {_ROOT: []}
+    group_sizes: dict[int, int] = {}
+    for i, leader in enumerate(index.link_groups):
+        if leader >= 0 and index.kinds[i] == Kind.HARDLINK:
+            group_sizes[leader] = group_sizes.get(leader, 1) + 1
+    for i, path in enumerate(index.paths):
+        parent, _, name = path.rpartition(b"/")
+        if path in refused or parent not in children:
+            continue
+        kind = Kind(index.kinds[i])
+        source = index.link_groups[i] if kind == Kind.HARDLINK else i
+        nodes[path] = Node(source, Kind.FILE if kind == Kind.HARDLINK else kind, safe_mode(index.modes[source]),
+                           index.mtimes[source], index.sizes[source] if kind != Kind.SYMLINK else len(index.links[i]),
+                           index.links[i] if kind == Kind.SYMLINK else b"", source + 2, group_sizes.get(source, 1))
+        children[parent].append(name)
+        if kind == Kind.DIR:
+            children[path] = []
+    return nodes, children
