@@ -1,0 +1,240 @@
+"""Bundles read in place: `pallet mount` (FUSE) and the pallet:// fsspec file system, local and over ssh."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bundles import Bundle
+from tests.conftest import assert_same_tree, make_files, run_pallet
+from tests.programs import program, user_env
+from tests.test_safety import _set, good_bundle, write_tampered  # noqa: F401 - good_bundle is a fixture
+
+needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+                                reason="FUSE is not available (./bootstrap.sh installs fuse3)")
+
+
+def _pack(src, bundle, *options: str) -> str:
+    run_pallet("pack", "--quiet", *options, str(src), str(bundle), check=True)
+    return str(bundle)
+
+
+@contextlib.contextmanager
+def _mounted(bundle: str, mountpoint: Path, *options: str):
+    """`pallet mount` in the background; unmounted, and its process gone, on leaving."""
+    mountpoint.mkdir(exist_ok=True)
+    log = mountpoint.parent / f"{mountpoint.name}.log"
+    done = run_pallet("mount", bundle, str(mountpoint), "--log", str(log), *options, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(re.search(r"\(pid (\d+),", done.stdout).group(1))
+    try:
+        yield log
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False, timeout=60)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), "the mount process outlived its unmount"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _flip_byte_in_shard(bundle: str, number: int) -> list[str]:
+    """Flip one byte in the middle of shard ``number``; return the files that shard holds."""
+    with Bundle.open(bundle) as opened:
+        index = opened.index
+        shard = index.shards[number]
+        names = [index.entry(i).name for i in range(shard.first_entry, shard.first_entry + shard.entry_count)
+                 if index.kinds[i] == 0]
+    with open(bundle, "r+b") as handle:
+        handle.seek(shard.offset + shard.length // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    return names
+
+
+def _python(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``script`` with the environment's python in a user's environment (pallet imported as installed)."""
+    return subprocess.run([program("python"), "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                          env=user_env(), stdin=subprocess.DEVNULL, timeout=300)
+
+
+# ------------------------------------------------------------------ pallet mount
+
+@needs_fuse
+def test_mount_shows_the_nasty_tree_exactly(nasty_tree, tmp_path):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+    mountpoint = tmp_path / "mnt"
+    with _mounted(bundle, mountpoint):
+        diff = subprocess.run(["diff", "-r", "--no-dereference", nasty_tree, str(mountpoint)], capture_output=True,
+                              text=True)
+        assert diff.returncode == 0, diff.stdout + diff.stderr
+        assert_same_tree(nasty_tree, mountpoint)
+        with pytest.raises(OSError) as refused:
+            (mountpoint / "new-file").write_bytes(b"x")
+        assert refused.value.errno in (errno.EROFS, errno.EACCES)
+    assert os.listdir(mountpoint) == []
+
+
+@needs_fuse
+def test_a_damaged_shard_fails_only_its_own_files(tmp_path):
+    src = make_files(tmp_path / "src", 400, 8, lambda n: os.urandom(2048))
+    bundle = _pack(src, tmp_path / "b.tar.zst", "--shard-size", "64K")
+    damaged = set(_flip_byte_in_shard(bundle, 2))
+    assert damaged
+    with _mounted(bundle, tmp_path / "mnt") as log:
+        for path in sorted(Path(src).rglob("*")):
+            if not path.is_file():
+                continue
+            rel = str(path.relative_to(src))
+            if rel in damaged:
+                with pytest.raises(OSError) as failed:
+                    (tmp_path / "mnt" / rel).read_bytes()
+                assert failed.value.errno == errno.EIO, rel
+            else:
+                assert (tmp_path / "mnt" / rel).read_bytes() == path.read_bytes(), rel
+        messages = log.read_text()
+    assert "shard 2 is damaged" in messages and "Traceback" not in messages, messages
+
+
+@needs_fuse
+def test_the_mount_serves_concurrent_readers(tmp_path):
+    src = make_files(tmp_path / "src", 3000, 40, lambda n: b"%06d" % n * (1 + n % 300))
+    bundle = _pack(src, tmp_path / "b.tar.zst", "--shard-size", "128K")
+    files = sorted(str(p.relative_to(src)) for p in Path(src).rglob("*") if p.is_file())
+    failures: list[str] = []
+
+    def reader(seed: int) -> None:
+        chooser = random.Random(seed)
+        for rel in chooser.sample(files, 300):
+            if (tmp_path / "mnt" / rel).read_bytes() != (Path(src) / rel).read_bytes():
+                failures.append(rel)
+
+    with _mounted(bundle, tmp_path / "mnt", "--cache-mib", "1"):       # a small cache: shards are evicted
+        threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+    assert not failures, failures[:10]
+
+
+@needs_fuse
+def test_a_bundle_on_an_ssh_host_mounts_by_ranges(nasty_tree, tmp_path, sshd):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+    options = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    with _mounted(sshd.url(bundle), tmp_path / "mnt", *options):
+        assert_same_tree(nasty_tree, tmp_path / "mnt")
+
+
+def test_mount_errors_are_one_line_with_the_fix(tmp_path):
+    src = make_files(tmp_path / "src", 3, 1, lambda n: b"x")
+    bundle = _pack(src, tmp_path / "b.tar.zst")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "f").write_bytes(b"")
+    plain = tmp_path / "plain.tar"
+    subprocess.run(["tar", "-cf", str(plain), "-C", src, "."], check=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["mount", bundle, str(busy)], "the mount point is not empty", {}),
+        (["mount", bundle, str(tmp_path / "missing")], "mkdir -p", {}),
+        (["mount", "--foreground", str(plain), str(empty)], "plain archive", {}),
+        (["mount", bundle, str(empty)], "install FUSE", {"FUSE_LIBRARY_PATH": str(tmp_path / "no-libfuse.so")}),
+    ]
+    for args, expected, env in cases:
+        done = run_pallet(*args, env=env, timeout=60)
+        assert done.returncode != 0 and expected in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and done.stderr.startswith("pallet mount: error:"), done.stderr
+    assert os.listdir(empty) == [] and not os.path.ismount(empty)
+
+
+# ------------------------------------------------------------------ fsspec
+
+_READ_TREE = """
+import json, sys, fsspec
+fs = fsspec.filesystem("pallet", fo=sys.argv[1])
+files = {}
+for path in fs.find("", withdirs=False):
+    info = fs.info(path)
+    files[path] = None if info["type"] == "link" else fs.cat_file(path).hex()
+with fsspec.open("pallet://links/rel_link", fo=sys.argv[1]) as handle:      # a link inside the bundle
+    followed = handle.read().decode()
+print(json.dumps({"files": files, "followed": followed, "top": sorted(fs.ls("", detail=False))}))
+"""
+
+
+def test_fsspec_reads_a_local_bundle_in_place(nasty_tree, tmp_path):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+    done = _python(_READ_TREE, bundle)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    expected = {str(p.relative_to(nasty_tree)): (None if p.is_symlink() else p.read_bytes().hex())
+                for p in Path(nasty_tree).rglob("*") if p.is_symlink() or p.is_file()}
+    assert seen["files"] == expected
+    assert seen["followed"] == "target"
+    assert seen["top"] == sorted(os.listdir(nasty_tree))
+
+
+_READ_REMOTE = """
+import json, sys, fsspec
+url, ssh_options, names = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+fs = fsspec.filesystem("pallet", fo=url, ssh_options=ssh_options)
+direct = {name: fs.cat_file(name).hex() for name in names}
+direct_fetched = fs.bytes_fetched
+chained_url = "pallet://" + names[0] + "::" + url
+with fsspec.open(chained_url, mode="rb", pallet={"ssh_options": ssh_options}) as handle:
+    chained = handle.read().hex()
+print(json.dumps({"direct": direct, "fetched": direct_fetched, "chained": chained}))
+"""
+
+
+def test_fsspec_reads_a_bundle_on_an_ssh_host_by_ranges(tmp_path, sshd):
+    src = make_files(tmp_path / "src", 2000, 20, lambda n: os.urandom(3000))
+    bundle = _pack(src, tmp_path / "b.tar.zst", "--shard-size", "256K")
+    size = os.path.getsize(bundle)
+    names = [f"d{n % 20}/f{n:05d}" for n in range(0, 2000, 200)]
+    done = _python(_READ_REMOTE, sshd.url(bundle), json.dumps(sshd.ssh_options), json.dumps(names))
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["direct"] == {name: (Path(src) / name).read_bytes().hex() for name in names}
+    assert seen["chained"] == seen["direct"][names[0]]
+    assert 0 < seen["fetched"] < size / 10, (seen["fetched"], size)
+
+
+def test_fsspec_hides_unsafe_entries_and_is_read_only(tmp_path, good_bundle):
+    crafted = write_tampered(good_bundle, tmp_path / "crafted.tar.zst", _set("links", b"sym", b"/etc/passwd"),
+                             "embedded")
+    done = _python("""
+        import sys, fsspec
+        fs = fsspec.filesystem("pallet", fo=sys.argv[1])
+        print(sorted(fs.ls("", detail=False)))
+        try:
+            fs.open("top.txt", "wb")
+        except PermissionError as exc:
+            print("refused:", exc)
+        """, str(crafted))
+    assert done.returncode == 0, done.stderr
+    listed, refused = done.stdout.splitlines()
+    assert listed == str(sorted(["dir", "hard_a", "hard_b", "suid", "sym2", "top.txt"]))
+    assert refused.startswith("refused: pallet:// is read-only")
