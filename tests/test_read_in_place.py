@@ -18,7 +18,7 @@ import pytest
 
 from bundles import Bundle
 from tests.conftest import assert_same_tree, make_files, run_pallet
-from tests.programs import program, user_env
+from tests.programs import SOURCE as SOURCE_DIR, program, user_env
 from tests.test_safety import _set, good_bundle, write_tampered  # noqa: F401 - good_bundle is a fixture
 
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
@@ -238,3 +238,40 @@ def test_fsspec_hides_unsafe_entries_and_is_read_only(tmp_path, good_bundle):
     listed, refused = done.stdout.splitlines()
     assert listed == str(sorted(["dir", "hard_a", "hard_b", "suid", "sym2", "top.txt"]))
     assert refused.startswith("refused: pallet:// is read-only")
+
+
+# ------------------------------------------------------------------ the examples
+
+def _csv_tree(root: Path, files: int) -> float:
+    """``files`` CSV files whose third column sums to the returned total."""
+    total = 0.0
+    for n in range(files):
+        path = root / f"d{n % 7}" / f"sample_{n:04d}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{n},0,{n * 0.5}\n{n},1,{n * 0.25}\n")
+        total += n * 0.75
+    return total
+
+
+def test_the_fsspec_example_sums_a_bundle_in_place(tmp_path):
+    total = _csv_tree(tmp_path / "src", 300)
+    bundle = _pack(tmp_path / "src", tmp_path / "csv.tar.zst")
+    done = subprocess.run([program("python"), str(Path(SOURCE_DIR) / "examples" / "read_in_place.py"), bundle],
+                          capture_output=True, text=True, env=user_env(), stdin=subprocess.DEVNULL, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"300 files, column 2 sums to {total:.6f}"
+
+
+@needs_fuse
+def test_the_slurm_read_in_place_example_runs_as_a_job_would(tmp_path):
+    _csv_tree(tmp_path / "src", 120)
+    bundle = _pack(tmp_path / "src", tmp_path / "inputs.tar.zst")
+    scratch = tmp_path / "node-tmp"
+    scratch.mkdir()
+    env = user_env(BUNDLE=bundle, RESULTS=str(tmp_path / "results"), TMPDIR=str(scratch), SLURM_JOB_ID="42")
+    done = subprocess.run(["bash", str(Path(SOURCE_DIR) / "examples" / "slurm" / "read_in_place.sbatch")],
+                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "results" / "count.txt").read_text().strip() == "120"
+    assert os.listdir(scratch) == [], "the job left its node-local files or its mount behind"
