@@ -6,6 +6,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from . import native
 from .byte_source import ByteSource, FileSource
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
@@ -68,8 +69,10 @@ class BundleView:
         self._cached_bytes = 0
         self._loading: dict[int, threading.Lock] = {}
         self._cursors: OrderedDict[int, _StreamCursor] = OrderedDict()
-        self.hidden = index_problems(index)
-        self._nodes, self._children = _build_tree(index, {os.fsencode(name) for name, _ in self.hidden})
+        self.hidden = unsafe_entries(index)
+        self._entries, self._children = _build_tree(index, {os.fsencode(name) for name, _ in self.hidden})
+        self._group_sizes = _hard_link_group_sizes(index)
+        self._root = Node(-1, Kind.DIR, 0o755, max(index.mtimes, default=0), 0, b"", 1, 2)
 
     @classmethod
     def open(cls, path: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
@@ -99,12 +102,27 @@ class BundleView:
 
     def lookup(self, path: str) -> Node | None:
         """The node at ``path`` (relative, or absolute from the view's root; "" and "/" are the root)."""
-        return self._nodes.get(_key(path))
+        key = _key(path)
+        if not key:
+            return self._root
+        i = self._entries.get(key)
+        return None if i is None else self._node(i)
+
+    def _node(self, i: int) -> Node:
+        index = self.index
+        kind = Kind(index.kinds[i])
+        if kind == Kind.SYMLINK:
+            link = index.links[i]
+            return Node(i, kind, 0o777, index.mtimes[i], len(link), link, i + 2, 1)
+        source = index.link_groups[i] if kind == Kind.HARDLINK else i
+        return Node(source, Kind.FILE if kind == Kind.HARDLINK else kind, safe_mode(index.modes[source]),
+                    index.mtimes[source], index.sizes[source] if kind != Kind.DIR else 0, b"", source + 2,
+                    self._group_sizes.get(source, 2 if kind == Kind.DIR else 1))
 
     def listdir(self, path: str) -> list[str]:
         """Names in the directory at ``path``; raises NotADirectoryError or FileNotFoundError like os.listdir."""
         key = _key(path)
-        node = self._nodes.get(key)
+        node = self.lookup(path)
         if node is None:
             raise FileNotFoundError(path)
         if node.kind != Kind.DIR:
@@ -113,7 +131,8 @@ class BundleView:
 
     def walk_files(self):
         """Every (path, Node) of the view that is not a directory, in index order."""
-        return ((os.fsdecode(path), node) for path, node in self._nodes.items() if node.kind != Kind.DIR)
+        return ((os.fsdecode(path), self._node(i)) for path, i in self._entries.items()
+                if self.index.kinds[i] != Kind.DIR)
 
     # ------------------------------------------------------------ reads
 
@@ -272,24 +291,36 @@ def _key(path: str) -> bytes:
     return os.fsencode(path).strip(b"/")
 
 
-def _build_tree(index: Index, refused: set[bytes]) -> tuple[dict[bytes, Node], dict[bytes, list[bytes]]]:
-    """Nodes by path and names by directory, leaving out ``refused`` entries and everything under them."""
-    nodes = {_ROOT: Node(-1, Kind.DIR, 0o755, max(index.mtimes, default=0), 0, b"", 1, 2)}
+def unsafe_entries(index: Index) -> list[tuple[str, str]]:
+    """(name, reason) of every entry extraction would refuse; the native engine proves a plain tree safe fast."""
+    engine = native.module()
+    if engine is not None and engine.trivially_safe(len(index), native.blob(index.paths), native.raw(index.kinds)):
+        return []
+    return index_problems(index)
+
+
+def _build_tree(index: Index, refused: set[bytes]) -> tuple[dict[bytes, int], dict[bytes, list[bytes]]]:
+    """Entry numbers by path and names by directory, leaving out ``refused`` entries and everything under them."""
+    entries: dict[bytes, int] = dict(zip(index.paths, range(len(index))))
     children: dict[bytes, list[bytes]] = {_ROOT: []}
-    group_sizes: dict[int, int] = {}
-    for i, leader in enumerate(index.link_groups):
-        if leader >= 0 and index.kinds[i] == Kind.HARDLINK:
-            group_sizes[leader] = group_sizes.get(leader, 1) + 1
+    kinds, directory = index.kinds, Kind.DIR
     for i, path in enumerate(index.paths):
         parent, _, name = path.rpartition(b"/")
-        if path in refused or parent not in children:
+        siblings = children.get(parent)
+        if siblings is None or (refused and path in refused):
+            entries.pop(path, None)
             continue
-        kind = Kind(index.kinds[i])
-        source = index.link_groups[i] if kind == Kind.HARDLINK else i
-        nodes[path] = Node(source, Kind.FILE if kind == Kind.HARDLINK else kind, safe_mode(index.modes[source]),
-                           index.mtimes[source], index.sizes[source] if kind != Kind.SYMLINK else len(index.links[i]),
-                           index.links[i] if kind == Kind.SYMLINK else b"", source + 2, group_sizes.get(source, 1))
-        children[parent].append(name)
-        if kind == Kind.DIR:
+        siblings.append(name)
+        if kinds[i] == directory:
             children[path] = []
-    return nodes, children
+    return entries, children
+
+
+def _hard_link_group_sizes(index: Index) -> dict[int, int]:
+    """Members per hard-link group, by the entry number of the group's first member."""
+    sizes: dict[int, int] = {}
+    if Kind.HARDLINK in index.kinds:
+        for i, leader in enumerate(index.link_groups):
+            if leader >= 0 and index.kinds[i] == Kind.HARDLINK:
+                sizes[leader] = sizes.get(leader, 1) + 1
+    return sizes
