@@ -47,6 +47,31 @@ def read_files(root: Path, names: list[str]) -> float:
     return time.perf_counter() - started
 
 
+_PYTHON_READ = """
+import sys, time
+names = sys.stdin.read().split("\\0")
+started = time.perf_counter()
+if sys.argv[1] == "fsspec":
+    import fsspec
+    fs = fsspec.filesystem("pallet", fo=sys.argv[2])
+    for name in names:
+        fs.cat_file(name)
+else:
+    for name in names:
+        with open(sys.argv[2] + "/" + name, "rb") as handle:
+            handle.read()
+print(time.perf_counter() - started)
+"""
+
+
+def python_read(how: str, where: Path, names: list[str]) -> float:
+    """Seconds a Python process takes to read ``names`` once, through pallet:// (``how`` = "fsspec", opening
+    the bundle included) or with open() from the unpacked tree ("open")."""
+    done = subprocess.run([sys.executable, "-c", _PYTHON_READ, how, str(where)], input="\0".join(names),
+                          capture_output=True, text=True, check=True, env=child_env())
+    return float(done.stdout)
+
+
 def timed_find(root: Path) -> float:
     started = time.perf_counter()
     done = subprocess.run(["sh", "-c", 'find "$1" -type f | wc -l', "sh", str(root)], capture_output=True,
@@ -135,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     mountpoint.mkdir()
     pallet = Figures("pallet mount")
     tree = Figures("unpacked tree (warm)")
+    fsspec_reads, python_reads = Figures("pallet:// in Python"), Figures("tree, Python open()")
     peers = [pallet, tree]
     rat = Figures("ratarmount") if os.path.exists(ratarmount) else None
     print(f"code under test: {code_version()}; {w1.label}; bundle {bundle.stat().st_size / 2**20:.1f} MiB; "
@@ -144,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             measure_mount(pallet, pallet_cmd() + ["mount", "--log", str(runs / "pallet.log"), str(bundle),
                                                   str(mountpoint)], mountpoint, names, sample)
             measure_tree(tree, src, names, sample)
+            fsspec_reads.read_all.append(python_read("fsspec", bundle, names))
+            python_reads.read_all.append(python_read("open", src, names))
             if rat:
                 index_file.unlink(missing_ok=True)           # ratarmount builds its index at each first mount
                 measure_mount(rat, [ratarmount, "--index-file", str(index_file), str(bundle), str(mountpoint)],
@@ -155,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             unmount(mountpoint)
         shutil.rmtree(runs, ignore_errors=True)
     report(peers + ([rat] if rat else []))
+    print(f"read all in one Python process: pallet:// {median(fsspec_reads.read_all):.3f} s (bundle opened "
+          f"included), the tree with open() {median(python_reads.read_all):.3f} s: "
+          f"{median(fsspec_reads.read_all) / median(python_reads.read_all):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"version": code_version(), "workload": w1.label,
-                                               "figures": [asdict(f) for f in peers + ([rat] if rat else [])]}))
+                                               "figures": [asdict(f) for f in peers + ([rat] if rat else []) +
+                                                           [fsspec_reads, python_reads]]}))
     return 0
 
 

@@ -113,6 +113,9 @@ class PalletFileSystem(AbstractFileSystem):
 
     def _resolve(self, path: str) -> Node:
         """The node at ``path`` with symlinks (inside the bundle) followed."""
+        node = self.view.lookup(path)
+        if node is not None and node.kind != Kind.SYMLINK:
+            return node             # an entry of the index: none of its parents is a symlink (those are refused)
         parts, done, hops = path.split("/") if path else [], "", 0
         while parts:
             done = posixpath.join(done, parts.pop(0)) if done else parts.pop(0)
