@@ -5,6 +5,7 @@ import os
 import posixpath
 import threading
 
+import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 
@@ -180,7 +181,6 @@ def _open_source(fo, target_protocol: str | None, target_options: dict, ssh_opti
     if target_protocol in _SSH_PROTOCOLS:
         return RemoteRanges.open_url(_ssh_url(fo, target_options), ssh_options)
     if target_protocol not in (None, "file", "local"):
-        import fsspec            # only the chained case needs fsspec's own opener
         handle = fsspec.open(fo, mode="rb", protocol=target_protocol, **target_options).open()
         return _FileObjectSource(handle, f"{target_protocol}://{fo}", owned=True)
     if fo.startswith("ssh://") or (":" in fo.split("/", 1)[0] and not os.path.exists(fo)):
@@ -213,7 +213,7 @@ class _FileObjectSource:
         with self._lock:
             self.handle.seek(offset)
             data = self.handle.read(max(0, min(length, self.size - offset)))
-        self.bytes_fetched += len(data)
+            self.bytes_fetched += len(data)
         return data
 
     def close(self) -> None:

@@ -114,8 +114,7 @@ def _mount_in_background(args) -> int:
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while not os.path.ismount(args.mountpoint):
         if child.poll() is not None:
-            raise PalletError(f"the mount did not start: {_last_line(log_path)}", args.bundle,
-                              f"see {log_path}")
+            raise PalletError(f"the mount did not start (log {log_path}): {_child_error(log_path)}")
         if time.monotonic() > deadline:
             child.kill()
             raise PalletError(f"the mount was not ready after {_READY_TIMEOUT_S} s", args.bundle, f"see {log_path}")
@@ -130,11 +129,14 @@ def _default_log() -> str:
     return os.path.join(state, "pallet", f"mount-{os.getpid()}.log")
 
 
-def _last_line(path: str) -> str:
+def _child_error(path: str) -> str:
+    """The last error the background mount wrote to its log (with its hint), or a note that there is none."""
     with open(path, "rb") as handle:
         handle.seek(max(0, os.fstat(handle.fileno()).st_size - 4000))
-        lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
-    return lines[-1].removeprefix("pallet mount: error: ") if lines else "it exited without a message"
+        text = handle.read().decode(errors="replace")
+    marker = "pallet mount: error: "
+    start = text.rfind(marker)
+    return text[start + len(marker):].strip() if start >= 0 else "it exited without a message"
 
 
 def _log(message: str) -> None:

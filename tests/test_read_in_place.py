@@ -160,6 +160,8 @@ def test_mount_errors_are_one_line_with_the_fix(tmp_path):
         (["mount", bundle, str(busy)], "the mount point is not empty", {}),
         (["mount", bundle, str(tmp_path / "missing")], "mkdir -p", {}),
         (["mount", "--foreground", str(plain), str(empty)], "plain archive", {}),
+        (["mount", str(plain), str(empty)], "plain archive", {}),          # in the background: from its log
+        (["mount", str(tmp_path / "missing.tar.zst"), str(empty)], "missing.tar.zst: does not exist", {}),
         (["mount", bundle, str(empty)], "install FUSE", {"FUSE_LIBRARY_PATH": str(tmp_path / "no-libfuse.so")}),
     ]
     for args, expected, env in cases:
