@@ -171,6 +171,9 @@ def _add_pull(commands) -> None:
                    help="remove what DEST holds that the source lacks (ssh and local sources); without it such "
                         "entries are kept. A rerun always fetches only what differs (type, size, mtime, mode, "
                         "link target)")
+    p.add_argument("--dry-run", "-n", action="store_true",
+                   help="list what would be fetched (and deleted with --delete) from one listing of an ssh or "
+                        "local source; change nothing")
     p.add_argument("--pack-via", metavar="SSH_URL",
                    help="ssh://[user@]host[:port] of a node that mounts the source's file system under the same "
                         "paths; mpi_stager packs there into a temporary directory beside the source")
@@ -243,9 +246,10 @@ def _run_staging(args) -> int:
 def _summary_line(command: str, result) -> str:
     """The one-line summary of a push or pull: what moved, what was already there, what was deleted."""
     if result.would_send is not None:
-        lines = [f"would send {len(result.would_send)} entries ({result.files} files, "
-                 f"{human_bytes(result.file_bytes)}) to {result.dest}; {result.in_place} files already in place",
-                 *(f"  send {name}" for name in result.would_send),
+        verb, where = ("send", "to") if command == "push" else ("fetch", "into")
+        lines = [f"would {verb} {len(result.would_send)} entries ({result.files} files, "
+                 f"{human_bytes(result.file_bytes)}) {where} {result.dest}; {result.in_place} files already in place",
+                 *(f"  {verb} {name}" for name in result.would_send),
                  *(f"  delete {name}" for name in result.would_delete)]
         return "\n".join(lines)
     if result.strategy and result.route == "already in place":

@@ -13,7 +13,8 @@ from bundles.scan import scan
 
 from .planner import LOCAL_PROFILE_PREFIX, LinkProfile
 from .profiles import load_profile, save_profile
-from .transports.base import Direction, parse_url
+from .options import StagingOptions
+from .transports.base import Direction, Endpoint, parse_url
 from .transports.local import LocalTransport
 
 SAMPLE_FILES = 1000
@@ -101,3 +102,15 @@ def _existing_parent(path: str) -> str:
     while not os.path.isdir(path):
         path = os.path.dirname(path)
     return path
+
+
+def route_profile(endpoint: Endpoint, options: StagingOptions, unpack_route: bool, local_dest: str | None = None,
+                  measure: bool = True) -> tuple[LinkProfile, bool]:
+    """The link profile to plan with, and whether a bundle may be planned. Between local paths (with the native
+    engine) the local profile is used (measured now unless ``measure`` is False) and, unless a strategy is
+    asked for, no bundle: the parallel copy needs none. ``local_dest``: the local side of a pull (else
+    ``endpoint`` is the destination)."""
+    if uses_local_copy(endpoint.scheme, options.profile):
+        profile = local_profile(local_dest or endpoint.path, measure)
+        return profile, unpack_route and options.strategy != "auto"
+    return load_profile(options.profile), unpack_route

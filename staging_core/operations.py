@@ -12,7 +12,6 @@ from typing import Sequence
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
-from bundles.tarformat import Kind
 from bundles.state import STATE_DIR, ensure_state_dir, prune, remove_state
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
@@ -25,17 +24,17 @@ from .pack_routes import PackRoute, PublishedBundle, pack_route
 from .plain import PlainRoute
 from .plain_push import push_plain
 from .plain_pull import pull_plain
-from .planner import LinkProfile, Plan, plan
+from .planner import Plan, plan
 from .probe import far_side_options
-from .local_profile import local_profile, observe, uses_local_copy
-from .profiles import load_profile
+from .dry_run import pull_dry_run, push_dry_run
+from .local_profile import observe, route_profile, uses_local_copy
 from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dest_md5,
                      dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError
-from .transports.registry import open_transport
+from .transports.registry import open_endpoint, open_transport
 
 
 @dataclass
@@ -82,11 +81,11 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     endpoint = parse_url(dest_url)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
     if options.dry_run:
-        return _dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
+        return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
         walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
         try:
-            with _open(endpoint, options) as transport, \
+            with open_endpoint(endpoint, options.ssh_options) as transport, \
                     DestinationLock(endpoint, transport, wait=items is not None) as lock:
                 options, far = far_side_options(transport, endpoint, options)
                 with closing(unpack_route(endpoint, transport, options, far)) as route:
@@ -137,26 +136,6 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     return result
 
 
-def _dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
-    """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
-    with _open(endpoint, options) as transport:
-        comparison = compare_with_dest(transport, endpoint, tree, options.checksum)
-    if comparison is None:
-        comparison = Comparison(to_send=list(tree.index.paths))
-    index = tree.index
-    sending = set(comparison.to_send)
-    files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] != Kind.DIR]
-    inventory = Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], options.large_file_bytes)
-    profile, bundle_possible = route_profile(endpoint, options, True, measure=False)
-    chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
-    shown = [os.fsdecode(p) for p in comparison.to_send] + [os.fsdecode(index.paths[i]) + "/"
-                                                             for i in comparison.dirs_to_fix]
-    return StagingResult(endpoint.url(), chosen, "dry run", "nothing changed", len(files),
-                         inventory.stats.bytes, 0, time.monotonic() - started, in_place=comparison.in_place,
-                         would_send=tuple(shown),
-                         would_delete=tuple(os.fsdecode(p) for p in comparison.extra) if options.delete else ())
-
-
 def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, route,
                 options: StagingOptions) -> Comparison | None:
     """DEST compared with the whole source, where a push compares (not into a plain-tools route, which lists
@@ -190,7 +169,9 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     endpoint = parse_url(src_url)
     local = Endpoint("file", os.path.abspath(dest))
     whole, comparison = items is None, None
-    with _open(endpoint, options) as transport:
+    if options.dry_run:
+        return pull_dry_run(endpoint, local.path, options, started)
+    with open_endpoint(endpoint, options.ssh_options) as transport:
         options, far = far_side_options(transport, endpoint, options)
         with closing(pack_route(endpoint, transport, options, far)) as route:
             if isinstance(route, PublishedBundle):
@@ -249,24 +230,6 @@ def _check_options(options: StagingOptions) -> None:
         raise UsageError(f"unknown stream mode {options.stream!r}", hint=f"use one of {', '.join(STREAM_MODES)}")
     if options.ranks < 0 or options.retries < 0:
         raise UsageError("--ranks and --retries must not be negative")
-
-
-def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
-    if endpoint.scheme == "ssh":
-        return open_transport(endpoint, ssh_options=list(options.ssh_options))
-    return open_transport(endpoint)
-
-
-def route_profile(endpoint: Endpoint, options: StagingOptions, unpack_route: bool, local_dest: str | None = None,
-                  measure: bool = True) -> tuple[LinkProfile, bool]:
-    """The link profile to plan with, and whether a bundle may be planned. Between local paths (with the native
-    engine) the local profile is used (measured now unless ``measure`` is False) and, unless a strategy is
-    asked for, no bundle: the parallel copy needs none. ``local_dest``: the local side of a pull (else
-    ``endpoint`` is the destination)."""
-    if uses_local_copy(endpoint.scheme, options.profile):
-        profile = local_profile(local_dest or endpoint.path, measure)
-        return profile, unpack_route and options.strategy != "auto"
-    return load_profile(options.profile), unpack_route
 
 
 def _strategy(chosen: Plan, options: StagingOptions, route, endpoint: Endpoint) -> str:

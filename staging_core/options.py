@@ -35,7 +35,7 @@ class StagingOptions:
     progress      draw per-stage progress on stderr (None: only on a terminal).
     reprobe       probe an ssh far side again instead of using its cached findings (staging_core.probe).
     delete        after a whole-tree push, remove what DEST holds that the source lacks.
-    dry_run       push: list what would be sent (and deleted), change nothing.
+    dry_run       push and pull: list what would be sent or fetched (and deleted), change nothing.
     checksum      when comparing with DEST, also compare by md5 the files whose size, mtime and mode match.
     """
 

@@ -184,11 +184,12 @@ class PullComparison:
     source_dirs: dict[bytes, RemoteEntry] = field(default_factory=dict)
 
 
-def compare_with_local(listed: list[RemoteEntry], dest: str,
-                       source_md5=None) -> PullComparison | None:
+def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,
+                       dry_run: bool = False) -> PullComparison | None:
     """Compare a pull source's listing with the local ``dest``: None when DEST is missing, empty or marked
     INCOMPLETE (an interrupted pull resumes from its journal). With ``source_md5`` (relative paths -> md5
-    of those files at the source) the files whose metadata match are compared by md5 too."""
+    of those files at the source) the files whose metadata match are compared by md5 too, and those that
+    differ are removed here so the fetch cannot skip them (not with ``dry_run``)."""
     if os.path.lexists(os.path.join(dest, STATE_DIR, "INCOMPLETE")):
         return None
     local = _local_entries(os.fsencode(dest))
@@ -208,14 +209,15 @@ def compare_with_local(listed: list[RemoteEntry], dest: str,
             found.to_fetch.append(entry.path)
             found.sizes.append(entry.size if entry.kind == "f" else 0)
     if source_md5 is not None:
-        _fetch_differing_content(found, listed, dest, source_md5)
+        _fetch_differing_content(found, listed, dest, source_md5, dry_run)
     sources = {os.fsencode(entry.path) for entry in listed}
     extra = {path for path in local if path not in sources}
     found.extra = sorted(path for path in extra if os.path.dirname(path) not in extra)
     return found
 
 
-def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], dest: str, source_md5) -> None:
+def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], dest: str, source_md5,
+                             dry_run: bool) -> None:
     """Move the files in place whose md5 here differs from the source's to ``found.to_fetch``."""
     fetching = set(found.to_fetch)
     files = [entry for entry in listed if entry.kind == "f" and entry.path not in fetching]
@@ -224,7 +226,8 @@ def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], d
     for entry in files:
         name = os.fsencode(entry.path)
         if there.get(name) != here.get(name):
-            _remove_local(os.path.join(os.fsencode(dest), name))      # or a fetch skipping equal metadata skips it
+            if not dry_run:       # or a fetch skipping equal metadata would skip it
+                _remove_local(os.path.join(os.fsencode(dest), name))
             found.to_fetch.append(entry.path)
             found.sizes.append(entry.size)
             found.in_place -= 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bundles import pack
 from staging_core.testing import (MTIME_NS, assert_same_tree, make_nasty_tree, normalize_groups,  # noqa: F401
                                   snapshot)
 from tests.docs import doc_block
@@ -71,6 +72,19 @@ def sweep_mpi_segments():
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture(scope="session")
+def good_bundle(tmp_path_factory):
+    """A real bundle: top.txt, suid, dir/, dir/file.txt, symlinks sym -> top.txt, sym2 -> dir, hard_a = hard_b."""
+    src = tmp_path_factory.mktemp("tamper") / "src"
+    (src / "dir").mkdir(parents=True)
+    for rel in ("top.txt", "dir/file.txt", "hard_a", "suid"):
+        (src / rel).write_bytes(rel.encode())
+    os.link(src / "hard_a", src / "hard_b")
+    os.symlink("top.txt", src / "sym")
+    os.symlink("dir", src / "sym2")
+    return pack(src, src.parent / "good.tar.zst").bundle
 
 
 def make_files(root, count: int, dirs: int, content) -> str:

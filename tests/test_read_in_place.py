@@ -19,7 +19,7 @@ import pytest
 from bundles import Bundle
 from tests.conftest import assert_same_tree, make_files, run_pallet
 from tests.programs import SOURCE as SOURCE_DIR, program, user_env
-from tests.test_safety import _set, good_bundle, write_tampered  # noqa: F401 - good_bundle is a fixture
+from tests.test_safety import _set, write_tampered
 
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                                 reason="FUSE is not available (./bootstrap.sh installs fuse3)")

@@ -106,6 +106,29 @@ def test_a_pull_rerun_fetches_only_the_damaged_files_and_delete_converges(sshd, 
     assert (again["files"], again["in_place"], again["transfers"]) == (0, FILES, 0), again
 
 
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_pull_dry_run_lists_what_would_change_and_changes_nothing(sshd, tmp_path, where):
+    src, dest = _tree(tmp_path / "src"), tmp_path / "dest"
+    _pull(where, sshd, src, dest)
+    _damage(dest)
+    _sneaky_edit(dest / "d1" / "f00004")
+    source_before, before = snapshot(src), snapshot(dest)
+    planned = _pull(where, sshd, src, dest, "--dry-run", "--delete", "--checksum")
+    assert snapshot(dest) == before and snapshot(src) == source_before, "a dry run changed a tree"
+    assert {"d0/f00000", "d1/f00001", "d2/f00002", "d1/f00004"} <= set(planned["would_send"]), planned
+    assert planned["would_delete"] == ["d2/extra.txt"] and planned["in_place"] == FILES - 4, planned
+    fresh = _pull(where, sshd, src, tmp_path / "nowhere", "--dry-run")
+    assert len(fresh["would_send"]) == FILES + 3 and not (tmp_path / "nowhere").exists()
+    line = run_pallet("pull", "--dry-run", "--quiet", src, str(dest)).stdout
+    assert line.startswith("would fetch ") and "  fetch d0/f00000" in line, line
+
+
+def test_pull_dry_run_is_refused_where_listings_cannot_be_compared(tmp_path):
+    done = run_pallet("pull", "--dry-run", "gsiftp://127.0.0.1:1/data", str(tmp_path / "dest"))
+    assert done.returncode == 2 and "pull --dry-run compares listings of ssh and local sources" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
 def _sneaky_edit(path) -> None:
     """Change a file's bytes but keep its size and mtime: only a content comparison can see it."""
     before = os.stat(path)

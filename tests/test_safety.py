@@ -239,19 +239,6 @@ def test_existing_symlink_at_the_marker_path_is_not_written_through(tmp_path, sa
 
 # ---------------------------------------------------------------- bundles with a tampered index
 
-@pytest.fixture(scope="module")
-def good_bundle(tmp_path_factory):
-    """A real bundle: top.txt, suid, dir/, dir/file.txt, symlinks sym -> top.txt, sym2 -> dir, hard_a = hard_b."""
-    src = tmp_path_factory.mktemp("tamper") / "src"
-    (src / "dir").mkdir(parents=True)
-    for rel in ("top.txt", "dir/file.txt", "hard_a", "suid"):
-        (src / rel).write_bytes(rel.encode())
-    os.link(src / "hard_a", src / "hard_b")
-    os.symlink("top.txt", src / "sym")
-    os.symlink("dir", src / "sym2")
-    return pack(src, src.parent / "good.tar.zst").bundle
-
-
 def write_tampered(good: str, out, mutate, where: str):
     """Copy ``good`` to ``out`` with its index changed by ``mutate``, embedded or as the only (sidecar) copy."""
     with Bundle.open(good) as bundle:

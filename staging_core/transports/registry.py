@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import shutil
 from dataclasses import dataclass
+from typing import Sequence
 
 from bundles.errors import UsageError
 
@@ -61,3 +62,11 @@ def open_transport(url: str | Endpoint, **options) -> Transport:
     """Return a transport connected to the endpoint of ``url`` (options go to its constructor)."""
     endpoint = url if isinstance(url, Endpoint) else parse_url(url)
     return transport_class(endpoint.scheme)(endpoint, **options)
+
+
+def open_endpoint(url: str | Endpoint, ssh_options: Sequence[str] = ()) -> Transport:
+    """The transport for ``url``, with ``ssh_options`` (extra ssh arguments) applied when it is an ssh one."""
+    endpoint = url if isinstance(url, Endpoint) else parse_url(url)
+    if endpoint.scheme == "ssh":
+        return open_transport(endpoint, ssh_options=list(ssh_options))
+    return open_transport(endpoint)

@@ -27,7 +27,7 @@ from staging_core.pack_routes import pack_route
 from staging_core.routes import closing, run_local
 from staging_core.selection import fetch, send
 from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
-from staging_core.transports.registry import open_transport
+from staging_core.transports.registry import open_endpoint, open_transport
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -216,16 +216,10 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
                       number=spec.number, files=len(spec.items), cause=exc)
 
 
-def _open(endpoint: Endpoint, options: StagingOptions) -> Transport:
-    if endpoint.scheme == "ssh":
-        return open_transport(endpoint, ssh_options=list(options.ssh_options))
-    return open_transport(endpoint)
-
-
 def _move(spec: BatchSpec) -> Moved:
     options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
     endpoint = parse_url(spec.remote_root)
-    with _open(endpoint, options) as transport:
+    with open_endpoint(endpoint, options.ssh_options) as transport:
         options, far = far_side_options(transport, endpoint, options)
         with closing(pack_route(endpoint, transport, options, far)) as route:
             return _move_with(spec, options, transport, route)

@@ -1,0 +1,74 @@
+"""push and pull --dry-run: compare with the destination and plan, then report what would change, changing nothing."""
+from __future__ import annotations
+
+import os
+import time
+
+from bundles.errors import UsageError
+from bundles.scan import SourceTree
+from bundles.tarformat import Kind
+
+from .inventory import Inventory
+from .local_profile import route_profile
+from .options import StagingOptions, StagingResult
+from .planner import plan
+from .repair import Comparison, PullComparison, compare_with_dest, compare_with_local, dest_md5
+from .transports.base import Endpoint, RemoteEntry
+from .transports.registry import open_endpoint
+
+DRY_RUN_SCHEMES = ("file", "ssh")      # sources whose listings carry exact mtimes, as a pull compares them
+
+
+def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
+    """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
+    with open_endpoint(endpoint, options.ssh_options) as transport:
+        comparison = compare_with_dest(transport, endpoint, tree, options.checksum)
+    if comparison is None:
+        comparison = Comparison(to_send=list(tree.index.paths))
+    index = tree.index
+    sending = set(comparison.to_send)
+    files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] != Kind.DIR]
+    inventory = Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], options.large_file_bytes)
+    shown = [os.fsdecode(p) for p in comparison.to_send] + [os.fsdecode(index.paths[i]) + "/"
+                                                             for i in comparison.dirs_to_fix]
+    return _result(endpoint, endpoint.url(), inventory, len(files), comparison.in_place, shown,
+                   [os.fsdecode(p) for p in comparison.extra], options, started)
+
+
+def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started: float) -> StagingResult:
+    """pull --dry-run from an ssh or local source: what would be fetched into ``dest`` (and deleted there with
+    --delete), from one listing of the source; nothing is locked, made or changed, here or there."""
+    if endpoint.scheme not in DRY_RUN_SCHEMES:
+        raise UsageError(f"pull --dry-run compares listings of ssh and local sources, not {endpoint.scheme}://",
+                         endpoint.url(), "run it without --dry-run, or against an ssh URL of the same files")
+    with open_endpoint(endpoint, options.ssh_options) as transport:
+        listed = transport.list(endpoint.path)
+        hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if options.checksum else None
+        comparison = compare_with_local(listed, dest, hashes, dry_run=True) if os.path.isdir(dest) else None
+    if comparison is None:
+        comparison = _everything(listed)
+    inventory = Inventory(endpoint.path, list(comparison.sizes), options.large_file_bytes)
+    shown = list(comparison.to_fetch) + [entry.path + "/" for entry in comparison.dirs_to_fix]
+    return _result(endpoint, dest, inventory, len(comparison.to_fetch), comparison.in_place, shown,
+                   [os.fsdecode(p) for p in comparison.extra], options, started)
+
+
+def _everything(listed: list[RemoteEntry]) -> PullComparison:
+    """What a pull into an empty or missing DEST fetches: every entry of the listing."""
+    found = PullComparison()
+    for entry in listed:
+        if entry.kind == "d":
+            found.dirs_to_fix.append(entry)
+        else:
+            found.to_fetch.append(entry.path)
+            found.sizes.append(entry.size if entry.kind == "f" else 0)
+    return found
+
+
+def _result(endpoint: Endpoint, dest: str, inventory: Inventory, files: int, in_place: int, shown: list[str],
+            extra: list[str], options: StagingOptions, started: float) -> StagingResult:
+    profile, bundle_possible = route_profile(endpoint, options, True, measure=False)
+    chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
+    return StagingResult(dest, chosen, "dry run", "nothing changed", files, inventory.stats.bytes, 0,
+                         time.monotonic() - started, in_place=in_place, would_send=tuple(shown),
+                         would_delete=tuple(extra) if options.delete else ())
