@@ -194,13 +194,7 @@ class Index:
     @classmethod
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
         """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged."""
-        try:
-            declared = zstandard.frame_content_size(payload)
-            if declared > _MAX_INDEX_BYTES:
-                raise zstandard.ZstdError(f"frame claims {declared} bytes")
-            blob = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_MAX_INDEX_BYTES)
-        except zstandard.ZstdError as exc:
-            raise CorruptBundleError(f"index is damaged ({exc})", source, _REPACK_HINT) from exc
+        blob = _decode_bounded(payload, source)
         if len(blob) < _HEAD.size + HASH_SIZE or content_hash(blob[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
             raise CorruptBundleError("index is damaged (its hash does not match)", source, _REPACK_HINT)
         magic, version, header_len = _HEAD.unpack_from(blob)
@@ -269,6 +263,42 @@ class Index:
 
 
 _MAX_INDEX_BYTES = 1 << 34          # 16 GiB: far above any real index (1M entries take ~100 MB)
+MAX_DECODE_RATIO = 1024             # an index or stream skeleton decodes to at most this many times its stored size
+_DECODE_FLOOR = 64 << 20            # ... or to this much, whichever is more
+_DECODE_PIECE = 16 << 20
+
+
+def _decode_bounded(payload: bytes, source: str | None) -> bytes:
+    """The decompressed ``.pidx`` payload, refused as a bomb past decoded_size_limit (nothing larger is held)."""
+    limit = decoded_size_limit(len(payload))
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if 0 <= declared <= limit:
+            return zstandard.ZstdDecompressor().decompress(payload, max_output_size=declared)
+        if declared < 0:            # no size in the frame: decode in pieces, at most ``limit`` bytes
+            parts, total = [], 0
+            with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
+                while total <= limit and (part := reader.read(_DECODE_PIECE)):
+                    parts.append(part)
+                    total += len(part)
+            if total <= limit:
+                return b"".join(parts)
+    except zstandard.ZstdError as exc:
+        raise CorruptBundleError(f"index is damaged ({exc})", source, _REPACK_HINT) from exc
+    claimed = f"claims {declared} bytes" if declared >= 0 else f"decodes to more than {limit} bytes"
+    raise CorruptBundleError(f"index is refused: it {claimed}, more than {MAX_DECODE_RATIO} times its "
+                             f"{len(payload)} stored bytes", source, _REPACK_HINT)
+
+
+def decoded_size_limit(stored: int) -> int:
+    """The most bytes an index (or a stream skeleton) stored in ``stored`` compressed bytes may decode to.
+
+    Real indexes decode to about 4 times their stored size (W1) and at most
+    about 200 times (hundreds of thousands of empty directories under one
+    long name); a frame claiming more than MAX_DECODE_RATIO times, beyond
+    the first 64 MiB, is refused as a bomb before anything is allocated.
+    """
+    return min(_MAX_INDEX_BYTES, max(_DECODE_FLOOR, stored * MAX_DECODE_RATIO))
 _REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
 
 

@@ -12,7 +12,7 @@ import zstandard
 
 from .codecs import get_codec
 from .errors import PalletError, StreamError
-from .index import HASH_SIZE, Index, content_hash, little_endian
+from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_size_limit, little_endian
 from .shards import BuiltShard, ShardPlan
 from .tarformat import BLOCK, Kind, padding
 
@@ -252,8 +252,9 @@ def _stream_id(blob) -> str:
 def _decompress(payload: bytes, source: str | None) -> bytes:
     try:
         declared = zstandard.frame_content_size(payload)
-        if not 0 <= declared <= _MAX_SKELETON:
-            raise zstandard.ZstdError(f"frame declares {declared} bytes")
+        if not 0 <= declared <= min(_MAX_SKELETON, decoded_size_limit(len(payload))):
+            raise zstandard.ZstdError(f"frame declares {declared} bytes for {len(payload)} stored, more than "
+                                      f"{MAX_DECODE_RATIO} times")
         return zstandard.ZstdDecompressor().decompress(payload, max_output_size=declared)
     except zstandard.ZstdError as exc:
         raise StreamError(f"skeleton is damaged ({exc})", source, _HINT) from exc

@@ -1,0 +1,28 @@
+"""The peak memory of unpack and verify as a formula of the bundle's index (stated in docs/bundle-format.md)."""
+from __future__ import annotations
+
+from .extract import is_streamed
+from .index import Index, Shard
+
+BASE_BYTES = 64 << 20             # the interpreter, its libraries and the native engine
+PER_ENTRY_BYTES = 160             # the index's columns and objects per entry, names aside
+WORKER_STACK_BYTES = 8 << 20      # each worker thread's stack
+STREAM_BUFFER_BYTES = 16 << 20    # a large file's shard: read, decode and write buffers (8 MiB chunks)
+
+
+def shard_bytes(index: Index, shard: Shard) -> int:
+    """Memory one worker holds for ``shard``: its compressed and decoded bytes, or fixed buffers if streamed."""
+    return STREAM_BUFFER_BYTES if is_streamed(index, shard) else shard.length + shard.raw_size
+
+
+def peak_bytes(index: Index, workers: int) -> int:
+    """The most address space `pallet unpack` or `pallet verify` with ``workers`` workers needs for ``index``:
+
+        BASE + entries x PER_ENTRY + bytes of all names and link targets + workers x (STACK + largest shard)
+
+    where a shard counts its compressed plus decoded size, and a streamed one (a file too large to share a
+    shard) STREAM_BUFFER. The input's size does not appear: files are never held whole.
+    """
+    names = sum(map(len, index.paths)) + sum(map(len, index.links))
+    largest = max((shard_bytes(index, shard) for shard in index.shards), default=0)
+    return BASE_BYTES + len(index) * PER_ENTRY_BYTES + names + max(1, workers) * (WORKER_STACK_BYTES + largest)
