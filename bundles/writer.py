@@ -1,6 +1,7 @@
 """Write a bundle: walk the source, cut it into shards, build and compress them in parallel."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ def _write_bundle(tree: SourceTree, bundle: str, codec: Codec, options: PackOpti
         raise write_error(exc, bundle) from exc
     finally:
         progress.finish()
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):      # a failing disk may refuse this too: the error above is the news
             os.unlink(tmp)
     return PackResult(bundle, sidecar, index, size, time.monotonic() - started)
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from bundles import native
 from bundles.errors import PalletError, UsageError
 from bundles.scan import scan
+from bundles.state import ensure_state_dir
 
 from .planner import LOCAL_PROFILE_PREFIX, LinkProfile
 from .profiles import load_profile, save_profile
@@ -40,7 +41,8 @@ def local_profile(dest: str, measure_now: bool = True) -> LinkProfile:
         if not measure_now:
             return LinkProfile()
     try:
-        profile = measure(parent, name)
+        # inside an existing DEST, in its state place (removed after success, cleared by the next run)
+        profile = measure(ensure_state_dir(parent) if parent == os.path.abspath(dest) else parent, name)
         save_profile(profile)
     except (OSError, PalletError):      # no room or no right to measure here: plan with the generic figures
         return LinkProfile()

@@ -344,8 +344,11 @@ def _transfer_all(transport: Transport, direction: Direction, local: str, endpoi
 
 
 def _one_line(error: BaseException) -> str:
-    """An error's message without its path and hint (those are the transfer's own)."""
-    return getattr(error, "message", None) or str(error).splitlines()[0]
+    """An error's message without its path and hint (those are the transfer's own), with the last line of what
+    the tool said when there is one (``copy failed (Input/output error)``)."""
+    message = getattr(error, "message", None) or str(error).splitlines()[0]
+    said = getattr(error, "stderr", "").strip().splitlines()
+    return f"{message} ({said[-1][:200]})" if said and said[-1] not in message else message
 
 
 def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],
