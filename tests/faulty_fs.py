@@ -1,10 +1,12 @@
 """A FUSE pass-through file system that fails writes with EIO: the tests' disk that breaks mid-operation.
 
-    python tests/faulty_fs.py BACKING MOUNTPOINT --fail-after N
+    python tests/faulty_fs.py BACKING MOUNTPOINT --fail-after N [--errno EACCES]
 
 Every call that changes data or names (write, create, mkdir, rename, link, symlink, truncate, chmod, utimens,
-unlink, rmdir) is passed to BACKING until N of them have succeeded; from then on each one fails with EIO, as a
-dying disk or a broken network file system does. Reads keep working. Runs in the foreground until unmounted.
+unlink, rmdir) is passed to BACKING until N of them have succeeded; from then on each one fails with EIO (or the
+errno named), as a dying disk or a broken network file system does, or, with EACCES, as a directory whose
+permissions changed under the operation (which root cannot otherwise meet). Reads keep working. Runs in the
+foreground until unmounted.
 """
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ import mfusepy as fuse
 
 
 class FaultyPassThrough(fuse.Operations):
-    """Pass every call to the backing directory; fail changes with EIO after ``fail_after`` of them."""
+    """Pass every call to the backing directory; fail changes with ``error`` after ``fail_after`` of them."""
 
     use_ns = True
 
-    def __init__(self, backing: str, fail_after: int):
-        self.backing, self.fail_after = backing, fail_after
+    def __init__(self, backing: str, fail_after: int, error: int = errno.EIO):
+        self.backing, self.fail_after, self.error = backing, fail_after, error
         self.changes = 0
         self.guard = threading.Lock()
 
@@ -32,7 +34,7 @@ class FaultyPassThrough(fuse.Operations):
     def _change(self) -> None:
         with self.guard:
             if self.changes >= self.fail_after:
-                raise fuse.FuseOSError(errno.EIO)
+                raise fuse.FuseOSError(self.error)
             self.changes += 1
 
     # reads
@@ -119,8 +121,10 @@ def main() -> None:
     parser.add_argument("backing")
     parser.add_argument("mountpoint")
     parser.add_argument("--fail-after", type=int, required=True)
+    parser.add_argument("--errno", default="EIO", choices=("EIO", "EACCES"))
     args = parser.parse_args()
-    fuse.FUSE(FaultyPassThrough(os.path.abspath(args.backing), args.fail_after), args.mountpoint,
+    error = getattr(errno, args.errno)
+    fuse.FUSE(FaultyPassThrough(os.path.abspath(args.backing), args.fail_after, error), args.mountpoint,
               foreground=True, nothreads=True, default_permissions=True)
 
 

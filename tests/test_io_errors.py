@@ -23,12 +23,12 @@ FAIL_AFTER = (0, 3, 60)
 
 
 @contextlib.contextmanager
-def faulty(backing: Path, mountpoint: Path, fail_after: int):
-    """``mountpoint`` shows ``backing``; after ``fail_after`` changes every change fails with EIO."""
+def faulty(backing: Path, mountpoint: Path, fail_after: int, error: str = "EIO"):
+    """``mountpoint`` shows ``backing``; after ``fail_after`` changes every change fails with ``error``."""
     backing.mkdir(exist_ok=True)
     mountpoint.mkdir(exist_ok=True)
     process = subprocess.Popen([program("python"), FAULTY_FS, str(backing), str(mountpoint), "--fail-after",
-                                str(fail_after)], env=user_env(), stdin=subprocess.DEVNULL,
+                                str(fail_after), "--errno", error], env=user_env(), stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 20
     while not os.path.ismount(mountpoint):
@@ -47,11 +47,11 @@ def source(tmp_path_factory) -> str:
     return make_files(tmp_path_factory.mktemp("eio") / "src", 120, 4, lambda n: os.urandom(1500 + n))
 
 
-def _failed_cleanly(done: subprocess.CompletedProcess, command: str) -> None:
+def _failed_cleanly(done: subprocess.CompletedProcess, command: str, cause: str = "input/output error") -> None:
     assert done.returncode in (1, 3), done.stderr
     assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"pallet {command}: error:"), done.stderr
-    assert "input/output error" in done.stderr.lower() or "cannot write" in done.stderr.lower(), done.stderr
+    assert cause in done.stderr.lower(), done.stderr
     assert len([line for line in done.stderr.splitlines() if not line.startswith("  ")]) == 1, done.stderr
 
 
@@ -83,3 +83,18 @@ def test_pack_onto_a_failing_disk_leaves_no_bundle(tmp_path, source, fail_after)
         os.listdir(tmp_path / "disk")
     run_pallet("pack", "--quiet", source, str(tmp_path / "disk" / "b.tar.zst"), check=True)
     run_pallet("verify", str(tmp_path / "disk" / "b.tar.zst"), check=True)
+
+
+@pytest.mark.parametrize("fail_after", (0, 3, 60))
+def test_permission_lost_midway_is_one_line_and_a_rerun_converges(tmp_path, source, fail_after):
+    bundle = tmp_path / "b.tar.zst"
+    run_pallet("pack", "--quiet", source, str(bundle), check=True)
+    with faulty(tmp_path / "disk", tmp_path / "mnt", fail_after, "EACCES") as mnt:
+        _failed_cleanly(run_pallet("unpack", "--quiet", str(bundle), str(mnt / "a"), timeout=120), "unpack",
+                        "permission denied")
+        done = run_pallet("push", "--quiet", "--strategy", "bundle", source, str(mnt / "b"), timeout=120)
+        _failed_cleanly(done, "push", "permission denied")
+    run_pallet("unpack", "--quiet", str(bundle), str(tmp_path / "disk" / "a"), check=True)
+    run_pallet("push", "--quiet", "--strategy", "bundle", source, str(tmp_path / "disk" / "b"), check=True)
+    for name in ("a", "b"):
+        assert_same_tree(source, tmp_path / "disk" / name)
