@@ -8,6 +8,7 @@ from typing import Iterator
 
 from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
 from . import native
+from .byte_source import ByteSource, pread_from
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
 from .safety import index_problems, safe_mode
@@ -163,17 +164,17 @@ def is_streamed(index: Index, shard: Shard) -> bool:
 
 def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
     i = shard.first_entry
-    if verify and hash_range(bundle, shard) != shard.hash:
+    if verify and hash_range(bundle.fd, shard) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
-    header = _read_up_to(reader, index.data_offsets[i])
+    header = read_up_to(reader, index.data_offsets[i])
     if verify and (index.offsets[i] != 0 or header != entry_header_bytes(index, i)):
         raise _members_differ(bundle.path, index, shard, i)
     digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
     if verify and digest != index.hashes[i * 16:i * 16 + 16]:
         raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
                                  [os.fsdecode(index.paths[i])])
-    if verify and not _only_end_zeros(_read_up_to(reader, padding(index.sizes[i]) + len(END_OF_ARCHIVE) + 1),
+    if verify and not _only_end_zeros(read_up_to(reader, padding(index.sizes[i]) + len(END_OF_ARCHIVE) + 1),
                                       padding(index.sizes[i])):
         raise _members_differ(bundle.path, index, shard, i)
     return ShardOutcome(shard.number, 1, index.sizes[i])
@@ -365,7 +366,7 @@ def remove_stale(path: bytes) -> None:
         raise destination_error(exc, path) from None
 
 
-def _read_up_to(reader, count: int) -> bytes:
+def read_up_to(reader, count: int) -> bytes:
     """``count`` bytes from a stream reader (fewer only at its end); ``count`` is a header's or tail's size."""
     parts = []
     while count:
@@ -377,11 +378,11 @@ def _read_up_to(reader, count: int) -> bytes:
     return b"".join(parts)
 
 
-def hash_range(bundle: Bundle, shard: Shard) -> bytes:
-    """Content hash of a shard's compressed bytes, read in chunks."""
+def hash_range(source: int | ByteSource, shard: Shard) -> bytes:
+    """Content hash of a shard's compressed bytes in a file descriptor or a ByteSource, read in chunks."""
     hasher, done = new_hasher(), 0
     while done < shard.length:
-        chunk = os.pread(bundle.fd, min(_STREAM_CHUNK, shard.length - done), shard.offset + done)
+        chunk = pread_from(source, min(_STREAM_CHUNK, shard.length - done), shard.offset + done)
         if not chunk:
             break
         hasher.update(chunk)
@@ -390,14 +391,14 @@ def hash_range(bundle: Bundle, shard: Shard) -> bytes:
 
 
 class RangeReader:
-    """File-like reader over one byte range of a file descriptor."""
+    """File-like reader over one byte range of a file descriptor or a ByteSource."""
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.position, self.end = fd, offset, offset + length
+    def __init__(self, source: int | ByteSource, offset: int, length: int):
+        self.source, self.position, self.end = source, offset, offset + length
 
     def read(self, size: int = -1) -> bytes:
         size = self.end - self.position if size < 0 else min(size, self.end - self.position)
-        data = os.pread(self.fd, size, self.position) if size > 0 else b""
+        data = pread_from(self.source, size, self.position) if size > 0 else b""
         self.position += len(data)
         return data
 

@@ -139,7 +139,7 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool
             problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
         problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")
-    if hash_range(bundle, shard) != shard.hash:
+    if hash_range(bundle.fd, shard) != shard.hash:
         problems.insert(0, f"shard {shard.number}: its bytes do not match the index hash; {_holds(index, shard)}")
     if not remaining and hasher.digest() != entry.hash:      # all of the content was read: check it
         problems.append(f"{entry.name}: content does not match its hash")

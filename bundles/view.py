@@ -10,14 +10,14 @@ from . import native
 from .byte_source import ByteSource, FileSource
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
-from .extract import check_members, damaged_shard, is_streamed
-from .index import Index, Shard, content_hash, new_hasher
+from .extract import RangeReader, check_members, damaged_shard, hash_range, is_streamed, read_up_to
+from .index import Index, Shard, content_hash
 from .reader import Bundle, read_embedded_index
 from .safety import index_problems, safe_mode
 from .tarformat import Kind
 
 DEFAULT_CACHE_BYTES = 256 << 20
-_HASH_CHUNK = 8 << 20
+_SKIP_CHUNK = 8 << 20
 _ROOT = b""
 _OPEN_CURSORS = 8
 
@@ -231,10 +231,11 @@ class _StreamCursor:
             if not self.checked:
                 self._check_hash()
             if self.reader is None or start < self.position:
-                self.reader = self.view.codec.open_stream(_SourceRange(self.view.source, self.shard))
+                compressed = RangeReader(self.view.source, self.shard.offset, self.shard.length)
+                self.reader = self.view.codec.open_stream(compressed)
                 self.position = 0
             self._skip(start - self.position)
-            data = _read_exactly(self.reader, size)
+            data = read_up_to(self.reader, size)
             self.position += len(data)
             if len(data) != size:
                 raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
@@ -242,49 +243,18 @@ class _StreamCursor:
             return data
 
     def _check_hash(self) -> None:
-        hasher, done, shard = new_hasher(), 0, self.shard
-        while done < shard.length:
-            chunk = self.view.source.pread(min(_HASH_CHUNK, shard.length - done), shard.offset + done)
-            if not chunk:
-                break
-            hasher.update(chunk)
-            done += len(chunk)
-        if done != shard.length or hasher.digest() != shard.hash:
-            raise damaged_shard(self.view.name, self.view.index, shard)
+        if hash_range(self.view.source, self.shard) != self.shard.hash:
+            raise damaged_shard(self.view.name, self.view.index, self.shard)
         self.checked = True
 
     def _skip(self, count: int) -> None:
         while count > 0:
-            chunk = self.reader.read(min(count, _HASH_CHUNK))
+            chunk = self.reader.read(min(count, _SKIP_CHUNK))
             if not chunk:
                 raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
                                          "fetch the bundle again, or repack the source")
             count -= len(chunk)
             self.position += len(chunk)
-
-
-class _SourceRange:
-    """File-like reader over one shard's compressed bytes in a ByteSource."""
-
-    def __init__(self, source: ByteSource, shard: Shard):
-        self.source, self.position, self.end = source, shard.offset, shard.offset + shard.length
-
-    def read(self, size: int = -1) -> bytes:
-        size = self.end - self.position if size < 0 else min(size, self.end - self.position)
-        data = self.source.pread(size, self.position) if size > 0 else b""
-        self.position += len(data)
-        return data
-
-
-def _read_exactly(reader, size: int) -> bytes:
-    parts = []
-    while size > 0:
-        chunk = reader.read(size)
-        if not chunk:
-            break
-        parts.append(chunk)
-        size -= len(chunk)
-    return b"".join(parts)
 
 
 def _key(path: str) -> bytes:

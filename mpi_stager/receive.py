@@ -15,7 +15,7 @@ from typing import BinaryIO, TextIO
 
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, PalletError, StreamError
-from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree,
+from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
                              make_directories, prepare_destination, write_streamed_file)
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.parallel import default_jobs
@@ -200,7 +200,7 @@ class _Receiver:
         raw = _DataReader(frames, plan.number, first, self.source)
         content = self._codec(plan).open_stream(raw)
         header = entry_header(self.index, i)
-        if _read_exact(content, len(header)) != header:
+        if read_up_to(content, len(header)) != header:
             raise StreamError(f"{where}: its tar header does not match the skeleton", self.source, _HINT)
         digest = write_streamed_file(content, self.index, i, self.dest, plan.number, self.source)
         raw.drain()
@@ -261,17 +261,6 @@ def _expect(frames: "_ReadAhead", source: str, what: str) -> Frame:
     if frame is None:
         raise StreamError(f"stream ends before {what}", source, _HINT)
     return frame
-
-
-def _read_exact(reader, size: int) -> bytes:
-    parts, remaining = [], size
-    while remaining:
-        chunk = reader.read(remaining)
-        if not chunk:
-            break
-        parts.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(parts)
 
 
 class _DataReader:

@@ -277,3 +277,39 @@ def test_the_slurm_read_in_place_example_runs_as_a_job_would(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "results" / "count.txt").read_text().strip() == "120"
     assert os.listdir(scratch) == [], "the job left its node-local files or its mount behind"
+
+
+def test_a_large_file_is_read_by_seeks_in_both_directions(tmp_path):
+    """A file too large to share a shard is decoded as a stream: reads after a seek back start over, and a
+    damaged byte in its shard makes every read of it fail, never serve wrong bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(20 << 20)
+    (src / "large.bin").write_bytes(data)
+    (src / "small.txt").write_bytes(b"small")
+    bundle = _pack(src, tmp_path / "b.tar.zst", "--shard-size", "4M")
+    offsets = [(12 << 20, 1000), (3 << 20, 5000), (19 << 20, 4096), (0, 100), ((20 << 20) - 10, 100)]
+    script = """
+        import json, sys, fsspec
+        fs = fsspec.filesystem("pallet", fo=sys.argv[1])
+        out = []
+        for start, length in json.loads(sys.argv[2]):
+            try:
+                with fs.open("large.bin", "rb") as handle:
+                    handle.seek(start)
+                    out.append(handle.read(length).hex())
+            except OSError as exc:
+                out.append(f"errno {exc.errno}")
+        out.append(fs.cat_file("small.txt").decode())
+        print(json.dumps(out))
+        """
+    done = _python(script, bundle, json.dumps(offsets))
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == [data[start:start + length].hex() for start, length in offsets] + ["small"]
+    with Bundle.open(bundle) as opened:
+        large = next(s.number for s in opened.index.shards if opened.index.paths[s.first_entry] == b"large.bin")
+    _flip_byte_in_shard(bundle, large)
+    done = _python(script, bundle, json.dumps(offsets))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["errno 5"] * len(offsets) + ["small"]
