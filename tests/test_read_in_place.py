@@ -21,6 +21,7 @@ from tests.conftest import assert_same_tree, make_files, run_pallet
 from tests.programs import SOURCE as SOURCE_DIR, program, user_env
 from tests.test_safety import _set, write_tampered
 
+pytestmark = pytest.mark.usefixtures("each_engine")
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                                 reason="FUSE is not available (./bootstrap.sh installs fuse3)")
 
@@ -186,8 +187,9 @@ print(json.dumps({"files": files, "followed": followed, "top": sorted(fs.ls("", 
 """
 
 
-def test_fsspec_reads_a_local_bundle_in_place(nasty_tree, tmp_path):
-    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+@pytest.mark.parametrize("codec", ["zstd", "gzip", "none"])
+def test_fsspec_reads_a_local_bundle_in_place(nasty_tree, tmp_path, codec):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar", "--codec", codec)
     done = _python(_READ_TREE, bundle)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
