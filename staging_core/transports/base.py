@@ -16,7 +16,6 @@ from .errors import NotSupportedError, TransportError
 _SCP_STYLE = re.compile(r"^(?:(?P<user>[^@/:]+)@)?(?P<host>[A-Za-z0-9._-]+):(?P<path>.*)$")
 _URL = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?:(?P<user>[^@/]+)@)?(?P<host>[^/:]*)(?::(?P<port>\d+))?"
                   r"(?P<path>/.*)?$")
-SCHEMES = ("file", "ssh", "gsiftp", "ftp", "globus")
 
 
 @dataclass(frozen=True)
@@ -57,17 +56,20 @@ def parse_url(text: str) -> Endpoint:
     """Parse '/abs', 'file:///abs', 'ssh://[user@]host[:port]/abs', '[user@]host:/abs',
     'gsiftp://host:port/abs', 'ftp://host:port/abs' or 'globus://ENDPOINT_UUID/abs'.
 
+    Any other scheme registered in staging_core.transports.registry (the
+    only list of schemes) parses as ``scheme://[user@]host[:port]/abs``.
     Raises UsageError naming the URL for anything else (relative remote
     paths, unknown schemes, missing hosts). Performs no I/O.
     """
+    from .registry import schemes          # the registry imports this module
     if text.startswith("/"):
         return Endpoint("file", posixpath.normpath(text))
     match = _URL.match(text)
     if match:
         scheme = match["scheme"]
-        if scheme not in SCHEMES:
+        if scheme not in schemes():
             raise UsageError(f"unknown URL scheme {scheme!r} in {text!r}",
-                             hint="use /path, file://, ssh://, host:/path, gsiftp://, ftp:// or globus://")
+                             hint=f"use /path, host:/path or one of {', '.join(s + '://' for s in schemes())}")
         if scheme != "file" and not match["host"]:
             raise UsageError(f"{text!r} has no host", hint=f"write {scheme}://HOST/absolute/path")
         path = match["path"] or "/"

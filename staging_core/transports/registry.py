@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,6 +23,7 @@ class Registration:
     hint: str = ""
 
 
+_SCHEME_NAME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 _REGISTRY: dict[str, Registration] = {
     "file": Registration("staging_core.transports.local:LocalTransport"),
     "ssh": Registration("staging_core.transports.ssh:SSHTransport", ("ssh", "rsync"),
@@ -36,8 +38,16 @@ _REGISTRY: dict[str, Registration] = {
 
 
 def register(scheme: str, registration: Registration) -> None:
-    """Add or replace the transport for ``scheme`` (plugins may register their own)."""
+    """Add or replace the transport for ``scheme`` (plugins may register their own): from then on
+    ``scheme://[user@]host[:port]/abs`` URLs parse and open it, and nothing else in pallet needs to change."""
+    if not _SCHEME_NAME.match(scheme):
+        raise UsageError(f"{scheme!r} is not a URL scheme", hint="use lower-case letters, digits, + - or .")
     _REGISTRY[scheme] = registration
+
+
+def unregister(scheme: str) -> None:
+    """Remove the transport registered for ``scheme`` (nothing if there is none)."""
+    _REGISTRY.pop(scheme, None)
 
 
 def schemes() -> list[str]:
