@@ -1,1 +1,1 @@
-"""pallet's staging core: the `pallet` command line and, in later layers, planning and transfers."""
+"""pallet's staging core: the `pallet` command line, the planner, transports, push and pull, reading in place."""

@@ -106,12 +106,11 @@ def test_remote_disk_full(transport, tmp_path):
         subprocess.run(["umount", str(full)], check=True)
 
 
-def test_remote_commands_and_missing_remote_pallet(sshd, transport, tmp_path):
+def test_remote_commands_and_a_missing_remote_program(sshd, transport, tmp_path):
     assert transport.run(["printf", "%s", "a b; $(echo no)"]) == b"a b; $(echo no)"
-    with open_transport(sshd.url("/tmp"), ssh_options=sshd.ssh_options, remote_pallet="pallet-not-here") as t:
-        with pytest.raises(MissingDependencyError) as caught:
-            t.run(t.pallet_command("--version"))
-    assert "--remote-pallet" in str(caught.value)
+    with pytest.raises(MissingDependencyError) as caught:
+        transport.run(["pallet-not-here", "--version"])
+    assert "`pallet-not-here` is not installed on 127.0.0.1" in str(caught.value)
 
 
 def test_streaming_into_a_remote_command(transport, tmp_path):

@@ -29,8 +29,7 @@ class SSHTransport(Transport):
 
     ``ssh_options`` (and ``$PALLET_SSH_OPTIONS``) are extra ssh arguments;
     ``parallel`` > 1 splits each batch over that many rsync processes,
-    balanced by bytes and file count, sharing the one connection;
-    ``remote_pallet`` is how pallet is started on the far side.
+    balanced by bytes and file count, sharing the one connection.
     """
 
     scheme = "ssh"
@@ -38,12 +37,10 @@ class SSHTransport(Transport):
                                 checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
                                 hardlinks=False, per_file_overhead_s=9e-5, concurrency=1)
 
-    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
-                 remote_pallet: str = "pallet"):
+    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1):
         super().__init__(endpoint)
         self.ssh_options = [*ssh_options, *shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))]
         self.parallel = max(1, parallel)
-        self.remote_pallet = shlex.split(remote_pallet)
         self._control_dir = scratch_dir("pallet-ssh-", _SOCKET_ROOT)
         self._master_started = False
         if self.parallel > 1:
@@ -93,18 +90,14 @@ class SSHTransport(Transport):
 
     def run(self, argv: list[str], stdin: bytes | None = None) -> bytes:
         done = self._ssh(argv, stdin)
-        if done.returncode == 127 and argv and argv[0] == self.remote_pallet[0]:
-            raise MissingDependencyError(f"pallet is not installed on {self.endpoint.host} (`{argv[0]}` not found)",
-                                         self.endpoint.url(), "install pallet there, or pass --remote-pallet CMD",
-                                         argv, 127, done.stderr.decode(errors="replace"))
+        if done.returncode == 127 and argv:
+            raise MissingDependencyError(f"`{argv[0]}` is not installed on {self.endpoint.host}", self.endpoint.url(),
+                                         "install it there, or put it on the login shell's PATH", argv, 127,
+                                         done.stderr.decode(errors="replace"))
         if done.returncode != 0:
             raise classify(done.stderr.decode(errors="replace"), done.returncode, argv, self.endpoint.url(),
                            f"remote command failed with status {done.returncode}")
         return done.stdout
-
-    def pallet_command(self, *args: str) -> list[str]:
-        """The argument list that runs ``pallet ARGS`` on the far side."""
-        return [*self.remote_pallet, *args]
 
     def stream_into(self, argv: list[str]) -> subprocess.Popen:
         """Start ``argv`` on the far side reading our pipe; the caller writes to ``.stdin`` and waits."""
