@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
+from .errors import BundleError
+
 
 @runtime_checkable
 class ByteSource(Protocol):
@@ -32,7 +34,11 @@ class FileSource:
         self.size = os.fstat(fd).st_size if size is None else size
 
     def pread(self, length: int, offset: int) -> bytes:
-        return os.pread(self.fd, length, offset)
+        try:
+            return os.pread(self.fd, length, offset)
+        except OSError as exc:
+            raise BundleError(f"cannot read the bundle ({exc.strerror})", self.name,
+                              "check the disk it is on, or copy the bundle elsewhere") from None
 
     def close(self) -> None:
         """Nothing to release: the descriptor belongs to whoever opened it."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,14 +11,14 @@ from . import native
 from .byte_source import ByteSource, FileSource
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
-from .extract import RangeReader, check_members, damaged_shard, hash_range, is_streamed, read_up_to
-from .index import Index, Shard, content_hash
+from .extract import RangeReader, check_members, damaged_shard, is_streamed, read_up_to
+from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle, read_embedded_index
 from .safety import index_problems, safe_mode
 from .tarformat import Kind
 
 DEFAULT_CACHE_BYTES = 256 << 20
-_SKIP_CHUNK = 8 << 20
+_SPOOL_CHUNK = 8 << 20
 _ROOT = b""
 _OPEN_CURSORS = 8
 
@@ -48,11 +49,12 @@ class BundleView:
     Listings, stat and readlink come from the index alone. A read fetches
     and decompresses only the shard that holds the file, checks the shard's
     hash and its tar members against the index before serving a byte, and
-    keeps decoded shards in an LRU of at most ``cache_bytes`` (plus the
-    shards being decoded, one per reading thread). A file too large for a
-    shard of its own is decoded as a stream from its shard's start; its
-    shard's hash is checked once, by reading the whole shard, before its
-    first byte is served. Entries that extraction would refuse (unsafe
+    keeps decoded shards in an LRU of at most ``cache_bytes``, or one shard
+    if that is larger (plus the shards being decoded, one per reading
+    thread). A file too large to share a shard is copied once, compressed,
+    into an unnamed temporary file while its shard's hash is checked, and is
+    decoded as a stream from that copy (at most 8 such copies at a time, the
+    least recently read dropped first). Entries that extraction would refuse (unsafe
     names or links, and everything under them) are not shown; ``hidden``
     lists them with the reason. A damaged shard raises CorruptBundleError
     naming the shard and its files, every time it is read; other shards
@@ -139,7 +141,9 @@ class BundleView:
     def read(self, node: Node, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of the file ``node`` from ``offset`` (b"" at or past its end)."""
         if node.kind != Kind.FILE:
-            raise IsADirectoryError(self.name) if node.kind == Kind.DIR else BundleError("not a regular file")
+            raise IsADirectoryError("is a directory") if node.kind == Kind.DIR else BundleError("not a regular file")
+        if offset < 0:
+            raise ValueError(f"a negative offset ({offset}) reads nothing of a file")
         size = max(0, min(size, node.size - offset))
         if size == 0:
             return b""
@@ -178,12 +182,14 @@ class BundleView:
         return data
 
     def _remember(self, number: int, data: bytes) -> None:
+        """Cache a decoded shard, dropping the least recently used; the newest is kept even when it alone is
+        larger than ``cache_bytes`` (else such a shard would be decoded again on every read)."""
         with self._lock:
-            if number in self._cache or len(data) > self.cache_bytes:
+            if number in self._cache:
                 return
             self._cache[number] = data
             self._cached_bytes += len(data)
-            while self._cached_bytes > self.cache_bytes:
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                 _, dropped = self._cache.popitem(last=False)
                 self._cached_bytes -= len(dropped)
 
@@ -193,7 +199,7 @@ class BundleView:
             if cursor is None:
                 cursor = self._cursors[shard.number] = _StreamCursor(self, shard)
                 if len(self._cursors) > _OPEN_CURSORS:
-                    self._cursors.popitem(last=False)
+                    self._cursors.popitem(last=False)[1].close()
             self._cursors.move_to_end(shard.number)
             return cursor
 
@@ -201,8 +207,10 @@ class BundleView:
         """Release the cache and the bundle file (or the source)."""
         with self._lock:
             self._cache.clear()
-            self._cursors.clear()
+            cursors, self._cursors = list(self._cursors.values()), OrderedDict()
             self._cached_bytes = 0
+        for cursor in cursors:
+            cursor.close()
         if self._owner is not None:
             self._owner.close()
         else:
@@ -216,45 +224,70 @@ class BundleView:
 
 
 class _StreamCursor:
-    """A decoder over one large-file shard, kept at its position so sequential reads do not start over."""
+    """A large-file shard, copied once into a private spool file while its hash is checked, then decoded from that
+    copy: no byte is served that was not hashed, and the decoder stays at its position so sequential reads do
+    not start over (a read behind it decodes again from the spool, not from the source)."""
 
     def __init__(self, view: BundleView, shard: Shard):
         self.view, self.shard = view, shard
         self.lock = threading.Lock()
-        self.checked = False
+        self.spool = None
         self.reader = None
         self.position = 0
 
     def read(self, start: int, size: int) -> bytes:
         """``size`` decompressed bytes of the shard's tar stream from ``start``."""
         with self.lock:
-            if not self.checked:
-                self._check_hash()
-            if self.reader is None or start < self.position:
-                compressed = RangeReader(self.view.source, self.shard.offset, self.shard.length)
-                self.reader = self.view.codec.open_stream(compressed)
-                self.position = 0
-            self._skip(start - self.position)
-            data = read_up_to(self.reader, size)
+            try:
+                if self.spool is None:
+                    self.spool = self._spool()
+                if self.reader is None or start < self.position:
+                    self.reader = self.view.codec.open_stream(RangeReader(self.spool.fileno(), 0, self.shard.length))
+                    self.position = 0
+                self._skip(start - self.position)
+                data = read_up_to(self.reader, size)
+            except BaseException:
+                self.reader = None          # the next read starts over rather than from a broken decoder
+                raise
             self.position += len(data)
             if len(data) != size:
                 raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
                                          "fetch the bundle again, or repack the source")
             return data
 
-    def _check_hash(self) -> None:
-        if hash_range(self.view.source, self.shard) != self.shard.hash:
-            raise damaged_shard(self.view.name, self.view.index, self.shard)
-        self.checked = True
+    def _spool(self):
+        """An unnamed temporary file holding the shard's compressed bytes, hashed on the way in."""
+        spool, hasher, done, shard = tempfile.TemporaryFile(prefix="pallet-view-"), new_hasher(), 0, self.shard
+        try:
+            while done < shard.length:
+                chunk = self.view.source.pread(min(_SPOOL_CHUNK, shard.length - done), shard.offset + done)
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                spool.write(chunk)
+                done += len(chunk)
+            if done != shard.length or hasher.digest() != shard.hash:
+                raise damaged_shard(self.view.name, self.view.index, shard)
+            spool.flush()
+        except BaseException:
+            spool.close()
+            raise
+        return spool
 
     def _skip(self, count: int) -> None:
         while count > 0:
-            chunk = self.reader.read(min(count, _SKIP_CHUNK))
+            chunk = self.reader.read(min(count, _SPOOL_CHUNK))
             if not chunk:
                 raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
                                          "fetch the bundle again, or repack the source")
             count -= len(chunk)
             self.position += len(chunk)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.spool is not None:
+                self.spool.close()
+                self.spool, self.reader = None, None
 
 
 def _key(path: str) -> bytes:

@@ -1,9 +1,11 @@
 """The ``pallet://`` fsspec file system: the files of a bundle, read in place by byte ranges."""
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import threading
+import weakref
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -52,6 +54,7 @@ class PalletFileSystem(AbstractFileSystem):
                 source.close()
                 raise
         self.fo = self.view.name
+        weakref.finalize(self, self.view.close)        # fsspec.open makes one per call and never closes it
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -68,23 +71,33 @@ class PalletFileSystem(AbstractFileSystem):
     # ------------------------------------------------------------ listing
 
     def info(self, path, **kwargs):
+        """What ``os.lstat`` would say: links on the way are followed, a link at the end is reported as one."""
         path = self._strip_protocol(path)
-        node = self.view.lookup(path)
-        if node is None:
-            raise FileNotFoundError(path)
-        return _info(path, node)
+        return _info(path, self._resolve(path, follow_last=False)[1])
 
     def ls(self, path, detail=True, **kwargs):
         path = self._strip_protocol(path)
-        node = self.view.lookup(path)
-        if node is None:
-            raise FileNotFoundError(path)
+        where, node = self._resolve(path, follow_last=False)
+        if node.kind == Kind.SYMLINK:           # listing a link to a directory lists the directory, as ls does
+            where, node = self._resolve(path)
         if node.kind != Kind.DIR:
             entries = [_info(path, node)]
         else:
-            names = [posixpath.join(path, name) if path else name for name in self.view.listdir(path)]
-            entries = [_info(name, self.view.lookup(name)) for name in names]
+            entries = [_info(posixpath.join(path, name) if path else name,
+                             self.view.lookup(posixpath.join(where, name) if where else name))
+                       for name in self.view.listdir(where)]
         return entries if detail else [entry["name"] for entry in entries]
+
+    def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        """Copy one entry out; a symlink is copied as a symlink (a link to a directory is not followed)."""
+        rpath = self._strip_protocol(rpath)
+        node = self._resolve(rpath, follow_last=False)[1]
+        if node.kind != Kind.SYMLINK or outfile is not None:
+            return super().get_file(rpath, lpath, callback=callback, outfile=outfile, **kwargs)
+        if os.path.lexists(lpath) and not os.path.isdir(lpath):
+            os.unlink(lpath)
+        os.symlink(os.fsdecode(node.link), lpath)
+        return None
 
     # ------------------------------------------------------------ reading
 
@@ -92,14 +105,16 @@ class PalletFileSystem(AbstractFileSystem):
         if "r" not in mode or any(c in mode for c in "wax+"):
             raise PermissionError(f"pallet:// is read-only: cannot open {path!r} with mode {mode!r}")
         path = self._strip_protocol(path)
-        node = self._resolve(path)
+        node = self._resolve(path)[1]
         if node.kind == Kind.DIR:
             raise IsADirectoryError(path)
         return _BundleFile(self, path, node, mode, block_size or "default", cache_options=cache_options, **kwargs)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         path = self._strip_protocol(path)
-        node = self._resolve(path)
+        node = self._resolve(path)[1]
+        if node.kind == Kind.DIR:
+            raise IsADirectoryError(path)
         size = node.size
         start = 0 if start is None else (start if start >= 0 else max(0, size + start))
         end = size if end is None else (end if end >= 0 else max(0, size + end))
@@ -110,30 +125,31 @@ class PalletFileSystem(AbstractFileSystem):
         try:
             return self.view.read(node, offset, length)
         except PalletError as exc:
-            raise OSError(5, str(exc)) from None
+            raise OSError(errno.EIO, str(exc)) from None
 
-    def _resolve(self, path: str) -> Node:
-        """The node at ``path`` with symlinks (inside the bundle) followed."""
+    def _resolve(self, path: str, follow_last: bool = True) -> tuple[str, Node]:
+        """The path in the bundle that ``path`` names, and its node, following symlinks inside the bundle (the
+        last one only with ``follow_last``); FileNotFoundError, or ELOOP past 40 links."""
         node = self.view.lookup(path)
-        if node is not None and node.kind != Kind.SYMLINK:
-            return node             # an entry of the index: none of its parents is a symlink (those are refused)
+        if node is not None and (node.kind != Kind.SYMLINK or not follow_last):
+            return path, node       # an entry of the index: none of its parents is a symlink (those are refused)
         parts, done, hops = path.split("/") if path else [], "", 0
         while parts:
             done = posixpath.join(done, parts.pop(0)) if done else parts.pop(0)
             node = self.view.lookup(done)
             if node is None:
                 raise FileNotFoundError(path)
-            if node.kind == Kind.SYMLINK:
+            if node.kind == Kind.SYMLINK and (parts or follow_last):
                 hops += 1
                 if hops > _MAX_LINK_HOPS:
-                    raise OSError(40, f"too many levels of symbolic links: {path}")
+                    raise OSError(errno.ELOOP, f"too many levels of symbolic links: {path}")
                 target = posixpath.normpath(posixpath.join(posixpath.dirname(done), os.fsdecode(node.link)))
                 parts = ([] if target == "." else target.split("/")) + parts
                 done = ""
         node = self.view.lookup(done)
         if node is None:
             raise FileNotFoundError(path)
-        return node
+        return done, node
 
     # ------------------------------------------------------------ read-only
 

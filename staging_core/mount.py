@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from bundles.errors import BundleError, PalletError, SetupError, UsageError
+from bundles.errors import PalletError, SetupError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import BundleView, Node
 
@@ -60,12 +60,22 @@ def run(args) -> int:
         # One thread: a callback from libfuse's worker threads pays for a new interpreter thread state each
         # time (3x slower for small files); the GIL serialises the callbacks anyway. The bundle does not
         # change while mounted, so the kernel may keep attributes, names and pages (kernel_cache).
-        fuse.FUSE(operations_for(view, fuse), args.mountpoint, foreground=True, ro=True, nothreads=True,
-                  use_ino=True, default_permissions=True, kernel_cache=True, attr_timeout=_CACHE_S,
-                  entry_timeout=_CACHE_S, negative_timeout=_CACHE_S, fsname=f"pallet:{view.name}", subtype="pallet")
+        try:
+            fuse.FUSE(operations_for(view, fuse), args.mountpoint, foreground=True, ro=True, nothreads=True,
+                      use_ino=True, default_permissions=True, kernel_cache=True, attr_timeout=_CACHE_S,
+                      entry_timeout=_CACHE_S, negative_timeout=_CACHE_S, fsname=_fsname(view.name),
+                      subtype="pallet")
+        except RuntimeError as exc:         # mfusepy: libfuse refused the mount; it said why on stderr
+            raise PalletError(f"FUSE could not mount it here (libfuse status {exc})", args.mountpoint,
+                              "see libfuse's message above; check that the mount point is yours and empty") from None
     finally:
         view.close()
     return 0
+
+
+def _fsname(name: str) -> str:
+    """The name the mount table shows; libfuse splits its options at commas, so those are replaced."""
+    return "pallet:" + name.replace("\\", "_").replace(",", "_")
 
 
 def open_view(bundle: str, cache_bytes: int, ssh_options: tuple[str, ...] = ()) -> BundleView:
@@ -106,10 +116,15 @@ def _check_mountpoint(path: str) -> None:
 def _mount_in_background(args) -> int:
     """Start `pallet mount --foreground` detached, and return once MOUNTPOINT is mounted."""
     log_path = args.log or _default_log()
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     command = [sys.executable, "-m", "staging_core.cli", "mount", "--foreground", "--cache-mib", str(args.cache_mib),
                *[f"--ssh-option={opt}" for opt in args.ssh_option], "--", args.bundle, args.mountpoint]
-    with open(log_path, "ab") as log:
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        log = open(log_path, "ab")
+    except OSError as exc:
+        raise UsageError(f"cannot write the mount's log ({exc.strerror})", log_path,
+                         "give a writable file with --log FILE") from None
+    with log:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while not os.path.ismount(args.mountpoint):
@@ -134,8 +149,8 @@ def _child_error(path: str) -> str:
     with open(path, "rb") as handle:
         handle.seek(max(0, os.fstat(handle.fileno()).st_size - 4000))
         text = handle.read().decode(errors="replace")
-    marker = "pallet mount: error: "
-    start = text.rfind(marker)
+    starts = [(text.rfind(marker), marker) for marker in ("pallet mount: error: ", "pallet mount: internal error: ")]
+    start, marker = max(starts)
     return text[start + len(marker):].strip() if start >= 0 else "it exited without a message"
 
 
@@ -199,7 +214,7 @@ class BundleOperations:
         node = self._node(path)
         try:
             return self.view.read(node, offset, size)
-        except BundleError as exc:
+        except (PalletError, OSError) as exc:      # a damaged shard, a dead ssh session, a failing disk
             self._report(node, exc)
             raise self.fuse.FuseOSError(errno.EIO) from None
 
@@ -208,7 +223,7 @@ class BundleOperations:
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": (size + 4095) // 4096, "f_bfree": 0,
                 "f_bavail": 0, "f_files": len(self.view.index), "f_ffree": 0, "f_namemax": 4096}
 
-    def _report(self, node: Node, exc: BundleError) -> None:
+    def _report(self, node: Node, exc: Exception) -> None:
         shard = self.view.index.shard_of[node.entry]
         with self._lock:
             if shard in self._reported:

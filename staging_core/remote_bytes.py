@@ -11,6 +11,8 @@ from .transports.errors import TransportError, classify
 from .transports.ssh import SSHTransport
 
 TAIL_BYTES = 64 << 10           # fetched once at the start: the locator and a small index are read from it
+# A link that stalls is given up after about a minute, so a mount waiting on it does not hang.
+_KEEPALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
 # The far side needs only a POSIX sh, GNU dd and head. It prints the file's size, then answers each
 # "OFFSET LENGTH" line with exactly LENGTH bytes (the range clipped by the client to the size it was told;
 # zeros pad a file that shrank since, which the shard hashes then refuse).
@@ -32,7 +34,8 @@ class RemoteRanges:
     ``TAIL_BYTES`` (served from memory afterwards). Reads are serialised on
     the one channel; ``bytes_fetched`` counts what crossed it. Any failure of
     the session is a TransportError naming ``host:path`` and what the far
-    side printed. ``close()`` ends the session and the ssh connection.
+    side printed; the session is then dead, and every later read raises the
+    same error. ``close()`` ends the session and the ssh connection.
     """
 
     def __init__(self, transport: SSHTransport, path: str):
@@ -40,6 +43,7 @@ class RemoteRanges:
         self.name = f"{transport.endpoint.host}:{path}"
         self.bytes_fetched = 0
         self._lock = threading.Lock()
+        self._dead: TransportError | None = None
         self._process = transport.stream_into(["sh", "-c", _RANGE_SCRIPT, "sh", path])
         try:
             self.size = self._read_size()
@@ -57,7 +61,7 @@ class RemoteRanges:
         if endpoint.scheme != "ssh":
             raise UsageError(f"reading a bundle in place needs an ssh URL or a local path, not {endpoint.scheme}://",
                              url, "copy the bundle here first (pallet pull), or give ssh://HOST/PATH")
-        return cls(SSHTransport(endpoint, ssh_options), endpoint.path)
+        return cls(SSHTransport(endpoint, (*_KEEPALIVE, *ssh_options)), endpoint.path)
 
     def pread(self, length: int, offset: int) -> bytes:
         length = max(0, min(length, self.size - offset))
@@ -76,6 +80,8 @@ class RemoteRanges:
         return int(line)
 
     def _fetch(self, length: int, offset: int) -> bytes:
+        if self._dead is not None:
+            raise self._dead
         if length == 0:
             return b""
         try:
@@ -100,12 +106,13 @@ class RemoteRanges:
             status = process.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             stderr, status = "", None
-        return classify(stderr, status, None, self.name, message)
+        self._dead = classify(stderr, status, None, self.name, message)
+        return self._dead
 
     def close(self) -> None:
         process = getattr(self, "_process", None)
-        if process is not None and process.poll() is None:
-            for stream in (process.stdin, process.stdout):
+        if process is not None:
+            for stream in (process.stdin, process.stdout, process.stderr):
                 try:
                     stream.close()
                 except OSError:
@@ -115,6 +122,4 @@ class RemoteRanges:
             except subprocess.TimeoutExpired:       # a session that will not end is killed
                 process.kill()
                 process.wait()
-        if process is not None and process.stderr:
-            process.stderr.close()
         self.transport.close()

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from bundles import Bundle
+from bundles import Bundle, CorruptBundleError
+from bundles.view import BundleView
+from staging_core.remote_bytes import RemoteRanges
+from staging_core.transports.errors import TransportError
 from tests.conftest import assert_same_tree, make_files, run_pallet
 from tests.programs import SOURCE as SOURCE_DIR, program, user_env
 from tests.test_safety import _set, write_tampered
@@ -163,6 +166,7 @@ def test_mount_errors_are_one_line_with_the_fix(tmp_path):
         (["mount", "--foreground", str(plain), str(empty)], "plain archive", {}),
         (["mount", str(plain), str(empty)], "plain archive", {}),          # in the background: from its log
         (["mount", str(tmp_path / "missing.tar.zst"), str(empty)], "missing.tar.zst: does not exist", {}),
+        (["mount", "--log", "/proc/no/log", bundle, str(empty)], "cannot write the mount's log", {}),
         (["mount", bundle, str(empty)], "install FUSE", {"FUSE_LIBRARY_PATH": str(tmp_path / "no-libfuse.so")}),
     ]
     for args, expected, env in cases:
@@ -315,3 +319,88 @@ def test_a_large_file_is_read_by_seeks_in_both_directions(tmp_path):
     done = _python(script, bundle, json.dumps(offsets))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["errno 5"] * len(offsets) + ["small"]
+
+
+# ------------------------------------------------------------------ what a review found
+
+def test_bytes_served_from_a_large_file_are_the_hashed_ones_even_if_the_bundle_changes(tmp_path):
+    """The streamed shard is hashed into a private copy and decoded from it: rewriting the bundle in place
+    after that changes nothing served; a new view of the rewritten bundle refuses the shard."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = bytes(range(256)) * (24 << 12)          # 24 MiB, compressible
+    (src / "large.bin").write_bytes(data)
+    bundle = _pack(src, tmp_path / "b.tar", "--codec", "none", "--shard-size", "4M")
+    with BundleView.open(bundle) as view:
+        node = view.lookup("large.bin")
+        assert view.read(node, 0, 100) == data[:100]
+        with Bundle.open(bundle) as opened:
+            shard = opened.index.shards[opened.index.shard_of[node.entry]]
+        with open(bundle, "r+b") as handle:                # overwrite bytes of the file's data in place
+            handle.seek(shard.offset + shard.length // 2)
+            handle.write(b"a" * 64)
+        assert view.read(node, (12 << 20) - 100, 4096) == data[(12 << 20) - 100:(12 << 20) + 3996]
+    with BundleView.open(bundle) as fresh, pytest.raises(CorruptBundleError, match="is damaged"):
+        fresh.read(fresh.lookup("large.bin"), 0, 100)
+
+
+def test_offsets_links_and_open_files_through_fsspec(tmp_path, nasty_tree):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+    done = _python("""
+        import json, os, sys, fsspec
+        fs = fsspec.filesystem("pallet", fo=sys.argv[1])
+        try:
+            fs.read_node(fs._resolve("links/target.txt")[1], -3, 3)
+            negative = "read"
+        except ValueError:
+            negative = "refused"
+        with fsspec.open("pallet://links/target.txt", fo=sys.argv[1]) as handle:      # imports done once
+            handle.read()
+        import gc; gc.collect()
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            with fsspec.open("pallet://links/target.txt", fo=sys.argv[1]) as handle:
+                handle.read()
+        import gc; gc.collect()
+        leaked = len(os.listdir("/proc/self/fd")) - fds
+        fs.get("", sys.argv[2], recursive=True)
+        print(json.dumps({"negative": negative, "leaked": leaked, "link": fs.info("links/rel_link")["type"],
+                          "through": fs.exists("links/up_and_back")}))
+        """, bundle, str(tmp_path / "got"))
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"negative": "refused", "leaked": 0, "link": "link", "through": True}, seen
+    for path in Path(nasty_tree).rglob("*"):       # get copies contents, and links as links (not metadata)
+        got = tmp_path / "got" / path.relative_to(nasty_tree)
+        if path.is_symlink():
+            assert got.is_symlink() and os.readlink(got) == os.readlink(path), path
+        elif path.is_file():
+            assert got.read_bytes() == path.read_bytes(), path
+        else:
+            assert got.is_dir(), path
+
+
+def test_a_dead_ssh_session_fails_every_later_read_the_same_way(tmp_path, sshd):
+    src = make_files(tmp_path / "src", 50, 2, lambda n: os.urandom(70_000))
+    bundle = _pack(src, tmp_path / "b.tar.zst", "--shard-size", "256K")
+    source = RemoteRanges.open_url(sshd.url(bundle), tuple(sshd.ssh_options))
+    try:
+        source._process.kill()
+        source._process.wait()
+        errors = []
+        for _ in range(2):
+            with pytest.raises(TransportError) as failed:
+                source.pread(1000, 0)
+            errors.append(failed.value)
+        assert errors[0] is errors[1] and sshd.url(bundle).split("//")[1].split("/")[0].split("@")[-1] \
+            .split(":")[0] in str(errors[0])
+    finally:
+        source.close()
+
+
+@needs_fuse
+def test_a_bundle_with_a_comma_in_its_name_mounts(tmp_path):
+    src = make_files(tmp_path / "src", 5, 1, lambda n: b"%d" % n)
+    bundle = _pack(src, tmp_path / "data,v2.tar.zst")
+    with _mounted(bundle, tmp_path / "mnt"):
+        assert (tmp_path / "mnt" / "d0" / "f00003").read_bytes() == b"3"
