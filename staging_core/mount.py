@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
                     "`fusermount3 -u MOUNTPOINT` (or `fusermount -u`), or Ctrl-C with --foreground.",
         epilog="example: pallet mount data.tar.zst /tmp/data && python train.py /tmp/data && "
                "fusermount3 -u /tmp/data")
-    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("bundle", metavar="BUNDLE", help="a bundle made by `pallet pack`: a local path or ssh://HOST/PATH")
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
     p.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground until unmounted (log on stderr)")
