@@ -17,6 +17,7 @@ from .remote_bytes import RemoteRanges
 
 _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
+_NO_OPEN_SUPPORT = 1 << 17    # libfuse 3: FUSE_CAP_NO_OPEN_SUPPORT
 _STAT_TYPE = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK}
 _FUSE_HINT = "install FUSE (Debian/Ubuntu: apt install fuse3; RHEL: dnf install fuse3) and check /dev/fuse exists"
 
@@ -173,6 +174,13 @@ class BundleOperations:
         self.uid, self.gid = os.getuid(), os.getgid()
         self._reported: set[int] = set()
         self._lock = threading.Lock()
+        self.skip_open = False
+
+    def init_with_config(self, conn, config):
+        """Note whether the kernel can stop sending OPEN (libfuse 3's no_open): a bundle's files need no state
+        per open, and each OPEN is one more round trip to this process for every file read."""
+        self.skip_open = bool(conn is not None and self.fuse.fuse_version_major >= 3
+                              and conn.capable & _NO_OPEN_SUPPORT)
 
     def _node(self, path: str) -> Node:
         node = self.view.lookup(path)
@@ -208,6 +216,8 @@ class BundleOperations:
             raise self.fuse.FuseOSError(errno.EROFS)
         if self._node(path).kind == Kind.DIR:
             raise self.fuse.FuseOSError(errno.EISDIR)
+        if self.skip_open:      # ENOSYS here means "opens need no call": the kernel opens every later file itself
+            raise self.fuse.FuseOSError(errno.ENOSYS)
         return 0
 
     def read(self, path, size, offset, fh):
