@@ -7,6 +7,7 @@ from .index import Index, Shard
 BASE_BYTES = 64 << 20             # the interpreter, its libraries and the native engine
 PER_ENTRY_BYTES = 160             # the index's columns and objects per entry, names aside
 WORKER_STACK_BYTES = 8 << 20      # each worker thread's stack
+WORKER_ARENA_BYTES = 64 << 20     # the malloc arena glibc may reserve for each thread (address space, mostly unused)
 STREAM_BUFFER_BYTES = 16 << 20    # a large file's shard: read, decode and write buffers (8 MiB chunks)
 
 
@@ -18,11 +19,13 @@ def shard_bytes(index: Index, shard: Shard) -> int:
 def peak_bytes(index: Index, workers: int) -> int:
     """The most address space `pallet unpack` or `pallet verify` with ``workers`` workers needs for ``index``:
 
-        BASE + entries x PER_ENTRY + bytes of all names and link targets + workers x (STACK + largest shard)
+        BASE + entries x PER_ENTRY + bytes of all names and link targets
+             + workers x (STACK + ARENA + largest shard)
 
     where a shard counts its compressed plus decoded size, and a streamed one (a file too large to share a
-    shard) STREAM_BUFFER. The input's size does not appear: files are never held whole.
+    shard) STREAM_BUFFER. ARENA is address space glibc reserves per thread, not memory used: the resident
+    peak is lower by up to that much per worker. The input's size does not appear: files are never held whole.
     """
     names = sum(map(len, index.paths)) + sum(map(len, index.links))
     largest = max((shard_bytes(index, shard) for shard in index.shards), default=0)
-    return BASE_BYTES + len(index) * PER_ENTRY_BYTES + names + max(1, workers) * (WORKER_STACK_BYTES + largest)
+    return BASE_BYTES + len(index) * PER_ENTRY_BYTES + names + max(1, workers) * (WORKER_STACK_BYTES + WORKER_ARENA_BYTES + largest)
