@@ -15,7 +15,7 @@ from bundles.errors import PalletError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import DEFAULT_CACHE_BYTES, BundleView, Node
 
-from .remote_bytes import RemoteRanges
+from .remote_bytes import RemoteRanges, is_remote_bundle
 
 _SSH_PROTOCOLS = ("ssh", "sftp")
 _MAX_LINK_HOPS = 40
@@ -199,7 +199,7 @@ def _open_source(fo, target_protocol: str | None, target_options: dict, ssh_opti
     if target_protocol not in (None, "file", "local"):
         handle = fsspec.open(fo, mode="rb", protocol=target_protocol, **target_options).open()
         return _FileObjectSource(handle, f"{target_protocol}://{fo}", owned=True)
-    if fo.startswith("ssh://") or (":" in fo.split("/", 1)[0] and not os.path.exists(fo)):
+    if is_remote_bundle(fo):
         return RemoteRanges.open_url(fo, ssh_options)
     return None
 

@@ -10,8 +10,10 @@ from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError
                      verify_bundle, verify_tree)
 from bundles import native
 from bundles.plain import iter_members
+from bundles.reader import read_embedded_index
 
 from . import cli_staging, demo, mount, remote_install
+from .remote_bytes import RemoteRanges, is_remote_bundle
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -100,8 +102,11 @@ def _add_unpack(commands) -> None:
 
 def _add_ls(commands) -> None:
     p = commands.add_parser("ls", help="list a bundle's entries",
-                            description="List the entries of BUNDLE from its index (no data is read).")
+                            description="List the entries of BUNDLE from its index (no data is read). BUNDLE may "
+                                        "be ssh://HOST/PATH: only the index crosses the network, by byte ranges.")
     p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
+                   help="extra ssh argument for an ssh:// BUNDLE (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per entry (JSON Lines)")
     p.add_argument("--shards", action="store_true", help="list the shards instead of the entries")
     p.set_defaults(run=_run_ls)
@@ -164,19 +169,29 @@ def _run_unpack(args) -> int:
 
 
 def _run_ls(args) -> int:
+    if is_remote_bundle(args.bundle):          # ssh://host/b.tar.zst: the index alone crosses, by byte ranges
+        source = RemoteRanges.open_url(args.bundle, tuple(args.ssh_option))
+        try:
+            return _ls_index(read_embedded_index(source)[1], args)
+        finally:
+            source.close()
     with Bundle.open(args.bundle) as bundle:
         if bundle.index is None:
             return _ls_plain(bundle, args.json)
-        out = sys.stdout
-        if args.shards:
-            for shard in bundle.index.shards:
-                doc = {"shard": shard.number, **shard.to_json()}
-                out.write(json.dumps(doc) + "\n" if args.json else
-                          f"{shard.number:6d} {shard.entry_count:8d} entries {shard.raw_size:14d} raw "
-                          f"{shard.length:14d} stored at {shard.offset}\n")
-            return EXIT_OK
-        for entry in bundle.index:
-            out.write(json.dumps(entry.to_json()) + "\n" if args.json else _ls_line(entry))
+        return _ls_index(bundle.index, args)
+
+
+def _ls_index(index, args) -> int:
+    out = sys.stdout
+    if args.shards:
+        for shard in index.shards:
+            doc = {"shard": shard.number, **shard.to_json()}
+            out.write(json.dumps(doc) + "\n" if args.json else
+                      f"{shard.number:6d} {shard.entry_count:8d} entries {shard.raw_size:14d} raw "
+                      f"{shard.length:14d} stored at {shard.offset}\n")
+        return EXIT_OK
+    for entry in index:
+        out.write(json.dumps(entry.to_json()) + "\n" if args.json else _ls_line(entry))
     return EXIT_OK
 
 

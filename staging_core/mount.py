@@ -13,7 +13,7 @@ from bundles.errors import PalletError, SetupError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import BundleView, Node
 
-from .remote_bytes import RemoteRanges
+from .remote_bytes import RemoteRanges, is_remote_bundle
 
 _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
@@ -81,7 +81,7 @@ def _fsname(name: str) -> str:
 
 def open_view(bundle: str, cache_bytes: int, ssh_options: tuple[str, ...] = ()) -> BundleView:
     """The view of a local bundle path or of an ssh:// (or host:/path) bundle."""
-    if bundle.startswith("ssh://") or (":" in bundle.split("/", 1)[0] and not os.path.exists(bundle)):
+    if is_remote_bundle(bundle):
         source = RemoteRanges.open_url(bundle, ssh_options)
         try:
             return BundleView.from_source(source, cache_bytes)

@@ -1,6 +1,8 @@
 """Byte ranges of a far-side file over one ssh channel: the source behind reading a remote bundle in place."""
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
 import threading
 
@@ -25,6 +27,11 @@ while read -r off len; do
     head -c "$len" || exit 4
 done
 """
+
+
+def is_remote_bundle(bundle: str) -> bool:
+    """True for ``ssh://HOST/PATH`` and ``[user@]host:/path`` (a local file of that name wins)."""
+    return bundle.startswith("ssh://") or (":" in bundle.split("/", 1)[0] and not os.path.exists(bundle))
 
 
 class RemoteRanges:
@@ -56,7 +63,9 @@ class RemoteRanges:
 
     @classmethod
     def open_url(cls, url: str, ssh_options: tuple[str, ...] = ()) -> "RemoteRanges":
-        """The source for ``ssh://[user@]host[:port]/abs/path`` or ``[user@]host:/abs/path``."""
+        """The source for ``ssh://[user@]host[:port]/abs/path`` or ``[user@]host:/abs/path``; each of
+        ``ssh_options`` is split as a shell would (``"-o ConnectTimeout=5"`` is two arguments)."""
+        ssh_options = tuple(part for option in ssh_options for part in shlex.split(option))
         endpoint = parse_url(url)
         if endpoint.scheme != "ssh":
             raise UsageError(f"reading a bundle in place needs an ssh URL or a local path, not {endpoint.scheme}://",

@@ -404,3 +404,15 @@ def test_a_bundle_with_a_comma_in_its_name_mounts(tmp_path):
     bundle = _pack(src, tmp_path / "data,v2.tar.zst")
     with _mounted(bundle, tmp_path / "mnt"):
         assert (tmp_path / "mnt" / "d0" / "f00003").read_bytes() == b"3"
+
+
+def test_ls_of_a_bundle_on_an_ssh_host_reads_its_index_only(tmp_path, sshd, nasty_tree):
+    bundle = _pack(nasty_tree, tmp_path / "nasty.tar.zst")
+    here = run_pallet("ls", "--json", bundle, check=True).stdout
+    options = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    there = run_pallet("ls", "--json", *options, sshd.url(bundle), check=True)
+    assert there.stdout == here and there.stderr == ""
+    shards = run_pallet("ls", "--shards", *options, sshd.url(bundle), check=True).stdout
+    assert shards == run_pallet("ls", "--shards", bundle, check=True).stdout
+    missing = run_pallet("ls", *options, sshd.url(str(tmp_path / "none.tar.zst")))
+    assert missing.returncode == 3 and "Traceback" not in missing.stderr, missing.stderr
