@@ -28,14 +28,19 @@ class ShardOutcome:
 
 
 def check_index(index: Index, bundle_path: str) -> None:
-    """Raise UnsafeMemberError naming every member that must not be extracted (the native engine first tries
-    to prove the common plain tree safe; whatever it cannot prove, the rules of bundles/safety.py decide)."""
-    engine = native.module()
-    if engine is not None and engine.trivially_safe(len(index), native.blob(index.paths), native.raw(index.kinds)):
-        return
-    problems = index_problems(index)
+    """Raise UnsafeMemberError naming every member that must not be extracted."""
+    problems = unsafe_entries(index)
     if problems:
         raise UnsafeMemberError(problems, bundle_path)
+
+
+def unsafe_entries(index: Index) -> list[tuple[str, str]]:
+    """(name, reason) of every entry that must not be extracted: the native engine first tries to prove the
+    common plain tree safe; whatever it cannot prove, the rules of bundles/safety.py decide."""
+    engine = native.module()
+    if engine is not None and engine.trivially_safe(len(index), native.blob(index.paths), native.raw(index.kinds)):
+        return []
+    return index_problems(index)
 
 
 def prepare_destination(dest: str) -> None:

@@ -7,14 +7,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from . import native
 from .byte_source import ByteSource, FileSource
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
-from .extract import RangeReader, check_members, damaged_shard, is_streamed, read_up_to
+from .extract import RangeReader, check_members, damaged_shard, is_streamed, read_up_to, unsafe_entries
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle, read_embedded_index
-from .safety import index_problems, safe_mode
+from .safety import safe_mode
 from .tarformat import Kind
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -92,9 +91,14 @@ class BundleView:
 
     @classmethod
     def from_source(cls, source: ByteSource, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
-        """The view of the bundle held by ``source`` (its embedded index; no sidecar)."""
-        codec, index = read_embedded_index(source)
-        return cls(source, codec, index, cache_bytes)
+        """The view of the bundle held by ``source`` (its embedded index; no sidecar); the view owns ``source``
+        and closes it, also when the view cannot be made."""
+        try:
+            codec, index = read_embedded_index(source)
+            return cls(source, codec, index, cache_bytes)
+        except BaseException:
+            source.close()
+            raise
 
     @property
     def name(self) -> str:
@@ -130,11 +134,6 @@ class BundleView:
         if node.kind != Kind.DIR:
             raise NotADirectoryError(path)
         return [os.fsdecode(name) for name in self._children.get(key, ())]
-
-    def walk_files(self):
-        """Every (path, Node) of the view that is not a directory, in index order."""
-        return ((os.fsdecode(path), self._node(i)) for path, i in self._entries.items()
-                if self.index.kinds[i] != Kind.DIR)
 
     # ------------------------------------------------------------ reads
 
@@ -292,14 +291,6 @@ class _StreamCursor:
 
 def _key(path: str) -> bytes:
     return os.fsencode(path).strip(b"/")
-
-
-def unsafe_entries(index: Index) -> list[tuple[str, str]]:
-    """(name, reason) of every entry extraction would refuse; the native engine proves a plain tree safe fast."""
-    engine = native.module()
-    if engine is not None and engine.trivially_safe(len(index), native.blob(index.paths), native.raw(index.kinds)):
-        return []
-    return index_problems(index)
 
 
 def _build_tree(index: Index, refused: set[bytes]) -> tuple[dict[bytes, int], dict[bytes, list[bytes]]]:

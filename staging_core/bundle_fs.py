@@ -15,7 +15,7 @@ from bundles.errors import PalletError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import DEFAULT_CACHE_BYTES, BundleView, Node
 
-from .remote_bytes import RemoteRanges, is_remote_bundle
+from .remote_bytes import RemoteRanges, open_view
 
 _SSH_PROTOCOLS = ("ssh", "sftp")
 _MAX_LINK_HOPS = 40
@@ -45,14 +45,8 @@ class PalletFileSystem(AbstractFileSystem):
                  cache_bytes: int = DEFAULT_CACHE_BYTES, ssh_options: tuple[str, ...] = (), **kwargs):
         super().__init__(**kwargs)
         source = _open_source(fo, target_protocol, dict(target_options or {}), tuple(ssh_options))
-        if source is None:
-            self.view = BundleView.open(os.fspath(fo), cache_bytes)
-        else:
-            try:
-                self.view = BundleView.from_source(source, cache_bytes)
-            except BaseException:
-                source.close()
-                raise
+        self.view = (open_view(os.fspath(fo), cache_bytes, tuple(ssh_options)) if source is None
+                     else BundleView.from_source(source, cache_bytes))
         self.fo = self.view.name
         weakref.finalize(self, self.view.close)        # fsspec.open makes one per call and never closes it
 
@@ -188,7 +182,8 @@ def _mode_type(kind: Kind) -> int:
 
 
 def _open_source(fo, target_protocol: str | None, target_options: dict, ssh_options: tuple[str, ...]):
-    """The ByteSource for ``fo``, or None when ``fo`` is a local path (opened with its sidecar)."""
+    """The ByteSource for ``fo`` when it is a file object or names another fsspec file system; None for a local
+    path or an ssh URL, which open_view opens."""
     if hasattr(fo, "read") and hasattr(fo, "seek"):
         return _FileObjectSource(fo, getattr(fo, "name", "bundle"))
     if not isinstance(fo, (str, os.PathLike)) or not os.fspath(fo):
@@ -199,8 +194,6 @@ def _open_source(fo, target_protocol: str | None, target_options: dict, ssh_opti
     if target_protocol not in (None, "file", "local"):
         handle = fsspec.open(fo, mode="rb", protocol=target_protocol, **target_options).open()
         return _FileObjectSource(handle, f"{target_protocol}://{fo}", owned=True)
-    if is_remote_bundle(fo):
-        return RemoteRanges.open_url(fo, ssh_options)
     return None
 
 

@@ -13,7 +13,7 @@ from bundles.errors import PalletError, SetupError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import BundleView, Node
 
-from .remote_bytes import RemoteRanges, is_remote_bundle
+from .remote_bytes import open_view
 
 _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
@@ -77,18 +77,6 @@ def run(args) -> int:
 def _fsname(name: str) -> str:
     """The name the mount table shows; libfuse splits its options at commas, so those are replaced."""
     return "pallet:" + name.replace("\\", "_").replace(",", "_")
-
-
-def open_view(bundle: str, cache_bytes: int, ssh_options: tuple[str, ...] = ()) -> BundleView:
-    """The view of a local bundle path or of an ssh:// (or host:/path) bundle."""
-    if is_remote_bundle(bundle):
-        source = RemoteRanges.open_url(bundle, ssh_options)
-        try:
-            return BundleView.from_source(source, cache_bytes)
-        except BaseException:
-            source.close()
-            raise
-    return BundleView.open(bundle, cache_bytes)
 
 
 def fuse_module():

@@ -7,6 +7,7 @@ import subprocess
 import threading
 
 from bundles.errors import UsageError
+from bundles.view import BundleView
 
 from .transports.base import parse_url
 from .transports.errors import TransportError, classify
@@ -132,3 +133,10 @@ class RemoteRanges:
                 process.kill()
                 process.wait()
         self.transport.close()
+
+
+def open_view(bundle: str, cache_bytes: int, ssh_options: tuple[str, ...] = ()) -> BundleView:
+    """The view of a local bundle path (with its sidecar) or of an ssh:// (or host:/path) bundle."""
+    if is_remote_bundle(bundle):
+        return BundleView.from_source(RemoteRanges.open_url(bundle, ssh_options), cache_bytes)
+    return BundleView.open(bundle, cache_bytes)
