@@ -299,6 +299,8 @@ def decoded_size_limit(stored: int) -> int:
     the first 64 MiB, is refused as a bomb before anything is allocated.
     """
     return min(_MAX_INDEX_BYTES, max(_DECODE_FLOOR, stored * MAX_DECODE_RATIO))
+
+
 _REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
 
 
