@@ -12,12 +12,10 @@ from .inventory import Inventory
 from .local_profile import route_profile
 from .options import StagingOptions, StagingResult
 from .planner import plan
-from .repair import Comparison, PullComparison, compare_with_dest, compare_with_local, dest_md5
+from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_local,
+                     dest_md5)
 from .transports.base import Endpoint, RemoteEntry
 from .transports.registry import open_endpoint
-
-DRY_RUN_SCHEMES = ("file", "ssh")      # sources whose listings carry exact mtimes, as a pull compares them
-
 
 def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
     """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
@@ -38,7 +36,7 @@ def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, 
 def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started: float) -> StagingResult:
     """pull --dry-run from an ssh or local source: what would be fetched into ``dest`` (and deleted there with
     --delete), from one listing of the source; nothing is locked, made or changed, here or there."""
-    if endpoint.scheme not in DRY_RUN_SCHEMES:
+    if endpoint.scheme not in COMPARABLE_SCHEMES:
         raise UsageError(f"pull --dry-run compares listings of ssh and local sources, not {endpoint.scheme}://",
                          endpoint.url(), "run it without --dry-run, or against an ssh URL of the same files")
     with open_endpoint(endpoint, options.ssh_options) as transport:

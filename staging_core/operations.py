@@ -28,8 +28,8 @@ from .planner import Plan, plan
 from .probe import far_side_options
 from .dry_run import pull_dry_run, push_dry_run
 from .local_profile import observe, route_profile, uses_local_copy
-from .repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, delete_extra, dest_md5,
-                     dirs_to_restore, finish_local_pull, fix_directories)
+from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_local,
+                     delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
@@ -206,7 +206,7 @@ def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
                      checksum: bool) -> PullComparison | None:
     """The local DEST compared with the source's listing, where a pull compares: ssh and local sources (their
     listings carry exact mtimes), not through the plain-tools route (which lists and hashes itself)."""
-    if endpoint.scheme not in ("ssh", "file") or isinstance(route, PlainRoute) or not os.path.isdir(dest):
+    if endpoint.scheme not in COMPARABLE_SCHEMES or isinstance(route, PlainRoute) or not os.path.isdir(dest):
         return None
     hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if checksum else None
     return compare_with_local(transport.list(endpoint.path), dest, hashes)

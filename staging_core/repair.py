@@ -184,6 +184,9 @@ class PullComparison:
     source_dirs: dict[bytes, RemoteEntry] = field(default_factory=dict)
 
 
+COMPARABLE_SCHEMES = ("file", "ssh")    # pull sources whose listings carry exact mtimes, so DEST can be compared
+
+
 def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,
                        dry_run: bool = False) -> PullComparison | None:
     """Compare a pull source's listing with the local ``dest``: None when DEST is missing, empty or marked
