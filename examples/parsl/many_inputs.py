@@ -66,7 +66,9 @@ def main() -> int:
     if args.generate:
         generate(args.generate, args.count)
     remote = args.remote.rstrip("/")
-    staging = PalletStaging(options=StagingOptions(remote_python=args.remote_python))
+    # This script flushes after each wave of apps, so a long window keeps a
+    # slow submit loop from splitting the wave into several batches.
+    staging = PalletStaging(window=600.0, options=StagingOptions(remote_python=args.remote_python))
     started = time.monotonic()
     with parsl.load(config(args, staging)):
         sums = [row_sum(inputs=[File(f"{remote}/part{n // 100:03d}/row{n:05d}.csv")]) for n in range(args.count)]
