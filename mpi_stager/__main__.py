@@ -13,6 +13,7 @@ from bundles.writer import PackOptions
 from .comm import get_communicator
 from .pack import pack_parallel
 from .receive import receive
+from .send import read_selection_block, send
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
@@ -20,10 +21,11 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             srun -n 64 python -m mpi_stager unpack B.tar.zst /lustre/dest
             python -m mpi_stager unpack --workers 4 B.tar.zst dest   (one node, no MPI)
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
+            python -m mpi_stager send SRC | ...      (a bundle stream on stdout, as pallet pull reads it)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
-pallet operation."""
+pallet operation, 5 (send) the receiver went away."""
 
 
 _LOCKED_HELP = ("the caller holds DEST's lock (pallet push does); otherwise DEST is locked here, and a second "
@@ -62,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
                          help="check shard and file hashes (default: on)")
     receive.add_argument("--json", action="store_true", help="print the summary as JSON")
     receive.add_argument("--locked-by-caller", action="store_true", help=_LOCKED_HELP)
+    send = commands.add_parser("send", help="write SRC as a bundle stream on stdout, for a receiver that replies "
+                                            "on stdin",
+                               description="Write the tree under SRC as a bundle stream (docs/bundle-format.md, "
+                                           "'Bundle stream v1') on stdout, as `pallet pull` reads it over ssh. "
+                                           "After the skeleton, one JSON line on stdin names the shards the "
+                                           "receiver already holds; those are only announced.")
+    send.add_argument("src", metavar="SRC")
+    send.add_argument("--codec", choices=("zstd", "gzip", "none"), default="zstd")
+    send.add_argument("--shard-size", type=int, metavar="BYTES", help="target uncompressed shard size")
+    send.add_argument("--jobs", type=int, default=0, metavar="N",
+                      help="threads building shards (default 0: one per CPU)")
+    send.add_argument("--files-from", metavar="FILE",
+                      help="send only these paths relative to SRC (and their parent directories): one per line, "
+                           "or NUL-separated; '-' reads from stdin, before the reply, a line with the list's "
+                           "length in bytes and then the NUL-separated list")
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -80,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "receive":
         return _run_receive(args)
+    if args.command == "send":
+        return _run_send(args)
     try:
         comm = get_communicator(args.comm)
     except PalletError as exc:
@@ -111,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_receive(args) -> int:
     try:
-        summary = receive(sys.stdin.buffer, sys.stdout, args.dest, args.verify, args.locked_by_caller)
+        summary = receive(sys.stdin.buffer, sys.stdout.buffer, args.dest, args.verify, args.locked_by_caller)
     except PalletError as exc:
         print(f"mpi_stager receive: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -119,6 +138,20 @@ def _run_receive(args) -> int:
           f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
           f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
           f"{summary.shards_skipped} already done")
+    return 0
+
+
+def _run_send(args) -> int:
+    try:
+        inp = sys.stdin.buffer
+        if args.files_from == "-":
+            include = read_selection_block(inp, args.src)
+        else:
+            include = read_selection(args.files_from) if args.files_from else None
+        send(args.src, inp, sys.stdout.buffer, args.codec, args.shard_size, args.jobs, include)
+    except PalletError as exc:
+        print(f"mpi_stager send: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     return 0
 
 

@@ -1,7 +1,6 @@
 """Receive a bundle stream on stdin and unpack each shard into DEST as it arrives, resumably."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import resource
@@ -11,7 +10,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, PalletError, StreamError
@@ -19,14 +18,16 @@ from bundles.extract import (check_index, damaged_shard, extract_shard_data, fin
                              make_directories, prepare_destination, write_streamed_file)
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.parallel import default_jobs
+from bundles.progress import NoProgress, Progress
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
-                            decode_skeleton, frame_limit)
+                            decode_skeleton, encode_resume_reply, frame_limit)
+from bundles.tarformat import Kind
 from bundles.state import finish, holding_lock, mark_incomplete
 
 from .journal import Journal, new_run_name
 
-_HINT = "rerun the push: shards finished here are not sent again"
+_HINT = "rerun the transfer: shards finished here are not sent again"
 _READ_AHEAD = 2          # frames buffered while the previous shard is written
 
 
@@ -56,7 +57,8 @@ class ReceiveSummary:
         return asdict(self)
 
 
-def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True, lock_held: bool = False) -> ReceiveSummary:
+def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_held: bool = False,
+            progress: Progress | None = None) -> ReceiveSummary:
     """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
 
     The skeleton is checked against the extraction rules before anything is
@@ -74,6 +76,7 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True, lock_hel
     naming the shard for damaged, cut or inconsistent input, leaving
     ``dest`` marked incomplete and the journal for a rerun. DEST is locked
     for the whole receive unless ``lock_held`` (the sender holds it).
+    Shards written or skipped are reported on ``progress`` as 'receive'.
     """
     started = time.monotonic()
     source = f"stream to {dest}"
@@ -83,24 +86,28 @@ def receive(inp: BinaryIO, out: TextIO, dest: str, verify: bool = True, lock_hel
     check_index(skeleton.index, source)
     prepare_destination(dest)
     with holding_lock(dest, lock_held):
-        return _receive_into(reader, out, dest, skeleton, verify, source, started)
+        return _receive_into(reader, out, dest, skeleton, verify, source, started, progress or NoProgress())
 
 
-def _receive_into(reader: FrameReader, out: TextIO, dest: str, skeleton: Skeleton, verify: bool, source: str,
-                  started: float) -> ReceiveSummary:
+def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skeleton, verify: bool, source: str,
+                  started: float, progress: Progress) -> ReceiveSummary:
     mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
                           "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
     journal.create(dest)
-    receiver = _Receiver(skeleton, dest, verify, journal, source)
+    receiver = _Receiver(skeleton, dest, verify, journal, source, progress)
     _reply(out, skeleton, receiver.recorded)
     make_directories(skeleton.index, dest)
     reader.shard_limit = frame_limit(skeleton)
-    with _ReadAhead(reader) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
-        receiver.pool = pool
-        for plan in skeleton.plans:
-            receiver.take(plan, frames)
-        receiver.finish(frames)
+    progress.start("receive", sum(1 for kind in skeleton.index.kinds if kind == Kind.FILE), sum(skeleton.index.sizes))
+    try:
+        with _ReadAhead(reader) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
+            receiver.pool = pool
+            for plan in skeleton.plans:
+                receiver.take(plan, frames)
+            receiver.finish(frames)
+    finally:
+        progress.finish()
     finish_tree(skeleton.index, dest)
     summary = receiver.summary(reader.bytes_read, time.monotonic() - started)
     finish(dest, journal.root)
@@ -114,12 +121,10 @@ def _read_skeleton(reader: FrameReader, source: str) -> Skeleton:
     return decode_skeleton(frame.payload, source)
 
 
-
-
-def _reply(out: TextIO, skeleton: Skeleton, recorded: dict[int, bytes]) -> None:
-    done = {str(n): digest.hex() for n, digest in sorted(recorded.items()) if n < len(skeleton.plans)}
+def _reply(out: BinaryIO, skeleton: Skeleton, recorded: dict[int, bytes]) -> None:
+    done = {n: digest for n, digest in recorded.items() if n < len(skeleton.plans)}
     try:
-        out.write(json.dumps({"stream": skeleton.stream_id, "done": done}) + "\n")
+        out.write(encode_resume_reply(skeleton.stream_id, done))
         out.flush()
     except BrokenPipeError:
         raise StreamError("the sender went away", None, _HINT) from None
@@ -135,8 +140,10 @@ class _Receiver:
     by the receiving thread alone, in shard order.
     """
 
-    def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str):
+    def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str,
+                 progress: Progress):
         self.index, self.dest, self.verify, self.journal, self.source = skeleton.index, dest, verify, journal, source
+        self.progress = progress
         self.stream_id, self.shards_total = skeleton.stream_id, len(skeleton.plans)
         self.recorded = journal.recorded_shards()
         self.run = new_run_name()
@@ -166,6 +173,8 @@ class _Receiver:
                               self.source, _HINT)
         self._record(plan, record)
         self.skipped += 1
+        files = sum(1 for i in range(plan.first, plan.first + plan.count) if self.index.kinds[i] == Kind.FILE)
+        self.progress.advance(files, record.built.file_bytes)
 
     def _take_small(self, plan: ShardPlan, record: ShardRecord) -> None:
         shard = self._record(plan, record)
@@ -233,6 +242,7 @@ class _Receiver:
         self.data_bytes += length
         self.files += files
         self.file_bytes += file_bytes
+        self.progress.advance(files, file_bytes)
 
     def finish(self, frames: "_ReadAhead") -> None:
         """Wait for the shards in flight, check the sender's index against the assembled one, and that the

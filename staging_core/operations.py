@@ -325,6 +325,15 @@ def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOption
     return capable and options.stream != "off"
 
 
+def _can_stream_pull(route: PackRoute, options: StagingOptions) -> bool:
+    capable = route.streams
+    if options.stream == "on" and not capable:
+        raise UsageError(f"--stream on: this source cannot stream ({route.description})",
+                         hint="use --stream auto or off; streaming needs an ssh source (or --pack-via) and no "
+                              "--launcher")
+    return capable and options.stream != "off"
+
+
 def _send_items(transport: Transport, src: str, endpoint: Endpoint, items: list[str] | None) -> TransferResult:
     return _transfer_all(transport, Direction.PUSH, src, endpoint, items)
 
@@ -406,6 +415,13 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
     codec = options.codec or "zstd"
+    if _can_stream_pull(route, options):
+        from .streaming import stream_pull
+        outcome = stream_pull(route.transport, endpoint, dest, codec, options, progress, items)
+        run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
+        run.bytes_sent = outcome.bytes_sent
+        run.stage_seconds.update(outcome.stage_seconds)
+        return run
     try:
         with _Stage(run, progress, "pack"):
             bundle = route.pack(codec, items)

@@ -39,6 +39,7 @@ class PackRoute(AbstractContextManager, ABC):
     """
 
     description = "in place"
+    streams = False                 # True: ``mpi_stager send`` can stream the tree from the source (ssh)
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions):
         self.endpoint = endpoint
@@ -97,6 +98,11 @@ class RemoteExecPack(PackRoute):
         self.transport = transport
         self._holder: subprocess.Popen | None = None
 
+    @property
+    def streams(self) -> bool:
+        """``mpi_stager send`` can stream from there: the transport streams and no launcher asks for MPI ranks."""
+        return self.transport.capabilities.streaming and not self.options.launcher
+
     def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
         self.outgoing = self._make_outgoing()
         bundle = os.path.join(self.outgoing, bundle_name(codec))
@@ -140,6 +146,8 @@ class ViaPack(RemoteExecPack):
     @property
     def description(self) -> str:
         return f"packed via {self.options.pack_via}"
+
+    streams = False                 # the bundle travels by the source's own transport (GridFTP, Globus)
 
     @property
     def parent(self) -> str:

@@ -16,7 +16,7 @@ from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differi
                     parse_md5_lines, parse_records, shown_names, unchanged_files,
                     with_link_groups)
 from .plain_session import FarSession, FrameWriter
-from .streaming import RelaySink, prepare_source
+from mpi_stager.send import RelaySink, prepare_source
 from .transports.base import Endpoint, Transport
 
 TAR_RUN_BYTES = 16 << 20  # shard bytes (uncompressed) per far-side tar run; its files are checked as the next arrives

@@ -16,7 +16,7 @@ from bundles.progress import NoProgress
 from bundles.shards import plan_shards
 from bundles.stream import FrameKind, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
-from staging_core.streaming import prepare_source, send_stream
+from mpi_stager.send import prepare_source, send_stream
 from tests.conftest import assert_same_tree, run_pallet
 from tests.programs import program, python_module, user_env
 

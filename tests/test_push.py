@@ -118,7 +118,7 @@ def test_a_symlink_to_a_directory_survives_individual_reruns(sshd, tmp_path, whe
         assert_same_tree(str(src), dest)
 
 
-def test_a_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pulls_left(sshd, tmp_path):
+def test_a_stored_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pulls_left(sshd, tmp_path):
     import fcntl
     import glob
     import tempfile
@@ -133,7 +133,8 @@ def test_a_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pulls_left
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         before = set(glob.glob("/tmp/pallet-outgoing-*"))
-        options = StagingOptions(strategy="bundle", remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+        options = StagingOptions(strategy="bundle", remote_python=sys.executable, stream="off",
+                                 ssh_options=tuple(sshd.ssh_options))
         pull(sshd.url(src), str(tmp_path / "here"), options)
         assert_same_tree(src, tmp_path / "here")
         after = set(glob.glob("/tmp/pallet-outgoing-*"))

@@ -22,7 +22,8 @@ from bundles.stream import FrameKind, FrameReader, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
 from staging_core.operations import push
 from staging_core.options import StagingOptions
-from staging_core.streaming import ReceiverError, prepare_source, send_stream, stream_push
+from mpi_stager.send import prepare_source, send_stream
+from staging_core.streaming import FarStagerError, stream_push
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
 from tests.conftest import assert_same_tree, make_nasty_tree
@@ -83,14 +84,14 @@ def interrupted(src: str, dest: Path, shard_size: int) -> None:
 def test_many_tiny_files_in_many_shards_and_a_rerun_skips_them_all(sshd, tmp_path):
     src = tiny_tree(tmp_path / "src", 3000)
     first = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10)
-    far = first.far_side
+    far = first.receiver
     assert far.shards_total >= 10 and far.shards_received == far.shards_total and far.files == 3000
     assert first.skipped_shards == 0 and far.verified
     same_tree(src, tmp_path / "dest")               # a success leaves no journal behind
     interrupted(src, tmp_path / "resumed", 64 << 10)
     again = streamed(sshd, src, tmp_path / "resumed", shard_size=64 << 10, verify=False)
-    assert again.skipped_shards == far.shards_total and again.far_side.data_bytes == 0
-    assert again.bytes_sent < first.bytes_sent and not again.far_side.verified
+    assert again.skipped_shards == far.shards_total and again.receiver.data_bytes == 0
+    assert again.bytes_sent < first.bytes_sent and not again.receiver.verified
     same_tree(src, tmp_path / "resumed")
 
 
@@ -109,15 +110,15 @@ def test_the_stream_carries_the_same_index_as_pack(tmp_path):
 
 def test_a_file_larger_than_the_shard_size_streams_in_bounded_memory(sshd, tmp_path):
     small = tiny_tree(tmp_path / "small", 5)
-    baseline = streamed(sshd, small, tmp_path / "d0", shard_size=1 << 20).far_side.max_rss_bytes
+    baseline = streamed(sshd, small, tmp_path / "d0", shard_size=1 << 20).receiver.max_rss_bytes
     src = tiny_tree(tmp_path / "src", 5)
     size = 64 << 20
     with open(Path(src) / "big.bin", "wb") as handle:
         for _ in range(size >> 20):
             handle.write(os.urandom(1 << 20))
     outcome = streamed(sshd, src, tmp_path / "dest", shard_size=1 << 20)
-    assert outcome.far_side.file_bytes > size and outcome.far_side.data_bytes > size
-    assert outcome.far_side.max_rss_bytes - baseline < size // 2
+    assert outcome.receiver.file_bytes > size and outcome.receiver.data_bytes > size
+    assert outcome.receiver.max_rss_bytes - baseline < size // 2
     same_tree(src, tmp_path / "dest")
 
 
@@ -131,14 +132,14 @@ def test_a_big_file_changed_behind_its_journal_record_is_sent_again(sshd, tmp_pa
     os.utime(big, ns=(stamp, stamp))
     again = streamed(sshd, src, tmp_path / "dest", shard_size=64 << 10)
     total = len(plan_shards(prepare_source(src, "zstd", 1, 64 << 10).tree.index, 64 << 10))
-    assert again.far_side.shards_received == 1 and again.skipped_shards == total - 1
+    assert again.receiver.shards_received == 1 and again.skipped_shards == total - 1
     same_tree(src, tmp_path / "dest")
 
 
 def test_far_side_errors_surface_with_their_message(sshd, tmp_path):
     src = tiny_tree(tmp_path / "src", 3)
     (tmp_path / "dest").write_text("a file where the tree should go")
-    with pytest.raises(ReceiverError) as caught:
+    with pytest.raises(FarStagerError) as caught:
         streamed(sshd, src, tmp_path / "dest")
     assert "exists and is not a directory" in str(caught.value) and caught.value.hint
 
@@ -209,11 +210,11 @@ def test_kill_9_of_the_receiver_fails_the_push_and_a_rerun_resumes(sshd, tmp_pat
     endpoint = parse_url(sshd.url(str(dest)))
     gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill {dest}", shard_size=16 << 10)
     with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
-        with pytest.raises(ReceiverError) as caught:
+        with pytest.raises(FarStagerError) as caught:
             stream_push(transport, src, endpoint, "zstd", gate, NoProgress())
     assert "status 137" in str(caught.value) and (dest / ".pallet" / "INCOMPLETE").exists()
     again = streamed(sshd, src, dest, shard_size=16 << 10)
-    assert again.skipped_shards >= 1 and again.far_side.shards_received + again.skipped_shards >= 4
+    assert again.skipped_shards >= 1 and again.receiver.shards_received + again.skipped_shards >= 4
     same_tree(src, dest)
 
 
