@@ -1,4 +1,4 @@
-"""Benchmark `pallet push` on an emulated WAN against tar|zstd|ssh, rsync -a, scp and globus-url-copy."""
+"""Benchmark `pallet push` and `pallet pull` on an emulated WAN against tar|zstd|ssh, rsync -a, scp and globus-url-copy."""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from bench_bundle import code_version
 from push_grid import GridCase, Tree, run_grid, score
-from push_methods import (Manifest, Method, MethodSpec, Rig, gridftp_peer, manifest, measure, pallet_push, rsync_peer,
-                          sample_of, scp_sample, stream_peer)
+from push_methods import (Manifest, Method, MethodSpec, Rig, gridftp_peer, manifest, measure, pallet_pull, pallet_push,
+                          rsync_peer, rsync_pull_peer, sample_of, scp_sample, stream_peer, stream_pull_peer)
 from push_report import Target, print_grid, print_methods, print_targets, ratio, write_chart
 from wan import LinkCheck, LinkSpec, WanLink, emulated_wan
 from wan_servers import NetnsSSHD, start_netns_gridftp, start_netns_sshd
@@ -23,6 +23,7 @@ from workloads import KIB, MIB, MixedWorkload, Workload, common_parser, ensure_w
 PALLET_AUTO, STREAM, RSYNC = "pallet push (auto)", "tar | zstd | ssh | zstd -d | tar x", "rsync -a over ssh"
 PALLET_GRIDFTP, GRIDFTP_PEER, SCP = "pallet push bundle over GridFTP", "globus-url-copy -r -pp -cc 16", "scp"
 PALLET_PLAIN = "pallet push bundle, far side without pallet (plain tools)"
+PALLET_PULL, STREAM_PULL, RSYNC_PULL = "pallet pull (auto)", "ssh 'tar | zstd' | zstd -d | tar x", "rsync -a pull"
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
     parser.add_argument("--only", type=lambda text: text.split(","), metavar="SLUG[,SLUG...]",
                         help="run just these W1 methods, and no W2: stream, pallet-auto, pallet-plain, rsync, "
-                             "pallet-gridftp, guc, scp")
+                             "pallet-gridftp, guc, scp, pallet-pull, stream-pull, rsync-pull")
     parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir; a tmpfs "
                                                        "such as /dev/shm takes a noisy disk out of the ratios)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the headline link (default 1gbit)")
@@ -95,7 +96,10 @@ def w1_specs(rig: Rig, expected: Manifest, sample: int, only: list[str] | None =
             MethodSpec(PALLET_GRIDFTP, "pallet-gridftp", pallet_push(rig, "bundle", gridftp=True), expected),
             MethodSpec(GRIDFTP_PEER, "guc", gridftp_peer(rig, 16), expected),
             MethodSpec(f"{SCP} per file ({len(picked)}-file sample, extrapolated)", "scp", scp_sample(rig, picked),
-                       {p: expected[p] for p in picked}, len(expected) / len(picked))]
+                       {p: expected[p] for p in picked}, len(expected) / len(picked)),
+            MethodSpec(PALLET_PULL, "pallet-pull", pallet_pull(rig), expected),
+            MethodSpec(STREAM_PULL, "stream-pull", stream_pull_peer(rig), expected),
+            MethodSpec(RSYNC_PULL, "rsync-pull", rsync_pull_peer(rig), expected)]
     return [spec for spec in specs if only is None or spec.slug in only]
 
 
@@ -118,9 +122,12 @@ def headline(link: WanLink, rig: Rig, found: dict[str, Tree], args: argparse.Nam
 def targets(result: Headline) -> list[Target]:
     w1, w2 = ({m.name: m for m in methods} for methods in (result.w1, result.w2))
     if not w2:                              # --only: the ratios its methods allow
-        return [Target(f"W1 {name} / tar|zstd|ssh stream", ratio(w1[name], w1[STREAM]), goal)
-                for name, goal in ((PALLET_AUTO, 1.0), (PALLET_PLAIN, 1.2), (RSYNC, None))
-                if name in w1 and STREAM in w1]
+        pushes = [Target(f"W1 {name} / tar|zstd|ssh stream", ratio(w1[name], w1[STREAM]), goal)
+                  for name, goal in ((PALLET_AUTO, 1.0), (PALLET_PLAIN, 1.2), (RSYNC, None))
+                  if name in w1 and STREAM in w1]
+        return pushes + [Target(f"W1 {name} / reverse stream (ssh tar|zstd)", ratio(w1[name], w1[STREAM_PULL]), goal)
+                         for name, goal in ((PALLET_PULL, 1.0), (RSYNC_PULL, None))
+                         if name in w1 and STREAM_PULL in w1]
     scp = next(m for name, m in w1.items() if name.startswith(SCP))
     w2_strategies = sorted({a.summary.get("strategy", "?") for a in w2[PALLET_AUTO].attempts if a.summary})
     w2_individual = [a.summary.get("strategy") == "individual" for a in w2[PALLET_AUTO].attempts]
@@ -140,6 +147,7 @@ def targets(result: Headline) -> list[Target]:
         Target("W2 runs in which auto ran individual, share", _share(w2_individual), 1.0, at_least=True,
                note="ran: " + (", ".join(w2_strategies) or "nothing")),
         Target("pallet runs that completed and checked out, share", _share(pallet_ok), 1.0, at_least=True),
+        Target("W1 pallet pull (auto) / reverse stream (ssh tar|zstd)", ratio(w1[PALLET_PULL], w1[STREAM_PULL]), 1.0),
         Target("W1 scp per file (extrapolated) / pallet push (auto)", ratio(scp, w1[PALLET_AUTO]), None,
                note="for scale")]
 

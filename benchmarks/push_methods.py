@@ -188,6 +188,17 @@ def pallet_push(rig: Rig, strategy: str = "auto", profile: str | None = None,
     return run
 
 
+def pallet_pull(rig: Rig) -> Callable[[Path, Path], Outcome]:
+    """`pallet pull --json ssh://HOST/SRC DEST`: the tree at the far side (the same path, seen through the
+    namespace's sshd) into a local DEST."""
+    def run(src: Path, dest: Path) -> Outcome:
+        argv = [*pallet_cmd(), "pull", "--quiet", "--json", "--remote-python", rig.remote_python,
+                rig.sshd.url(str(src)), str(dest)]
+        seconds, done = _timed(argv, env=rig.pallet_env())
+        return Outcome(seconds, _last_json(done.stdout))
+    return run
+
+
 def pallet_plan(rig: Rig, src: Path, profile: str | None) -> dict:
     """`pallet plan --json` for an ssh destination: the strategy it would pick and its predictions."""
     argv = [*pallet_cmd(), "plan", "--json", *(["--profile", profile] if profile else []),
@@ -228,6 +239,22 @@ def stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     return run
 
 
+def stream_pull_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
+    """The reverse hand-made stream: `ssh HOST 'tar -cf - -C SRC . | zstd -T0 -c' | zstd -dc | tar -xf - -C DEST`."""
+    def run(src: Path, dest: Path) -> Outcome:
+        remote = f"{shlex.join(['tar', '-cf', '-', '-C', str(src), '.'])} | zstd -q -T0 -c"
+        dest.mkdir(parents=True)
+        stages = [[*rig.sshd.ssh_argv(), rig.sshd.login, remote], ["zstd", "-dcq"],
+                  ["tar", "-xf", "-", "-C", str(dest)]]
+        started = time.perf_counter()
+        codes = _pipeline(stages)
+        seconds = time.perf_counter() - started
+        if any(codes):
+            raise MethodFailed(f"ssh | zstd -d | tar x exited {codes}")
+        return Outcome(seconds)
+    return run
+
+
 def _pipeline(stages: list[list[str]]) -> list[int]:
     """Run ``stages`` connected stdout to stdin; the exit codes."""
     processes: list[subprocess.Popen] = []
@@ -251,6 +278,15 @@ def rsync_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     def run(src: Path, dest: Path) -> Outcome:
         seconds, _ = _timed(["rsync", "-a", "-e", shlex.join(rig.sshd.ssh_argv()), f"{src}/",
                              f"{rig.sshd.login}:{dest}/"])
+        return Outcome(seconds)
+    return run
+
+
+def rsync_pull_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
+    """`rsync -a -e 'ssh ...' HOST:SRC/ DEST/`."""
+    def run(src: Path, dest: Path) -> Outcome:
+        seconds, _ = _timed(["rsync", "-a", "-e", shlex.join(rig.sshd.ssh_argv()), f"{rig.sshd.login}:{src}/",
+                             f"{dest}/"])
         return Outcome(seconds)
     return run
 

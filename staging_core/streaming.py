@@ -170,7 +170,7 @@ class FarStager:
         if status == _SSH_FAILED:
             return classify(stderr, status, self.argv, self.url, "ssh failed while streaming")
         _, found, error = stderr.partition(f"mpi_stager {self.command}: error: ")
-        message = error.splitlines()[0] if found else (stderr[-2000:] or f"it exited with status {status}")
+        message = _without_hints(error) if found else (stderr[-2000:] or f"it exited with status {status}")
         role = "receiver" if self.command == "receive" else "sender"
         return FarStagerError(f"the far side's {role} failed: {message}", self.url, _RESUME_HINT)
 
@@ -203,3 +203,8 @@ class FarStager:
             self.process.stdin.close()
         except (BrokenPipeError, ConnectionResetError, ValueError):
             pass
+
+
+def _without_hints(message: str) -> str:
+    """The far side's error without its hint lines (ours replace them)."""
+    return "\n".join(line for line in message.splitlines() if not line.lstrip().startswith("hint:")).strip()

@@ -183,6 +183,14 @@ def count_invocations(shim_dir: Path, program: str, monkeypatch):
     return lambda: log.read_text().splitlines() if log.exists() else []
 
 
+def count_transfers(shim_dir: Path, monkeypatch):
+    """Shims for rsync and ssh (see :func:`count_invocations`); return a reader of the transfers made since: rsync
+    batches plus streamed pulls (ssh sessions running ``mpi_stager send``)."""
+    rsync_calls = count_invocations(shim_dir, "rsync", monkeypatch)
+    ssh_calls = count_invocations(shim_dir, "ssh", monkeypatch)
+    return lambda: rsync_calls() + [call for call in ssh_calls() if "mpi_stager send" in call]
+
+
 @dataclass
 class SlurmCluster:
     """A one-node Slurm (munged, slurmctld, slurmd as children of the test) configured by ``conf``.

@@ -86,7 +86,7 @@ def test_bad_selections_are_named(sshd, tmp_path):
     assert not os.path.exists(tmp_path / "here2" / "s0")
 
 
-def test_the_far_side_packs_with_the_requested_shard_size(sshd, tmp_path):
+def test_the_far_side_streams_with_the_requested_shard_size(sshd, tmp_path):
     src, items = tree(tmp_path / "remote", 300), chosen(300)
     log = tmp_path / "far-side.log"
     shim = tmp_path / "python-shim"
@@ -94,6 +94,6 @@ def test_the_far_side_packs_with_the_requested_shard_size(sshd, tmp_path):
     shim.chmod(0o755)
     options = ssh_opts(sshd, strategy="bundle", shard_size=4096)
     fetch(sshd.url(src), items, str(tmp_path / "here"), StagingOptions(**{**options.__dict__, "remote_python": str(shim)}))
-    packs = [line for line in log.read_text().splitlines() if "mpi_stager pack" in line]
-    assert len(packs) == 1 and "--shard-size 4096" in packs[0], packs
+    sends = [line for line in log.read_text().splitlines() if "mpi_stager send" in line]
+    assert len(sends) == 1 and "--shard-size 4096" in sends[0], sends
     check_fetched(src, str(tmp_path / "here"), items)

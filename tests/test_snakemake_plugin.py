@@ -17,7 +17,7 @@ from snakemake_interface_storage_plugins.tests import TestStorageBase  # noqa: E
 
 from snakemake_storage_plugin_pallet import StorageProvider, StorageProviderSettings  # noqa: E402
 from tests.programs import program, user_env  # noqa: E402
-from tests.servers import count_invocations, start_sshd  # noqa: E402
+from tests.servers import count_invocations, count_transfers, start_sshd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "snakemake" / "Snakefile"
@@ -126,12 +126,12 @@ async def in_one_round(method: str, objects) -> None:
 
 def test_a_round_of_retrievals_is_one_transfer_and_keeps_remote_mtimes(sshd, tmp_path, monkeypatch):
     data = make_inputs(tmp_path / "remote" / "data", 300)
-    rsync_calls = count_invocations(tmp_path / "shim", "rsync", monkeypatch)
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
     storage = provider(tmp_path, ssh_settings(sshd))
     objects = [storage.object(sshd.url(str(data / f"s{n:05d}.csv"))) for n in range(300)]
     assert all(obj.exists() for obj in objects)
     asyncio.run(in_one_round("managed_retrieve", objects))
-    assert len(rsync_calls()) == 1
+    assert len(transfers()) == 1, transfers()              # one rsync batch, or one streamed bundle
     for n, obj in enumerate(objects):
         local = obj.local_path()
         assert local.read_text() == f"{n},{3 * n}\n"
@@ -204,17 +204,17 @@ def storage_flags(sshd) -> list[str]:
 
 def test_workflow_with_2000_remote_inputs_over_ssh(sshd, tmp_path, monkeypatch):
     data = make_inputs(tmp_path / "remote" / "data", 2000)
-    rsync_calls = count_invocations(tmp_path / "shim", "rsync", monkeypatch)
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
     args = [*storage_flags(sshd), "--config", f"data={sshd.url(str(data))}", "samples=2000", "parts=4"]
     first = snakemake(tmp_path / "wf", *args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "wf" / "results" / "summary.txt").read_text() == f"2000 {3 * 2000 * 1999 // 2}\n"
-    assert len(rsync_calls()) == 1, rsync_calls()               # 4 jobs, 2,000 inputs, one round: one transfer
+    assert len(transfers()) == 1, transfers()                   # 4 jobs, 2,000 inputs, one round: one transfer
     assert "pallet: fetched 2000 object(s)" in first.stderr
     again = snakemake(tmp_path / "wf", *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Nothing to be done" in again.stderr
-    assert len(rsync_calls()) == 1                              # nothing fetched again
+    assert len(transfers()) == 1                                # nothing fetched again
 
 
 def test_remote_job_mode_with_cluster_generic(sshd, tmp_path):
