@@ -57,8 +57,18 @@ class ReceiveSummary:
         return asdict(self)
 
 
+def read_skeleton(inp: BinaryIO, source: str) -> tuple[FrameReader, Skeleton]:
+    """Read a stream's prelude and SKELETON frame from ``inp``: the reader to go on with, and the skeleton
+    (the tree's entries and shard plan, not yet checked against the extraction rules). StreamError names
+    ``source`` for anything else."""
+    reader = FrameReader(inp, source)
+    reader.prelude()
+    return reader, _read_skeleton(reader, source)
+
+
 def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_held: bool = False,
-            progress: Progress | None = None) -> ReceiveSummary:
+            progress: Progress | None = None,
+            opened: tuple[FrameReader, Skeleton] | None = None) -> ReceiveSummary:
     """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
 
     The skeleton is checked against the extraction rules before anything is
@@ -77,12 +87,12 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
     ``dest`` marked incomplete and the journal for a rerun. DEST is locked
     for the whole receive unless ``lock_held`` (the sender holds it).
     Shards written or skipped are reported on ``progress`` as 'receive'.
+    ``opened`` is :func:`read_skeleton`'s result when the caller has
+    already read that much of ``inp`` (a pull plans from the skeleton).
     """
     started = time.monotonic()
     source = f"stream to {dest}"
-    reader = FrameReader(inp, source)
-    reader.prelude()
-    skeleton = _read_skeleton(reader, source)
+    reader, skeleton = opened or read_skeleton(inp, source)
     check_index(skeleton.index, source)
     prepare_destination(dest)
     with holding_lock(dest, lock_held):

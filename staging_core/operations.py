@@ -6,6 +6,7 @@ import posixpath
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -32,6 +33,7 @@ from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_wit
                      delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
+from .streaming import PullStream, stream_pull, stream_push
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_endpoint, open_transport
@@ -150,11 +152,15 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
          sizes: Sequence[int] | None = None) -> StagingResult:
     """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
 
-    Individual: one batch transfer of the whole tree. Bundle: the source's
-    pack route (ssh: ``mpi_stager pack`` there) writes a deterministic
-    bundle, it comes back with its index in one transfer and is unpacked
-    here, resumably; sources without remote execution (GridFTP, Globus)
-    pack through ``options.pack_via``. A hybrid plan runs as a bundle. The
+    Individual: one batch transfer of the whole tree. Bundle from an ssh
+    source with pallet: streamed (``mpi_stager send`` there, received here
+    as it arrives, resumably; the planner reads the stream's skeleton as
+    its listing, and a plan for individual stops that sender). Other
+    bundles: the source's pack route (``mpi_stager pack`` over ssh with
+    ``--stream off`` or a launcher) writes a deterministic bundle, it comes
+    back with its index in one transfer and is unpacked here, resumably;
+    sources without remote execution (GridFTP, Globus) pack through
+    ``options.pack_via``. A hybrid plan runs as a bundle. Otherwise the
     planner sees one remote listing; without a local sample it assumes the
     data compresses to half. A ``src_url`` naming a bundle with its
     ``.pidx`` beside it (a published bundle) is fetched and unpacked as
@@ -171,33 +177,43 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     whole, comparison = items is None, None
     if options.dry_run:
         return pull_dry_run(endpoint, local.path, options, started)
-    with open_endpoint(endpoint, options.ssh_options) as transport:
+    with open_endpoint(endpoint, options.ssh_options) as transport, ExitStack() as stack:
         options, far = far_side_options(transport, endpoint, options)
-        with closing(pack_route(endpoint, transport, options, far)) as route:
-            if isinstance(route, PublishedBundle):
-                inventory, chosen = route.inventory()
+        route = stack.enter_context(closing(pack_route(endpoint, transport, options, far)))
+        early = None
+        if isinstance(route, PublishedBundle):
+            inventory, chosen = route.inventory()
+        else:
+            comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
+                if whole else None
+            if comparison is not None:
+                items, sizes = comparison.to_fetch, comparison.sizes
+            early = _early_stream(transport, endpoint, route, options, items) if sizes is None else None
+            if early is not None:
+                stack.enter_context(early)
+                inventory = Inventory(endpoint.path, early.file_sizes(), options.large_file_bytes)
             else:
-                comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
-                    if whole else None
-                if comparison is not None:
-                    items, sizes = comparison.to_fetch, comparison.sizes
                 inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
                              else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
-                profile, bundle_possible = route_profile(endpoint, options, route is not None, local.path)
-                chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
-            strategy = _strategy(chosen, options, route, endpoint)
-            strategy = "bundle" if strategy == "hybrid" else strategy
-            _prepare_local_dest(dest)
-            with DestinationLock(local, open_transport(local), wait=not whole):
-                if comparison is not None and not comparison.to_fetch:
-                    run, attempts = _Run(route="already in place"), 0
-                else:
-                    run, attempts = _with_retries(
-                        lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
-                                           progress or NoProgress(), items), options.retries)
-                deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
-                if whole:
-                    remove_state(local.path)
+            profile, bundle_possible = route_profile(endpoint, options, route is not None, local.path)
+            chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
+        strategy = _strategy(chosen, options, route, endpoint)
+        strategy = "bundle" if strategy == "hybrid" else strategy
+        if early is not None and strategy != "bundle":
+            early.close()                           # the plan is individual: that sender stops now
+        _prepare_local_dest(dest)
+        with DestinationLock(local, open_transport(local), wait=not whole):
+            if comparison is not None and not comparison.to_fetch:
+                run, attempts = _Run(route="already in place"), 0
+            else:
+                begun = [early] if early is not None and strategy == "bundle" else []
+                run, attempts = _with_retries(
+                    lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
+                                       progress or NoProgress(), items, begun.pop() if begun else None),
+                    options.retries)
+            deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
+            if whole:
+                remove_state(local.path)
     return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started),
                    in_place=comparison.in_place if comparison else 0, deleted=deleted)
 
@@ -307,7 +323,6 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif include is None and _can_stream(transport, route, options):
-        from .streaming import stream_push
         outcome = stream_push(transport, src, endpoint, codec, options, progress, tree)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
@@ -400,8 +415,17 @@ def _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, optio
 
 # ---------------------------------------------------------------- pull strategies
 
+def _early_stream(transport: Transport, endpoint: Endpoint, route, options: StagingOptions,
+                  items: Sequence[str] | None) -> PullStream | None:
+    """A pull that would stream a bundle starts the stream before planning, and plans from its skeleton (the
+    far side's own walk) instead of a listing of its own; None when it would not stream."""
+    if options.strategy == "individual" or not isinstance(route, PackRoute) or not _can_stream_pull(route, options):
+        return None
+    return PullStream(route.transport, endpoint, options.codec or "zstd", options, items)
+
+
 def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str, options, progress,
-               items: Sequence[str] | None) -> _Run:
+               items: Sequence[str] | None, begun: PullStream | None = None) -> _Run:
     run = _Run()
     if strategy == "individual":
         run.route = "individual"
@@ -415,9 +439,9 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
     codec = options.codec or "zstd"
-    if _can_stream_pull(route, options):
-        from .streaming import stream_pull
-        outcome = stream_pull(route.transport, endpoint, dest, codec, options, progress, items)
+    if begun is not None or _can_stream_pull(route, options):
+        outcome = (begun.receive_into(dest, progress) if begun is not None
+                   else stream_pull(route.transport, endpoint, dest, codec, options, progress, items))
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)

@@ -14,7 +14,8 @@ from bundles.errors import PalletError
 from bundles.progress import Progress
 from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
-from mpi_stager.receive import ReceiveSummary, receive
+from bundles.tarformat import Kind
+from mpi_stager.receive import ReceiveSummary, read_skeleton, receive
 from mpi_stager.send import RECEIVER_GONE, prepare_source, selection_block, send_stream
 
 from .options import StagingOptions
@@ -78,38 +79,82 @@ def stream_pull(transport: Transport, endpoint: Endpoint, dest: str, codec: str,
                 progress: Progress, items: Sequence[str] | None = None) -> StreamOutcome:
     """Pull the tree at ``endpoint.path`` into local ``dest`` as a bundle stream and return what was done.
 
-    ``remote_python -m mpi_stager send`` runs at the source over ``transport``
-    (ssh) and writes the stream on its stdout; it is received here as it
-    arrives (:func:`mpi_stager.receive.receive`: checked before anything is
+    :class:`PullStream` begun and received at once; see there.
+    """
+    with PullStream(transport, endpoint, codec, options, items) as stream:
+        return stream.receive_into(dest, progress)
+
+
+class PullStream:
+    """A streamed pull begun: ``remote_python -m mpi_stager send`` started at the source over ``transport``
+    (ssh), and the stream's skeleton read — the tree's listing, which the planner can use instead of a
+    listing of its own.
+
+    :meth:`receive_into` then receives the rest into DEST as it arrives
+    (:func:`mpi_stager.receive.receive`: checked before anything is
     written, each shard verified unless ``options.verify`` is off, and
     journaled in DEST/.pallet, so a rerun after an interruption is sent
-    only the shards not finished here). ``items`` (relative paths) sends
-    only those and their parent directories. The caller holds DEST's lock.
-    Raises FarStagerError with the sender's message when it fails, a
-    TransportError when ssh does, and the local error (unsafe entries,
-    damaged data, a full disk) otherwise; the sender then stops.
+    only the shards not finished here); the caller holds DEST's lock.
+    ``items`` (relative paths) sends only those and their parent
+    directories. Errors: FarStagerError with the sender's message when it
+    fails, a TransportError when ssh does, and the local error (unsafe
+    entries, damaged data, a full disk) otherwise; the sender then stops.
+    Closing a stream not received stops the sender.
     """
-    started = time.monotonic()
-    selection = None if items is None else [os.fsencode(i) for i in items]
-    far = FarStager(transport, send_argv(options, endpoint.path, codec, selection is not None), endpoint.url())
-    try:
-        if selection is not None:
-            far.process.stdin.write(selection_block(selection))
-            far.process.stdin.flush()
-        summary = receive(far.process.stdout, far.process.stdin, dest, options.verify, lock_held=True,
-                          progress=progress)
-    except PalletError as exc:
-        error = far.blame(exc)
-        far.close(_GRACE_SECONDS)
+
+    def __init__(self, transport: Transport, endpoint: Endpoint, codec: str, options: StagingOptions,
+                 items: Sequence[str] | None = None):
+        self.started, self.verify = time.monotonic(), options.verify
+        selection = None if items is None else [os.fsencode(i) for i in items]
+        self.far = FarStager(transport, send_argv(options, endpoint.path, codec, selection is not None),
+                             endpoint.url())
+        try:
+            if selection is not None:
+                self.far.process.stdin.write(selection_block(selection))
+                self.far.process.stdin.flush()
+            self.opened = read_skeleton(self.far.process.stdout, f"stream from {endpoint.url()}")
+        except BaseException as exc:
+            self._fail(exc)
+
+    def file_sizes(self) -> list[int]:
+        """The sizes of the regular files the stream carries, from its skeleton."""
+        index = self.opened[1].index
+        return [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
+
+    def receive_into(self, dest: str, progress: Progress) -> StreamOutcome:
+        """Receive the stream into ``dest`` (see the class) and return what was done."""
+        try:
+            summary = receive(self.far.process.stdout, self.far.process.stdin, dest, self.verify, lock_held=True,
+                              progress=progress, opened=self.opened)
+        except BaseException as exc:
+            self._fail(exc)
+        self.far.close()
+        if self.far.process.returncode != 0:
+            raise self.far.failure()
+        return StreamOutcome(summary.shards_skipped, summary.stream_bytes,
+                             {"stream": time.monotonic() - self.started}, summary)
+
+    def close(self) -> None:
+        """Stop the sender if the stream was not received (it sees its receiver go away)."""
+        self.far.close(_GRACE_SECONDS)
+
+    def __enter__(self) -> "PullStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _fail(self, exc: BaseException):
+        """Raise the error behind ``exc``: the sender's own, or ``exc`` (see :meth:`FarStager.blame`)."""
+        if isinstance(exc, PalletError):
+            error = self.far.blame(exc)
+        elif isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            error = self.far.blame(None)
+        else:
+            self.far.close(_GRACE_SECONDS)
+            raise exc
+        self.far.close(_GRACE_SECONDS)
         raise error from None
-    except (BrokenPipeError, ConnectionResetError):
-        raise far.blame(None) from None
-    finally:
-        far.close()
-    if far.process.returncode != 0:
-        raise far.failure()
-    return StreamOutcome(summary.shards_skipped, summary.stream_bytes, {"stream": time.monotonic() - started},
-                         summary)
 
 
 def receive_argv(options: StagingOptions, dest: str) -> list[str]:

@@ -25,7 +25,7 @@ from pallet_parsl import BatchError, PalletStaging
 from staging_core.options import StagingOptions
 from tests.docs import doc_block
 from tests.programs import BIN
-from tests.servers import count_invocations
+from tests.servers import count_transfers
 
 WORKER_PATH = f"export PATH={BIN}:$PATH"       # interchange.py and process_worker_pool.py, as installed
 MPI_ENV = "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1"
@@ -112,7 +112,7 @@ def finished(staging) -> list:
 @pytest.mark.parametrize("kind", ["threads", "htex"])
 def test_many_apps_read_tiny_remote_files_in_few_transfers(sshd, tmp_path, monkeypatch, htex_programs, kind):
     paths = remote_files(str(tmp_path / "remote"), APPS)
-    rsync_calls = count_invocations(tmp_path / "shim", "rsync", monkeypatch)
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
     staging = PalletStaging(options=ssh_options(sshd), window=2.0, max_files=2000)
     executor = threads(tmp_path, staging) if kind == "threads" else htex(tmp_path, staging)
     with workflow(tmp_path, executor):
@@ -121,7 +121,7 @@ def test_many_apps_read_tiny_remote_files_in_few_transfers(sshd, tmp_path, monke
         assert [f.result(timeout=300) for f in futures] == [f"file {n}\n" for n in range(APPS)]
         batches = finished(staging)
     assert 3 <= len(batches) < 20 and sum(b.files for b in batches) == APPS
-    assert len(rsync_calls()) == len(batches) == sum(b.transfers for b in batches)
+    assert len(transfers()) == len(batches) == sum(b.transfers for b in batches)
     assert {b.strategy for b in batches} <= {"bundle", "individual"}
     kept = tmp_path / "work" / f"127.0.0.1:{sshd.port}" / paths[-1].lstrip("/")
     assert kept.read_text() == f"file {APPS - 1}\n"            # the remote tree is kept below working_dir

@@ -143,3 +143,19 @@ def test_stream_off_and_a_launcher_store_and_forward(sshd, tmp_path):
     refused = run_pallet("pull", "--quiet", "--strategy", "bundle", "--stream", "on", "--launcher", "mpirun -n 2",
                          "--remote-python", sys.executable, *ssh, sshd.url(src), str(tmp_path / "on"))
     assert refused.returncode == 2 and "--stream on" in refused.stderr, refused.stderr
+
+
+def test_the_plan_reads_the_streams_skeleton_and_an_individual_plan_stops_the_sender(sshd, tmp_path):
+    src = random_tree(tmp_path / "src", 1, 8 << 20)                  # one big file: individual wins
+    python = far_python(tmp_path, "early", '"$python" "$@"\necho "exit $?" >> "$log"\n')
+    summary = pulled_auto(sshd, src, tmp_path / "dest", python)
+    assert summary["strategy"] == "individual", summary
+    assert (tmp_path / "early.log").read_text().split() == ["send", "exit", "5"]     # its receiver went away
+    assert_same_tree(src, tmp_path / "dest")
+
+
+def pulled_auto(sshd, src: str, dest: Path, remote_python: str) -> dict:
+    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    done = run_pallet("pull", "--json", "--quiet", "--remote-python", remote_python, *ssh, sshd.url(src), str(dest))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

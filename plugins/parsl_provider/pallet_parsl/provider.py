@@ -53,7 +53,10 @@ class PalletStaging(Staging, RepresentationMixin):
       None: the app's executor. An MPIExecutor runs ``mpi_stager unpack``
       under ``mpi_launcher`` (``{ranks}`` becomes ``$PARSL_NUM_RANKS``) with
       ``mpi_ranks`` ranks on one node; any other runs it as one process
-      with ``unpack_workers`` worker processes.
+      with ``unpack_workers`` worker processes. With ``unpack_executor``
+      None and an app executor that is not an MPIExecutor, a bundle from
+      an ssh source with pallet is streamed: the move task unpacks it as it
+      arrives, and the unpack task only checks and marks the batch.
 
     ``stage_in`` only records the file: it returns a DataFuture over the
     batch's unpack task (or, for a file that is an upstream app's output,
@@ -138,9 +141,10 @@ class PalletStaging(Staging, RepresentationMixin):
         if batch.key.direction == "out":
             return self._app(dfk, send_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
                                                      **_resources(dfk, mover, 1))
-        moved = self._app(dfk, move_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
-                                                  **_resources(dfk, mover, 1))
         unpacker = self.unpack_executor or batch.key.executor
+        stream = self.unpack_executor is None and not _is_mpi(dfk, unpacker)      # no unpack asked for elsewhere
+        moved = self._app(dfk, move_batch, mover)(batch.manifest, stream, _parsl_staging_inhibit=True,
+                                                  **_resources(dfk, mover, 1))
         how = UnpackPlan(self.mpi_launcher if _is_mpi(dfk, unpacker) else None, self.unpack_workers)
         return self._app(dfk, unpack_batch, unpacker)(moved, how, _parsl_staging_inhibit=True,
                                                       **_resources(dfk, unpacker, self.mpi_ranks))

@@ -119,24 +119,27 @@ class BatchDone:
     seconds: float = 0.0
 
 
-def move_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
+def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: bool = True,
                parsl_resource_specification: dict | None = None) -> Moved:
-    """First task of an incoming batch: plan it and bring it here, without unpacking.
+    """First task of an incoming batch: plan it and bring it here.
 
     Returns at once when the batch's completion marker exists (a rerun).
     The planner chooses (unless ``spec.options.strategy`` says): individual
-    fetches the files straight into ``local_root`` in one transfer; bundle
-    has the source's pack route pack just these items and fetches bundle
-    + index in one transfer into ``state_root/incoming-ID/``
-    (a rerun finds it there: rsync sends no data again). Sources with no
-    pack route (GridFTP, Globus without ``pack_via``) go individually.
-    Raises BatchError naming the batch and the cause.
+    fetches the files straight into ``local_root`` in one transfer. A bundle
+    from a source that streams (ssh with pallet there), when ``stream`` and
+    ``spec.options.stream`` allow it, is streamed and unpacked into
+    ``local_root`` by this task (resumable by shard); otherwise the source's
+    pack route packs just these items and bundle + index come in one
+    transfer into ``state_root/incoming-ID/`` (a rerun finds it there: rsync
+    sends no data again), for the unpack task. Sources with no pack route
+    (GridFTP, Globus without ``pack_via``) go individually. Raises
+    BatchError naming the batch and the cause.
     """
     if not spec.items or os.path.exists(os.path.join(spec.state_root, MARKER.format(spec.batch_id))):
         return Moved(spec, "done before", 0)
     started = time.monotonic()
     try:
-        moved = _move(spec)
+        moved = _move(spec, stream)
     except PalletError as exc:
         raise _failed(spec, exc) from exc
     return replace(moved, seconds=time.monotonic() - started)
@@ -216,19 +219,21 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
                       number=spec.number, files=len(spec.items), cause=exc)
 
 
-def _move(spec: BatchSpec) -> Moved:
+def _move(spec: BatchSpec, stream: bool) -> Moved:
     options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
     endpoint = parse_url(spec.remote_root)
     with open_endpoint(endpoint, options.ssh_options) as transport:
         options, far = far_side_options(transport, endpoint, options)
         with closing(pack_route(endpoint, transport, options, far)) as route:
-            return _move_with(spec, options, transport, route)
+            return _move_with(spec, options, transport, route, stream)
 
 
-def _move_with(spec: BatchSpec, options: StagingOptions, transport: Transport, route) -> Moved:
-    """The move task, once the source's pack route is known (the plain-tools route lands the files itself)."""
+def _move_with(spec: BatchSpec, options: StagingOptions, transport: Transport, route, stream: bool) -> Moved:
+    """The move task, once the source's pack route is known (the plain-tools route and a stream land the files
+    themselves)."""
     strategy, sizes = _strategy(spec, transport, route is not None)
-    if strategy == "individual" or isinstance(route, PlainRoute):
+    streams = stream and options.stream != "off" and getattr(route, "streams", False)
+    if strategy == "individual" or isinstance(route, PlainRoute) or streams:
         aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
         result = fetch(spec.remote_root, spec.items, spec.local_root, replace(options, strategy=strategy), aligned)
         return Moved(spec, result.strategy, result.transfers, None, result.bytes_sent)
