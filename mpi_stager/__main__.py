@@ -25,7 +25,7 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
-pallet operation, 5 (send) the receiver went away."""
+pallet operation, 3 (send) SRC does not exist, 5 (send) the receiver went away."""
 
 
 _LOCKED_HELP = ("the caller holds DEST's lock (pallet push does); otherwise DEST is locked here, and a second "

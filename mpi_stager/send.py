@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
 from bundles.codecs import Codec, get_codec
-from bundles.errors import StreamError
+from bundles.errors import SourceError, StreamError
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
@@ -19,9 +19,16 @@ from bundles.stream import (DATA_CHUNK, FrameKind, FrameWriter, decode_resume_re
 from bundles.writer import iter_shards
 
 
+SOURCE_MISSING = 3                # exit status of `mpi_stager send` when SRC does not exist
 RECEIVER_GONE = 5                 # exit status of `mpi_stager send` when its receiver went away
 _SELECTION_LIMIT = 1 << 30        # bytes of a selection block: far above 10M names
 _HINT = "rerun the pull: shards finished at the receiver are not sent again"
+
+
+class SourceMissingError(SourceError):
+    """SRC does not exist."""
+
+    exit_code = SOURCE_MISSING
 
 
 class ReceiverGoneError(StreamError):
@@ -204,10 +211,13 @@ def send(src: str, inp: BinaryIO, out: BinaryIO, codec: str, shard_size: int | N
     (:func:`bundles.stream.decode_resume_reply`) names the shards it holds,
     and every other shard follows as it is built, then the index. The
     source is only read. Raises ReceiverGoneError when the receiver goes
-    away (end of ``inp`` before its reply, or a broken ``out``), StreamError
+    away (end of ``inp`` before its reply, or a broken ``out``),
+    SourceMissingError when ``src`` does not exist, StreamError
     for a reply that is not one, and the scan's or packing's own errors
     (SourceError ...) otherwise.
     """
+    if not os.path.lexists(src):
+        raise SourceMissingError("does not exist", src, "check the source path")
     source = prepare_source(src, codec, jobs, shard_size, include=include)
 
     def resume(stream_id: str) -> dict[int, bytes]:

@@ -16,11 +16,11 @@ from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.receive import ReceiveSummary, read_skeleton, receive
-from mpi_stager.send import RECEIVER_GONE, prepare_source, selection_block, send_stream
+from mpi_stager.send import RECEIVER_GONE, SOURCE_MISSING, prepare_source, selection_block, send_stream
 
 from .options import StagingOptions
 from .transports.base import Endpoint, Transport
-from .transports.errors import classify
+from .transports.errors import RemotePathMissingError, classify
 
 _RESUME_HINT = "fix the cause and rerun: shards already finished are not sent again"
 _SSH_FAILED = 255
@@ -214,6 +214,9 @@ class FarStager:
         status = self.process.returncode
         if status == _SSH_FAILED:
             return classify(stderr, status, self.argv, self.url, "ssh failed while streaming")
+        if self.command == "send" and status == SOURCE_MISSING:
+            return RemotePathMissingError("path does not exist", self.url, "check the remote path", self.argv,
+                                          status, stderr)
         _, found, error = stderr.partition(f"mpi_stager {self.command}: error: ")
         message = _without_hints(error) if found else (stderr[-2000:] or f"it exited with status {status}")
         role = "receiver" if self.command == "receive" else "sender"

@@ -341,7 +341,8 @@ def test_rerun_after_a_killed_batch_sends_no_finished_shard_again(sshd, tmp_path
         _kill_unpack_after_first_shard(dest, stop)))
 
     def run() -> tuple[list, list]:
-        staging = PalletStaging(options=ssh_options(sshd, strategy="bundle", codec="none"), window=60)
+        options = ssh_options(sshd, strategy="bundle", codec="none", stream="off")      # stored and forwarded
+        staging = PalletStaging(options=options, window=60)
         with workflow(tmp_path, threads(tmp_path, staging)):
             size = python_app(size_of, executors=["threads"])
             futures = [size(inputs=[File(sshd.url(path))]) for path in paths]
