@@ -14,7 +14,7 @@ from pathlib import Path
 from bench_bundle import code_version
 from push_grid import GridCase, Tree, run_grid, score
 from push_methods import (Manifest, Method, MethodSpec, Rig, gridftp_peer, manifest, measure, pallet_pull, pallet_push,
-                          rsync_peer, rsync_pull_peer, sample_of, scp_sample, stream_peer, stream_pull_peer)
+                          rsync_peer, sample_of, scp_sample, stream_peer, stream_pull_peer)
 from push_report import Target, print_grid, print_methods, print_targets, ratio, write_chart
 from wan import LinkCheck, LinkSpec, WanLink, emulated_wan
 from wan_servers import NetnsSSHD, start_netns_gridftp, start_netns_sshd
@@ -99,7 +99,7 @@ def w1_specs(rig: Rig, expected: Manifest, sample: int, only: list[str] | None =
                        {p: expected[p] for p in picked}, len(expected) / len(picked)),
             MethodSpec(PALLET_PULL, "pallet-pull", pallet_pull(rig), expected),
             MethodSpec(STREAM_PULL, "stream-pull", stream_pull_peer(rig), expected),
-            MethodSpec(RSYNC_PULL, "rsync-pull", rsync_pull_peer(rig), expected)]
+            MethodSpec(RSYNC_PULL, "rsync-pull", rsync_peer(rig, pull=True), expected)]
     return [spec for spec in specs if only is None or spec.slug in only]
 
 

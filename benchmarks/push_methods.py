@@ -228,14 +228,8 @@ def stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     def run(src: Path, dest: Path) -> Outcome:
         remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | "
                   f"{shlex.join(['tar', '-xf', '-', '-C', str(dest)])}")
-        stages = [["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
-                  [*rig.sshd.ssh_argv(), rig.sshd.login, remote]]
-        started = time.perf_counter()
-        codes = _pipeline(stages)
-        seconds = time.perf_counter() - started
-        if any(codes):
-            raise MethodFailed(f"tar | zstd | ssh exited {codes}")
-        return Outcome(seconds)
+        return _timed_pipeline([["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
+                                [*rig.sshd.ssh_argv(), rig.sshd.login, remote]], "tar | zstd | ssh")
     return run
 
 
@@ -244,15 +238,19 @@ def stream_pull_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     def run(src: Path, dest: Path) -> Outcome:
         remote = f"{shlex.join(['tar', '-cf', '-', '-C', str(src), '.'])} | zstd -q -T0 -c"
         dest.mkdir(parents=True)
-        stages = [[*rig.sshd.ssh_argv(), rig.sshd.login, remote], ["zstd", "-dcq"],
-                  ["tar", "-xf", "-", "-C", str(dest)]]
-        started = time.perf_counter()
-        codes = _pipeline(stages)
-        seconds = time.perf_counter() - started
-        if any(codes):
-            raise MethodFailed(f"ssh | zstd -d | tar x exited {codes}")
-        return Outcome(seconds)
+        return _timed_pipeline([[*rig.sshd.ssh_argv(), rig.sshd.login, remote], ["zstd", "-dcq"],
+                                ["tar", "-xf", "-", "-C", str(dest)]], "ssh | zstd -d | tar x")
     return run
+
+
+def _timed_pipeline(stages: list[list[str]], name: str) -> Outcome:
+    """:func:`_pipeline`, timed; MethodFailed naming the pipeline if a stage failed."""
+    started = time.perf_counter()
+    codes = _pipeline(stages)
+    seconds = time.perf_counter() - started
+    if any(codes):
+        raise MethodFailed(f"{name} exited {codes}")
+    return Outcome(seconds)
 
 
 def _pipeline(stages: list[list[str]]) -> list[int]:
@@ -273,20 +271,15 @@ def _pipeline(stages: list[list[str]]) -> list[int]:
                 process.wait()
 
 
-def rsync_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
-    """`rsync -a -e 'ssh ...' SRC/ HOST:DEST/`."""
+def rsync_peer(rig: Rig, pull: bool = False) -> Callable[[Path, Path], Outcome]:
+    """`rsync -a -e 'ssh ...' SRC/ HOST:DEST/`, or with ``pull`` `rsync -a -e 'ssh ...' HOST:SRC/ DEST/`."""
     def run(src: Path, dest: Path) -> Outcome:
-        seconds, _ = _timed(["rsync", "-a", "-e", shlex.join(rig.sshd.ssh_argv()), f"{src}/",
-                             f"{rig.sshd.login}:{dest}/"])
-        return Outcome(seconds)
-    return run
-
-
-def rsync_pull_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
-    """`rsync -a -e 'ssh ...' HOST:SRC/ DEST/`."""
-    def run(src: Path, dest: Path) -> Outcome:
-        seconds, _ = _timed(["rsync", "-a", "-e", shlex.join(rig.sshd.ssh_argv()), f"{rig.sshd.login}:{src}/",
-                             f"{dest}/"])
+        source, target = f"{src}/", f"{dest}/"
+        if pull:
+            source = f"{rig.sshd.login}:{source}"
+        else:
+            target = f"{rig.sshd.login}:{target}"
+        seconds, _ = _timed(["rsync", "-a", "-e", shlex.join(rig.sshd.ssh_argv()), source, target])
         return Outcome(seconds)
     return run
 
