@@ -322,7 +322,7 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
         run.stage_seconds.update(outcome.stage_seconds)
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
-    elif include is None and _can_stream(transport, route, options):
+    elif _can_stream(transport, route, options):
         outcome = stream_push(transport, src, endpoint, codec, options, progress, tree)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent

@@ -43,6 +43,8 @@ def test_a_rerun_sends_only_the_damaged_files_and_delete_converges(sshd, tmp_pat
     _damage(dest)
     repaired = _push(where, sshd, src, dest, "--strategy", strategy)
     assert (repaired["files"], repaired["in_place"]) == (3, FILES - 3), repaired
+    if (where, strategy) == ("ssh", "bundle"):
+        assert repaired["route"] == "stream" and repaired["transfers"] == 1, repaired     # what differs, streamed
     assert (dest / "d2" / "extra.txt").exists(), "without --delete an extra entry is kept"
     os.unlink(dest / "d2" / "extra.txt")
     os.utime(dest / "d2", ns=(os.stat(os.path.join(src, "d2")).st_mtime_ns,) * 2)
