@@ -5,6 +5,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from bundles.extract import destination_error
 from bundles.index import Index, content_hash
 from bundles.state import ensure_state_dir, state_path
 
@@ -39,10 +40,14 @@ class Journal:
         return cls(state_path(dest, f"stream-{stream_id}"))
 
     def create(self, dest: str) -> None:
-        """Make the journal's directories (checking DEST/.pallet first when the journal lives there)."""
+        """Make the journal's directories (checking DEST/.pallet first when the journal lives there);
+        DestinationError naming the journal if they cannot be made."""
         if os.path.dirname(os.path.abspath(self.root)) == os.path.abspath(state_path(dest)):
             ensure_state_dir(dest)
-        os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(self.root)) from None
 
     def finished_shards(self, index: Index) -> set[int]:
         """Shards recorded as finished with a hash that matches ``index``."""
@@ -65,12 +70,17 @@ class Journal:
         return recorded
 
     def record_shard(self, index: Index, number: int, run: str, rank: int) -> None:
+        """Record shard ``number`` as finished by ``rank`` in ``run``; DestinationError naming the record if
+        the destination's file system fails."""
         path = os.path.join(self.root, f"shard-{number:06d}")
-        with open(path + f".tmp{rank}", "w") as handle:
-            handle.write(index.shards[number].hash.hex())
-        os.replace(path + f".tmp{rank}", path)
-        with open(os.path.join(self.root, "runs", f"{run}.rank{rank}"), "a") as handle:
-            handle.write(f"{number}\n")
+        try:
+            with open(path + f".tmp{rank}", "w") as handle:
+                handle.write(index.shards[number].hash.hex())
+            os.replace(path + f".tmp{rank}", path)
+            with open(os.path.join(self.root, "runs", f"{run}.rank{rank}"), "a") as handle:
+                handle.write(f"{number}\n")
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(path)) from None
 
     def run_log(self) -> dict[str, list[int]]:
         """Shards extracted per run (all ranks merged), for inspection and tests."""

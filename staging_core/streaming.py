@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from bundles.errors import PalletError
+from bundles.errors import PalletError, StreamError
 from bundles.progress import Progress
 from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
@@ -145,7 +145,12 @@ class PullStream:
         self.close()
 
     def _fail(self, exc: BaseException):
-        """Raise the error behind ``exc``: the sender's own, or ``exc`` (see :meth:`FarStager.blame`)."""
+        """Raise the error behind ``exc``: the sender's own, or ``exc`` (see :meth:`FarStager.blame`). An error
+        of this side that is not about the stream itself (unsafe entries, damaged data, a full disk) is ours
+        alone: the sender is stopped at once."""
+        if isinstance(exc, PalletError) and not isinstance(exc, StreamError):
+            self.far.close(0)
+            raise exc
         if isinstance(exc, PalletError):
             error = self.far.blame(exc)
         elif isinstance(exc, (BrokenPipeError, ConnectionResetError)):

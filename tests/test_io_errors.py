@@ -98,3 +98,34 @@ def test_permission_lost_midway_is_one_line_and_a_rerun_converges(tmp_path, sour
     run_pallet("push", "--quiet", "--strategy", "bundle", source, str(tmp_path / "disk" / "b"), check=True)
     for name in ("a", "b"):
         assert_same_tree(source, tmp_path / "disk" / name)
+
+
+def _senders_of(src: str) -> list[int]:
+    """Running `mpi_stager send` processes reading ``src``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mpi_stager" in argv and b"send" in argv and os.fsencode(src) in argv:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("fail_after", (3, 60))
+def test_a_streamed_pull_onto_a_failing_disk_stops_the_sender_and_a_rerun_converges(sshd, tmp_path, source,
+                                                                                       fail_after):
+    ssh = ["--remote-python", program("python"), *(f"--ssh-option={o}" for o in sshd.ssh_options)]
+    with faulty(tmp_path / "disk", tmp_path / "mnt", fail_after) as mnt:
+        done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--retries", "0", "--shard-size", "16384",
+                          *ssh, sshd.url(source), str(mnt / "dest"), timeout=120)
+        _failed_cleanly(done, "pull")
+    deadline = time.monotonic() + 10
+    while _senders_of(source) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _senders_of(source), "the far side's sender outlived the failed pull"
+    run_pallet("pull", "--quiet", "--strategy", "bundle", *ssh, sshd.url(source), str(tmp_path / "disk" / "dest"),
+               check=True)
+    assert_same_tree(source, tmp_path / "disk" / "dest")
