@@ -333,19 +333,20 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
 
 
 def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOptions) -> bool:
-    capable = transport.capabilities.streaming and route.streams
-    if options.stream == "on" and not capable:
-        raise UsageError(f"--stream on: {transport.scheme} to this destination cannot stream",
-                         hint="use --stream auto or off")
-    return capable and options.stream != "off"
+    return _streams(transport.capabilities.streaming and route.streams, options,
+                    f"{transport.scheme} to this destination cannot stream")
 
 
 def _can_stream_pull(route: PackRoute, options: StagingOptions) -> bool:
-    capable = route.streams
+    return _streams(route.streams, options, f"this source cannot stream ({route.description})",
+                    "; streaming needs an ssh source with pallet and no --launcher")
+
+
+def _streams(capable: bool, options: StagingOptions, why_not: str, needs: str = "") -> bool:
+    """Whether ``options.stream`` (auto, on, off) streams where ``capable`` says it can; UsageError for 'on'
+    where it cannot."""
     if options.stream == "on" and not capable:
-        raise UsageError(f"--stream on: this source cannot stream ({route.description})",
-                         hint="use --stream auto or off; streaming needs an ssh source (or --pack-via) and no "
-                              "--launcher")
+        raise UsageError(f"--stream on: {why_not}", hint=f"use --stream auto or off{needs}")
     return capable and options.stream != "off"
 
 

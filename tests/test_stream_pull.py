@@ -34,10 +34,14 @@ def far_python(tmp_path: Path, name: str, body: str) -> str:
     return str(script)
 
 
+def ssh_flags(sshd) -> list[str]:
+    return [f"--ssh-option={o}" for o in sshd.ssh_options]
+
+
 def pulled(sshd, src: str, dest: Path, remote_python: str = sys.executable, *args: str) -> dict:
-    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
+    """`pallet pull --json --strategy bundle` (``args`` may override it) into ``dest``; its summary."""
     done = run_pallet("pull", "--json", "--quiet", "--strategy", "bundle", "--remote-python", remote_python,
-                      *ssh, *args, sshd.url(src), str(dest))
+                      *ssh_flags(sshd), *args, sshd.url(src), str(dest))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -102,9 +106,8 @@ def test_a_cut_stream_without_retries_leaves_dest_marked_and_a_rerun_resumes(ssh
     src = random_tree(tmp_path / "src", 200, 10_000)
     dest = tmp_path / "dest"
     cut = far_python(tmp_path, "cut", '"$python" "$@" | dd bs=65536 count=524288 iflag=count_bytes status=none\n')
-    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
     failed = run_pallet("pull", "--quiet", "--strategy", "bundle", "--retries", "0", "--shard-size", str(SHARD),
-                        "--remote-python", cut, *ssh, sshd.url(src), str(dest))
+                        "--remote-python", cut, *ssh_flags(sshd), sshd.url(src), str(dest))
     assert failed.returncode == 1 and "Traceback" not in failed.stderr
     assert "stream ends" in failed.stderr and "rerun" in failed.stderr, failed.stderr
     assert (dest / ".pallet" / "INCOMPLETE").exists()
@@ -116,9 +119,8 @@ def test_a_cut_stream_without_retries_leaves_dest_marked_and_a_rerun_resumes(ssh
 def test_the_far_side_senders_own_error_reaches_the_user_in_one_line(sshd, tmp_path):
     src = random_tree(tmp_path / "src", 20, 100)
     python = far_python(tmp_path, "broken", 'echo "mpi_stager send: error: cannot read d1/f0001.bin" >&2\nexit 1\n')
-    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
     done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--retries", "0", "--remote-python", python,
-                      *ssh, sshd.url(src), str(tmp_path / "dest"))
+                      *ssh_flags(sshd), sshd.url(src), str(tmp_path / "dest"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "the far side's sender failed: cannot read d1/f0001.bin" in done.stderr, done.stderr
 
@@ -139,23 +141,15 @@ def test_stream_off_and_a_launcher_store_and_forward(sshd, tmp_path):
     src = random_tree(tmp_path / "src", 30, 100)
     assert pulled(sshd, src, tmp_path / "off", sys.executable, "--stream", "off")["route"] == "in place"
     assert_same_tree(src, tmp_path / "off")
-    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
     refused = run_pallet("pull", "--quiet", "--strategy", "bundle", "--stream", "on", "--launcher", "mpirun -n 2",
-                         "--remote-python", sys.executable, *ssh, sshd.url(src), str(tmp_path / "on"))
+                         "--remote-python", sys.executable, *ssh_flags(sshd), sshd.url(src), str(tmp_path / "on"))
     assert refused.returncode == 2 and "--stream on" in refused.stderr, refused.stderr
 
 
 def test_the_plan_reads_the_streams_skeleton_and_an_individual_plan_stops_the_sender(sshd, tmp_path):
     src = random_tree(tmp_path / "src", 1, 8 << 20)                  # one big file: individual wins
     python = far_python(tmp_path, "early", '"$python" "$@"\necho "exit $?" >> "$log"\n')
-    summary = pulled_auto(sshd, src, tmp_path / "dest", python)
+    summary = pulled(sshd, src, tmp_path / "dest", python, "--strategy", "auto")
     assert summary["strategy"] == "individual", summary
     assert (tmp_path / "early.log").read_text().split() == ["send", "exit", "5"]     # its receiver went away
     assert_same_tree(src, tmp_path / "dest")
-
-
-def pulled_auto(sshd, src: str, dest: Path, remote_python: str) -> dict:
-    ssh = [f"--ssh-option={o}" for o in sshd.ssh_options]
-    done = run_pallet("pull", "--json", "--quiet", "--remote-python", remote_python, *ssh, sshd.url(src), str(dest))
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
