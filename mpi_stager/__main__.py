@@ -13,7 +13,8 @@ from bundles.writer import PackOptions
 from .comm import get_communicator
 from .pack import pack_parallel
 from .receive import receive
-from .send import read_selection_block, send
+from .send import RECEIVER_GONE, read_selection_block, send
+from .session import run_session, summary_line
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
@@ -22,6 +23,7 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             python -m mpi_stager unpack --workers 4 B.tar.zst dest   (one node, no MPI)
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
             python -m mpi_stager send SRC | ...      (a bundle stream on stdout, as pallet pull reads it)
+            python -m mpi_stager session --list DEST  (lock, listing, then a stream: how pallet push uses ssh)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
@@ -79,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="send only these paths relative to SRC (and their parent directories): one per line, "
                            "or NUL-separated; '-' reads from stdin, before the reply, a line with the list's "
                            "length in bytes and then the NUL-separated list")
+    session = commands.add_parser("session", help="lock DEST, list it, then receive a stream or hold the lock",
+                                  description="Serve one `pallet push` over one ssh channel (docs/bundle-format.md, "
+                                              "'Far-side session v1'): lock DEST, write a hello line and (--list) "
+                                              "DEST's listing, then read one command on stdin: `receive` (a "
+                                              "bundle stream follows, as for `receive`) or `hold` (keep the lock "
+                                              "until stdin ends). The lock is released when it exits.")
+    session.add_argument("dest", metavar="DEST")
+    session.add_argument("--list", action="store_true", help="send DEST's listing after the hello line")
+    session.add_argument("--wait", action="store_true",
+                         help="wait for another operation's lock on DEST instead of exiting with status 4")
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -99,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_receive(args)
     if args.command == "send":
         return _run_send(args)
+    if args.command == "session":
+        return _run_session(args)
     try:
         comm = get_communicator(args.comm)
     except PalletError as exc:
@@ -138,6 +152,18 @@ def _run_receive(args) -> int:
           f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
           f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
           f"{summary.shards_skipped} already done")
+    return 0
+
+
+def _run_session(args) -> int:
+    try:
+        summary = run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list)
+    except PalletError as exc:
+        print(f"mpi_stager session: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return RECEIVER_GONE        # the caller went away; it reports what happened
+    print(summary_line(summary))
     return 0
 
 

@@ -72,8 +72,10 @@ def send_stream(source: StreamSource, out: BinaryIO, resume: Callable[[str], dic
     """Write the bundle stream of ``source`` onto ``out`` and return what was written.
 
     After the skeleton, ``resume(stream_id)`` says which shards (number ->
-    hash) the receiver already holds; a shard whose built hash matches is
-    sent as a SKIP frame, every other one in full. The index frame comes
+    hash) the receiver already holds. It is asked once the first shard is
+    built, so that the answer travels while that shard is built. A shard
+    whose built hash matches is sent as a SKIP frame, every other one in
+    full. The index frame comes
     last; ``out`` is flushed but not closed. Shards are reported on
     ``progress`` as they are sent.
     """
@@ -83,7 +85,7 @@ def send_stream(source: StreamSource, out: BinaryIO, resume: Callable[[str], dic
     skeleton, stream_id = encode_skeleton(index, source.plans)
     wire.frame(FrameKind.SKELETON, 0, skeleton)
     wire.flush()
-    sender = _ShardSender(source, wire, resume(stream_id))
+    sender = _ShardSender(source, wire, lambda: resume(stream_id))
     reset_columns(index)
     progress.start("stream", len(index), sum(index.sizes))
     try:
@@ -100,10 +102,18 @@ def send_stream(source: StreamSource, out: BinaryIO, resume: Callable[[str], dic
 class _ShardSender:
     """Frames built shards onto the wire (or announces them as skipped) and records them in the index."""
 
-    def __init__(self, source: StreamSource, wire: FrameWriter, done: dict[int, bytes]):
-        self.source, self.wire, self.done = source, wire, done
+    def __init__(self, source: StreamSource, wire: FrameWriter, resume: Callable[[], dict[int, bytes]]):
+        self.source, self.wire, self.resume = source, wire, resume
         self.offset = self.skipped = 0
         self.current: RelaySink | None = None
+        self.answer: dict[int, bytes] | None = None
+
+    @property
+    def done(self) -> dict[int, bytes]:
+        """The shards the receiver holds (number -> hash), asked for on first use."""
+        if self.answer is None:
+            self.answer = self.resume()
+        return self.answer
 
     def sink(self, plan: ShardPlan) -> RelaySink:
         """Where a big shard is compressed to: the wire, or only a hasher if the far side may have it."""

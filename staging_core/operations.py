@@ -29,8 +29,9 @@ from .planner import Plan, plan
 from .probe import far_side_options
 from .dry_run import pull_dry_run, push_dry_run
 from .local_profile import observe, route_profile, uses_local_copy
-from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_local,
-                     delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
+from .far_session import FarSession, destination_lock
+from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_dest_entries,
+                     compare_with_local, delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .streaming import PullStream, stream_pull, stream_push
@@ -87,23 +88,26 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
         walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
         try:
-            with open_endpoint(endpoint, options.ssh_options) as transport, \
-                    DestinationLock(endpoint, transport, wait=items is not None) as lock:
+            with open_endpoint(endpoint, options.ssh_options) as transport:
                 options, far = far_side_options(transport, endpoint, options)
-                with closing(unpack_route(endpoint, transport, options, far)) as route:
+                with closing(unpack_route(endpoint, transport, options, far)) as route, \
+                        destination_lock(endpoint, transport, options, _session_possible(transport, route, options),
+                                         wait=items is not None, listing=include is None) as lock:
                     return _push_locked(walking.result(), endpoint, transport, lock, route, options, progress,
                                         include, started)
         finally:
             walking.cancel()
 
 
-def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock, route,
-                 options: StagingOptions, progress: Progress | None, include: frozenset[bytes] | None,
+def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock | FarSession,
+                 route, options: StagingOptions, progress: Progress | None, include: frozenset[bytes] | None,
                  started: float) -> StagingResult:
     """push, once DEST is locked and its route known: compare with DEST (a whole tree sends only what
-    differs), plan, run with retries, clear DEST/.pallet, delete extras with ``options.delete``."""
+    differs), plan, run with retries, clear DEST/.pallet, delete extras with ``options.delete``. When ``lock``
+    is a far-side session, it lists DEST, and a stream goes into it where nothing must follow under the lock."""
     src, whole, full = os.fsdecode(tree.root), include is None, tree
-    comparison = _comparison(transport, endpoint, tree, route, options) if whole else None
+    session = lock if isinstance(lock, FarSession) else None
+    comparison = _comparison(transport, endpoint, tree, route, options, session) if whole else None
     if comparison is not None and not comparison.nothing_to_send:
         include = frozenset(comparison.to_send)
         tree = scan(src, "none", 0, include=include)
@@ -120,9 +124,11 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     else:
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
+        receiver = _session_receiver(session, options, whole) \
+            if comparison is None and not (whole and options.delete) else None
         run, attempts = _with_retries(
             lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
-                               progress or NoProgress(), include), options.retries)
+                               progress or NoProgress(), include, receiver), options.retries)
     in_place = comparison.in_place if comparison else 0
     if whole and options.delete:
         comparison = comparison or compare_with_dest(transport, endpoint, full) or Comparison()
@@ -130,7 +136,7 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     if comparison is not None:
         fix_directories(transport, endpoint, full, dirs_to_restore(full, comparison, whole and options.delete))
     if whole and not options.keep_packed and not isinstance(route, PlainRoute):
-        _clear_state(transport, endpoint, route)      # a plain-tools session clears DEST/.pallet itself
+        _clear_state(transport, endpoint, route, session)   # a plain-tools session clears DEST/.pallet itself
     result = replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
                      in_place=in_place, deleted=len(comparison.extra) if whole and options.delete else 0)
     if strategy == "individual" and not in_place and uses_local_copy(endpoint.scheme, options.profile):
@@ -138,13 +144,29 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     return result
 
 
-def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, route,
-                options: StagingOptions) -> Comparison | None:
+def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, route, options: StagingOptions,
+                session: FarSession | None) -> Comparison | None:
     """DEST compared with the whole source, where a push compares (not into a plain-tools route, which lists
-    DEST itself, nor for --keep-packed)."""
+    DEST itself, nor for --keep-packed), from the session's listing when there is one."""
     if options.keep_packed or isinstance(route, PlainRoute):
         return None
+    if session is not None:
+        return compare_with_dest_entries(session.entries(), transport, endpoint, tree, options.checksum)
     return compare_with_dest(transport, endpoint, tree, options.checksum)
+
+
+def _session_possible(transport: Transport, route, options: StagingOptions) -> bool:
+    """Whether a push may run through one far-side session (staging_core.far_session): where it would stream."""
+    return isinstance(route, UnpackRoute) and transport.capabilities.streaming and route.streams \
+        and options.stream != "off"
+
+
+def _session_receiver(session: FarSession | None, options: StagingOptions, whole: bool):
+    """What starts a stream's receiver in the far-side session (which, for a whole tree, then clears
+    DEST/.pallet itself); None without a session."""
+    if session is None:
+        return None
+    return lambda: session.receiver(options.verify, clear=whole and not options.keep_packed)
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
@@ -228,10 +250,15 @@ def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
     return compare_with_local(transport.list(endpoint.path), dest, hashes)
 
 
-def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None) -> None:
-    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held)."""
+def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None,
+                 session: FarSession | None = None) -> None:
+    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held;
+    a far-side session may have done it with its stream)."""
     state = posixpath.join(endpoint.path, STATE_DIR)
-    if endpoint.is_local:
+    if session is not None:
+        if not session.cleared:
+            session.clear()
+    elif endpoint.is_local:
         remove_state(endpoint.path)
     elif transport.capabilities.remote_exec:
         transport.run(["rm", "-rf", "--", state])
@@ -304,7 +331,7 @@ class _Stage:
 # ---------------------------------------------------------------- push strategies
 
 def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, inventory, paths, options, progress,
-               include: frozenset[bytes] | None) -> _Run:
+               include: frozenset[bytes] | None, receiver=None) -> _Run:
     run = _Run()
     src = os.fsdecode(tree.root)
     codec = options.codec or chosen.chosen.codec or "zstd"
@@ -323,7 +350,7 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif _can_stream(transport, route, options):
-        outcome = stream_push(transport, src, endpoint, codec, options, progress, tree)
+        outcome = stream_push(transport, src, endpoint, codec, options, progress, tree, receiver)
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from bundles.errors import SourceError
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
+from mpi_stager.session import LISTING_ARGV
 
 from .transports.base import Transport
 
@@ -16,8 +18,8 @@ MD5_CHUNK = 256                  # files per local hashing task
 ROUNDS = 2                       # a file still wrong after this many sends is an error
 
 # Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target, inode,
-# links, path (what parse_records reads). The scripts that list a far-side tree all use it.
-FIND_RECORDS = r"find . -mindepth 1 -path ./.pallet -prune -o -printf '%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0'"
+# links, path (what parse_records reads). The scripts that list a far-side tree all use it, as does the session.
+FIND_RECORDS = shlex.join(LISTING_ARGV)
 
 # $1 DEST; md5 of the NUL-separated ./names on stdin (none when stdin is empty).
 # Prints find records (type, mode, mtime, size, link target, inode, links, path; NUL-terminated), an "E" record, then md5sum lines.

@@ -43,7 +43,12 @@ def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree
     ``checksum`` the files whose metadata match are compared by md5 too (md5sum there over ssh); those that
     differ are ``stale``: removed before they are sent again, since a transport that skips files whose size
     and mtime match would skip them."""
-    entries = dest_entries(transport, endpoint)
+    return compare_with_dest_entries(dest_entries(transport, endpoint), transport, endpoint, tree, checksum)
+
+
+def compare_with_dest_entries(entries: dict[bytes, FarEntry] | None, transport: Transport, endpoint: Endpoint,
+                              tree: SourceTree, checksum: bool = False) -> Comparison | None:
+    """:func:`compare_with_dest` with DEST's ``entries`` already listed (a push's far-side session lists them)."""
     if not entries:
         return None
     index, far = tree.index, FarTree(entries)

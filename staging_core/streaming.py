@@ -8,7 +8,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bundles.errors import PalletError, StreamError
 from bundles.progress import Progress
@@ -44,7 +44,8 @@ class StreamOutcome:
 
 
 def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, options: StagingOptions,
-                progress: Progress, tree: SourceTree | None = None) -> StreamOutcome:
+                progress: Progress, tree: SourceTree | None = None,
+                receiver: Callable[[], FarStager] | None = None) -> StreamOutcome:
     """Push the tree under ``src`` to ``endpoint.path`` as a bundle stream and return what was done.
 
     ``transport`` is open and can stream (ssh); ``remote_python -m mpi_stager
@@ -58,11 +59,14 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     receiver fails, a TransportError when ssh does, and the local error (e.g.
     SourceError) when packing fails — the far side then stops, marked incomplete.
     ``tree`` is ``src`` already scanned (the planner's walk), reused as is.
+    ``receiver`` starts the far-side receiver instead (a push's far-side
+    session, staging_core.far_session), once the shards are planned.
     """
     started = time.monotonic()
     source = prepare_source(src, codec, options.jobs, options.shard_size, tree)
     scanned = time.monotonic()
-    far = FarStager(transport, receive_argv(options, endpoint.path), endpoint.url())
+    far = receiver() if receiver is not None else FarStager(transport, receive_argv(options, endpoint.path),
+                                                             endpoint.url())
     try:
         report = send_stream(source, far.process.stdin, far.handshake, progress)
         sent = time.monotonic()
@@ -181,7 +185,8 @@ def send_argv(options: StagingOptions, src: str, codec: str, selected: bool) -> 
 
 
 class FarStager:
-    """``python -m mpi_stager receive`` or ``send`` started over ``transport``: its pipes, summary and errors."""
+    """``python -m mpi_stager receive``, ``send`` or ``session`` started over ``transport``: its pipes, summary
+    and errors."""
 
     def __init__(self, transport: Transport, argv: list[str], url: str):
         self.argv, self.url = argv, url
@@ -215,7 +220,7 @@ class FarStager:
     def failure(self) -> PalletError:
         """The error the far side (or ssh) reported, once it has exited."""
         self.close()
-        stderr = b"".join(self._stderr).decode(errors="replace").strip()
+        stderr = self.stderr_text()
         status = self.process.returncode
         if status == _SSH_FAILED:
             return classify(stderr, status, self.argv, self.url, "ssh failed while streaming")
@@ -224,8 +229,12 @@ class FarStager:
                                           status, stderr)
         _, found, error = stderr.partition(f"mpi_stager {self.command}: error: ")
         message = _without_hints(error) if found else (stderr[-2000:] or f"it exited with status {status}")
-        role = "receiver" if self.command == "receive" else "sender"
+        role = "sender" if self.command == "send" else "receiver"
         return FarStagerError(f"the far side's {role} failed: {message}", self.url, _RESUME_HINT)
+
+    def stderr_text(self) -> str:
+        """What the far side wrote on stderr (complete once it has exited and :meth:`close` returned)."""
+        return b"".join(self._stderr).decode(errors="replace").strip()
 
     def blame(self, local: PalletError | None) -> PalletError:
         """After a failure seen here: the far side's own error if it failed (it is given a few seconds to

@@ -1,7 +1,8 @@
 """Stands in for the far side's Python in stream tests: lets a bundle stream reach the receiver up to shard 0.
 
 Usage (as --remote-python): ``python stream_gate.py MODE DEST`` followed by
-the receiver's own arguments (``-m mpi_stager receive ...``). The gate
+the receiver's own arguments (``-m mpi_stager receive ...``, or ``session``,
+whose command line it passes on before the stream). The gate
 forwards the skeleton and the frames of shard 0 and waits until DEST's
 stream journal records a shard. Then in mode ``hold`` it stops reading, so
 the sender stalls mid-stream, until the file ``DEST.release`` appears; it
@@ -42,6 +43,9 @@ def _wait_for(pattern: str) -> None:
 def main() -> int:
     mode, dest, *receiver_args = sys.argv[1:]
     receiver = subprocess.Popen([sys.executable, *receiver_args], stdin=subprocess.PIPE)
+    if "session" in receiver_args:          # its hello and listing go out directly; its command comes first
+        receiver.stdin.write(sys.stdin.buffer.readline())
+        receiver.stdin.flush()
     reader = FrameReader(_Tee(sys.stdin.buffer, receiver.stdin), "gate")
     reader.shard_limit = 1 << 40
     reader.prelude()
