@@ -1,0 +1,105 @@
+"""Benchmark a re-push after a few changes on an emulated WAN: `pallet push` against `rsync -a` doing the same update.
+
+Both destinations first receive the whole tree (untimed). Then, for each
+repetition, CHANGES files of the source are rewritten (same size, new
+mtime) and each method brings its destination up to date, alternating
+which goes first; both destinations are checked against the source.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+from push_methods import Method, MethodSpec, Rig, manifest, pallet_push, rsync_peer, run_once
+from push_report import Target, print_methods, print_targets, ratio
+from wan import LinkSpec, emulated_wan
+from wan_servers import start_netns_sshd
+from workloads import KIB, Workload, common_parser, ensure_workload
+
+PALLET, RSYNC = "pallet push (auto), rerun", "rsync -a over ssh, rerun"
+TARGET = 0.5            # pallet / rsync -a, re-push of W1 after 10 changes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = common_parser(__doc__.splitlines()[0], "smoke run, 1 repetition: W1 of 4,096 files")
+    parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 4,096 with --quick)")
+    parser.add_argument("--changes", type=int, default=10, help="files rewritten before each rerun (default 10)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the link (default 1gbit)")
+    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeat = 1
+    args.files = args.files or (4_096 if args.quick else 65_536)
+    return args
+
+
+def change_files(src: Path, files: list[Path], round_number: int) -> None:
+    """Rewrite ``files`` under ``src`` with other bytes of the same size and a new mtime."""
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[:8] = round_number.to_bytes(8, "little")
+        path.write_bytes(bytes(data))
+        os.utime(path, (1_900_000_000 + round_number, 1_900_000_000 + round_number))
+
+
+def run(args: argparse.Namespace, work: Path) -> list[Method]:
+    """Copy W1 (the copy is changed, never the shared tree), seed both destinations, then measure the reruns."""
+    original = ensure_workload(args.workdir, Workload("W1", args.files, KIB, max(1, min(256, args.files // 256)),
+                                                      False))
+    src = work / "src"
+    subprocess.run(["cp", "-a", f"{original}/.", str(src)], check=True)
+    names = sorted(p for p in src.rglob("*") if p.is_file())
+    with ExitStack() as stack:
+        link = stack.enter_context(emulated_wan(work, LinkSpec(args.rtt_ms, args.rate)))
+        sshd = start_netns_sshd(link, work / "sshd")
+        stack.callback(sshd.stop)
+        dest_root = args.dest_root / work.name if args.dest_root else work / "dest"
+        stack.callback(shutil.rmtree, dest_root, True)
+        rig = Rig(sshd, None, dest_root, work / "config", sys.executable)
+        rig.clear_destinations()
+        dests = {PALLET: dest_root / "pallet", RSYNC: dest_root / "rsync"}
+        specs = [MethodSpec(PALLET, "pallet", pallet_push(rig), {}), MethodSpec(RSYNC, "rsync", rsync_peer(rig), {})]
+        for spec in specs:                                  # the first, whole-tree copy: untimed
+            spec.run(src, dests[spec.name])
+        methods = {spec.name: Method(spec.name) for spec in specs}
+        for rep in range(args.repeat):
+            change_files(src, names[rep * args.changes:(rep + 1) * args.changes], rep + 1)
+            expected = manifest(src)
+            for spec in specs if rep % 2 == 0 else reversed(specs):
+                attempt = run_once(MethodSpec(spec.name, spec.slug, spec.run, expected), src, dests[spec.name])
+                methods[spec.name].attempts.append(attempt)
+                moved = (attempt.summary or {}).get("files")
+                shown = f"{attempt.seconds:8.2f} s" if attempt.seconds is not None else f"FAILED {attempt.error}"
+                print(f"    [{rep + 1}/{args.repeat}] {spec.name:32s} {shown}"
+                      + (f"  ({moved} file(s) sent)" if moved is not None else ""), flush=True)
+    return list(methods.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # so that the link is torn down
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = args.workdir / f"repush-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        methods = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    by_name = {m.name: m for m in methods}
+    print_methods(f"W1 {args.files:,} x 1 KiB, {args.changes} files changed before each rerun, "
+                  f"{args.rtt_ms:g} ms, {args.rate} (medians of {args.repeat})", methods)
+    print_targets([Target(f"re-push after {args.changes} changes: pallet / rsync -a",
+                          ratio(by_name[PALLET], by_name[RSYNC]), TARGET)])
+    return 1 if any(m.errors for m in methods) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
