@@ -14,7 +14,7 @@ from .comm import get_communicator
 from .pack import pack_parallel
 from .receive import receive
 from .send import RECEIVER_GONE, read_selection_block, send
-from .session import run_session, summary_line
+from .session import run_session
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
@@ -23,7 +23,7 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             python -m mpi_stager unpack --workers 4 B.tar.zst dest   (one node, no MPI)
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
             python -m mpi_stager send SRC | ...      (a bundle stream on stdout, as pallet pull reads it)
-            python -m mpi_stager session --list DEST  (lock, listing, then a stream: how pallet push uses ssh)
+            python -m mpi_stager session --list DEST  (lock, listing, stream, clean-up: how pallet push uses ssh)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
@@ -81,12 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="send only these paths relative to SRC (and their parent directories): one per line, "
                            "or NUL-separated; '-' reads from stdin, before the reply, a line with the list's "
                            "length in bytes and then the NUL-separated list")
-    session = commands.add_parser("session", help="lock DEST, list it, then receive a stream or hold the lock",
+    session = commands.add_parser("session", help="lock DEST, list it, then serve a push's requests",
                                   description="Serve one `pallet push` over one ssh channel (docs/bundle-format.md, "
                                               "'Far-side session v1'): lock DEST, write a hello line and (--list) "
-                                              "DEST's listing, then read one command on stdin: `receive` (a "
-                                              "bundle stream follows, as for `receive`) or `hold` (keep the lock "
-                                              "until stdin ends). The lock is released when it exits.")
+                                              "DEST's listing, then serve requests read on stdin until it ends: "
+                                              "`receive` (a bundle stream follows, as for `receive`), `dirs N` "
+                                              "(directory modes and times) and `clear` (remove DEST/.pallet). The "
+                                              "lock is released when it exits.")
     session.add_argument("dest", metavar="DEST")
     session.add_argument("--list", action="store_true", help="send DEST's listing after the hello line")
     session.add_argument("--wait", action="store_true",
@@ -157,13 +158,12 @@ def _run_receive(args) -> int:
 
 def _run_session(args) -> int:
     try:
-        summary = run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list)
+        run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list)
     except PalletError as exc:
         print(f"mpi_stager session: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
         return RECEIVER_GONE        # the caller went away; it reports what happened
-    print(summary_line(summary))
     return 0
 
 

@@ -67,8 +67,8 @@ def read_skeleton(inp: BinaryIO, source: str) -> tuple[FrameReader, Skeleton]:
 
 
 def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_held: bool = False,
-            progress: Progress | None = None,
-            opened: tuple[FrameReader, Skeleton] | None = None) -> ReceiveSummary:
+            progress: Progress | None = None, opened: tuple[FrameReader, Skeleton] | None = None,
+            ends_at_index: bool = False) -> ReceiveSummary:
     """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
 
     The skeleton is checked against the extraction rules before anything is
@@ -89,6 +89,8 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
     Shards written or skipped are reported on ``progress`` as 'receive'.
     ``opened`` is :func:`read_skeleton`'s result when the caller has
     already read that much of ``inp`` (a pull plans from the skeleton).
+    With ``ends_at_index`` nothing is read after the index frame (a far-side
+    session reads its next request there); otherwise ``inp`` must end there.
     """
     started = time.monotonic()
     source = f"stream to {dest}"
@@ -96,11 +98,12 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
     check_index(skeleton.index, source)
     prepare_destination(dest)
     with holding_lock(dest, lock_held):
-        return _receive_into(reader, out, dest, skeleton, verify, source, started, progress or NoProgress())
+        return _receive_into(reader, out, dest, skeleton, verify, source, started, progress or NoProgress(),
+                             ends_at_index)
 
 
 def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skeleton, verify: bool, source: str,
-                  started: float, progress: Progress) -> ReceiveSummary:
+                  started: float, progress: Progress, ends_at_index: bool) -> ReceiveSummary:
     mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
                           "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
@@ -111,7 +114,7 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
     reader.shard_limit = frame_limit(skeleton)
     progress.start("receive", sum(1 for kind in skeleton.index.kinds if kind == Kind.FILE), sum(skeleton.index.sizes))
     try:
-        with _ReadAhead(reader) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
+        with _ReadAhead(reader, ends_at_index) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
             receiver.pool = pool
             for plan in skeleton.plans:
                 receiver.take(plan, frames)
@@ -322,10 +325,11 @@ class _DataReader:
 
 
 class _ReadAhead:
-    """Reads frames on a thread, a few ahead, so the wire keeps moving while a shard is written."""
+    """Reads frames on a thread, a few ahead, so the wire keeps moving while a shard is written; with
+    ``ends_at_index`` it stops after the index frame, as if the stream ended there."""
 
-    def __init__(self, reader: FrameReader):
-        self.reader = reader
+    def __init__(self, reader: FrameReader, ends_at_index: bool = False):
+        self.reader, self.ends_at_index = reader, ends_at_index
         self.frames: queue.Queue = queue.Queue(_READ_AHEAD)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pallet-read-ahead", daemon=True)
@@ -356,6 +360,9 @@ class _ReadAhead:
                 frame = StreamError(f"cannot read the stream ({exc.strerror})", self.reader.source, _HINT)
             self._put(frame)
             if not isinstance(frame, Frame):
+                return
+            if self.ends_at_index and frame.kind == FrameKind.INDEX:
+                self._put(None)
                 return
 
     def _put(self, item) -> None:

@@ -1,4 +1,4 @@
-"""`mpi_stager session DEST`: one far-side process for a whole push — the lock, DEST's listing, then a stream or a hold."""
+"""`mpi_stager session DEST`: one far-side process for a whole push — lock, listing, stream and finishing touches."""
 from __future__ import annotations
 
 import fcntl
@@ -10,15 +10,16 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
 from bundles.errors import DestinationError, DestinationLocked, StreamError
+from bundles.safety import path_problem, safe_mode
 from bundles.state import INCOMPLETE, STATE_DIR, remove_state, state_path
 
-from .receive import ReceiveSummary, receive
+from .receive import receive
 
 SESSION_VERSION = 1
 HELLO = b"pallet-session %d\n" % SESSION_VERSION
 LISTING_TAG = b"listing"
 NOT_COMPARABLE = b"INCOMPLETE"      # the listing of a DEST marked incomplete: it resumes from its journal
-CLEARED = b"cleared\n"
+OK = b"ok\n"
 
 # Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target,
 # inode, links, path (staging_core.plain.parse_records reads them; its far-side scripts run the same find).
@@ -27,65 +28,108 @@ LISTING_ARGV = ("find", ".", "-mindepth", "1", "-path", "./" + STATE_DIR, "-prun
 
 
 @dataclass(frozen=True)
-class SessionCommand:
-    """The one command a session takes after its listing: ``receive`` (the rest of stdin is a bundle stream,
-    checked with ``verify``) or ``hold`` (keep the lock until stdin ends; a ``clear`` line meanwhile removes
-    DEST/.pallet). With ``clear`` a receive removes DEST/.pallet once it has succeeded."""
+class SessionRequest:
+    """One request line to a session: ``receive [noverify]`` (a bundle stream follows, up to its index frame),
+    ``dirs N`` (N bytes of directory metadata follow, see :func:`encode_dirs`) or ``clear``."""
 
     op: str
     verify: bool = True
-    clear: bool = False
+    size: int = 0
 
     def encode(self) -> bytes:
-        words = [self.op] + (["noverify"] if not self.verify else []) + (["clear"] if self.clear else [])
+        words = {"receive": ["receive"] + ([] if self.verify else ["noverify"]),
+                 "dirs": ["dirs", str(self.size)], "clear": ["clear"]}[self.op]
         return " ".join(words).encode() + b"\n"
 
     @classmethod
-    def decode(cls, line: bytes, source: str) -> "SessionCommand | None":
-        """The command on ``line``; None for an empty line (stdin ended: the caller went away or had nothing
-        to ask). StreamError for anything else."""
-        if not line:
-            return None
-        op, *flags = line.decode(errors="replace").split()
-        if op not in ("receive", "hold") or not set(flags) <= {"noverify", "clear"}:
-            raise StreamError(f"unknown session command {line[:80]!r}", source,
-                              "run the same pallet version on both sides")
-        return cls(op, "noverify" not in flags, "clear" in flags)
+    def decode(cls, line: bytes, source: str) -> "SessionRequest":
+        """The request on ``line``; StreamError for anything else."""
+        op, *rest = line.decode(errors="replace").split()
+        if op == "receive" and rest in ([], ["noverify"]):
+            return cls(op, verify=not rest)
+        if op == "dirs" and len(rest) == 1 and rest[0].isdigit():
+            return cls(op, size=int(rest[0]))
+        if op == "clear" and not rest:
+            return cls(op)
+        raise StreamError(f"unknown session request {line[:80]!r}", source, "run the same pallet version on both sides")
 
 
-def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False,
-                listing: bool = False) -> ReceiveSummary | None:
-    """Serve one push into ``dest`` over ``inp``/``out`` (session protocol v1, docs/bundle-format.md §8).
+def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False) -> int:
+    """Serve one push into ``dest`` over ``inp``/``out`` (session protocol v1, docs/bundle-format.md §8) and return
+    the number of requests served.
 
     DEST is made if missing and locked (the flock `pallet push` takes;
     DestinationLocked at once if another operation holds it, or with
     ``wait`` once it is free) for as long as the session runs, so the lock
     dies with it. Then ``HELLO`` is written, and with ``listing`` one block
     ``listing N\\n`` + N bytes: DEST's entries as :data:`LISTING_ARGV`
-    prints them, or ``INCOMPLETE`` for a DEST marked incomplete. One
-    :class:`SessionCommand` line follows on ``inp``: ``receive`` runs
-    :func:`mpi_stager.receive.receive` on the rest of ``inp`` and returns its
-    summary; ``hold`` reads ``clear`` lines (each removes DEST/.pallet and
-    answers ``cleared``) until ``inp`` ends and returns None, as does a
-    session whose ``inp`` ends before any command.
+    prints them, or ``INCOMPLETE`` for a DEST marked incomplete. Then
+    :class:`SessionRequest` lines are served until ``inp`` ends: ``receive``
+    runs :func:`mpi_stager.receive.receive` on the stream that follows and
+    answers its JSON summary; ``dirs`` gives directories their mode and
+    mtime; ``clear`` removes DEST/.pallet; both answer ``ok``. A failed
+    request raises (PalletError): the session ends, and the lock with it.
     """
     source = f"session at {dest}"
+    served = 0
     with _locked(dest, wait):
         out.write(HELLO)
         if listing:
             block = _listing(dest)
             out.write(b"%s %d\n" % (LISTING_TAG, len(block)) + block)
         out.flush()
-        command = SessionCommand.decode(inp.readline(), source)
-        if command is None:
-            return None
-        if command.op == "hold":
-            _hold(dest, inp, out)
-            return None
-        summary = receive(inp, out, dest, command.verify, lock_held=True)
-        if command.clear:
-            remove_state(dest)
-        return summary
+        for line in iter(inp.readline, b""):
+            out.write(_serve(SessionRequest.decode(line, source), dest, inp, out))
+            out.flush()
+            served += 1
+    return served
+
+
+def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO) -> bytes:
+    """Carry out ``request``; its answer line."""
+    if request.op == "receive":
+        summary = receive(inp, out, dest, request.verify, lock_held=True, ends_at_index=True)
+        return json.dumps(summary.to_json()).encode() + b"\n"
+    if request.op == "dirs":
+        set_directories(dest, decode_dirs(read_exactly(inp, request.size, f"session at {dest}")))
+    else:
+        remove_state(dest)
+    return OK
+
+
+def encode_dirs(entries: list[tuple[bytes, int, int]]) -> bytes:
+    """``dirs`` payload: per directory, its relative path, mode (octal) and mtime in ns, each NUL-terminated."""
+    return b"".join(b"%s\0%o\0%d\0" % (path, mode, mtime) for path, mode, mtime in entries)
+
+
+def decode_dirs(payload: bytes) -> list[tuple[bytes, int, int]]:
+    fields = payload.split(b"\0")
+    return [(fields[i], int(fields[i + 1], 8), int(fields[i + 2])) for i in range(0, len(fields) - 2, 3)]
+
+
+def set_directories(dest: str, entries: list[tuple[bytes, int, int]]) -> None:
+    """Give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode (without setuid and setgid)
+    and mtime; an entry that is not a safe name, not a directory, or reached through a link, is left alone."""
+    root = os.fsencode(dest)
+    for path, mode, mtime in entries:
+        if path_problem(path) is not None:
+            continue
+        target = os.path.join(root, path)
+        if os.path.realpath(target) != os.path.join(os.path.realpath(root), path) or not os.path.isdir(target):
+            continue
+        try:
+            os.chmod(target, safe_mode(mode))
+            os.utime(target, ns=(mtime, mtime))
+        except OSError as exc:
+            raise DestinationError(f"cannot set a directory's mode and time ({exc.strerror})", os.fsdecode(target),
+                                   "make it yours and writable, then rerun") from None
+
+
+def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:
+    data = inp.read(size)
+    if len(data) != size:
+        raise StreamError(f"a request ends after {len(data)} of {size} bytes", source, "rerun the push")
+    return data
 
 
 @contextmanager
@@ -116,18 +160,3 @@ def _listing(dest: str) -> bytes:
         raise DestinationError(f"cannot list the destination ({said[-1] if said else found.returncode})", dest,
                                "make everything under DEST readable to you, then rerun")
     return found.stdout
-
-
-def _hold(dest: str, inp: BinaryIO, out: BinaryIO) -> None:
-    for line in iter(inp.readline, b""):
-        if line.strip() != b"clear":
-            raise StreamError(f"unknown session request {line[:80]!r}", f"session at {dest}",
-                              "run the same pallet version on both sides")
-        remove_state(dest)
-        out.write(CLEARED)
-        out.flush()
-
-
-def summary_line(summary: ReceiveSummary | None) -> str:
-    """The session's last stdout line: the receive's JSON summary, or ``{"held": true}``."""
-    return json.dumps(summary.to_json() if summary is not None else {"held": True})

@@ -1,12 +1,14 @@
-"""A push's far side over one ssh channel: `mpi_stager session` holds DEST's lock, lists DEST, then receives."""
+"""A push's far side over one ssh channel: `mpi_stager session` holds DEST's lock, lists DEST, receives, tidies."""
 from __future__ import annotations
 
+import json
 import shlex
 from contextlib import contextmanager
 from typing import Iterator
 
 from bundles.errors import DestinationLocked, PalletError, StreamError
-from mpi_stager.session import CLEARED, HELLO, LISTING_TAG, NOT_COMPARABLE, SessionCommand
+from mpi_stager.receive import ReceiveSummary
+from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
 
 from .locking import DestinationLock
 from .options import StagingOptions
@@ -24,17 +26,16 @@ class SessionUnavailable(PalletError):
 
 
 class FarSession:
-    """``remote_python -m mpi_stager session DEST`` over ``transport`` (ssh): DEST's lock, its listing, then one
-    receive or a hold, all on one channel (docs/bundle-format.md §8).
+    """``remote_python -m mpi_stager session DEST`` over ``transport`` (ssh): DEST's lock, its listing, bundle
+    streams, directory times and the final clean-up, all on one channel (docs/bundle-format.md §8).
 
     Entering it makes DEST and locks it (DestinationLocked at once if another
     operation holds it, or with ``wait`` once free); with ``listing`` the
     far side's listing of DEST is read too (:meth:`entries`). The lock is
-    held until the session ends: after :meth:`receiver`'s stream, or when
-    the session is closed. :meth:`receiver` may be called again after a
-    failed stream (a retry): a new session is started, locking DEST again.
-    SessionUnavailable when the far side's pallet predates sessions;
-    FarStagerError or TransportError for other failures to start.
+    held until the session is closed. A stream that fails ends the session
+    there; the next :meth:`receiver` (a retry) starts a new one, locking
+    DEST again. SessionUnavailable when the far side's pallet predates
+    sessions; FarStagerError or TransportError for other failures.
     ``supported`` is always True: it stands in for a DestinationLock.
     """
 
@@ -43,10 +44,9 @@ class FarSession:
     def __init__(self, transport: Transport, endpoint: Endpoint, options: StagingOptions, wait: bool = False,
                  listing: bool = False):
         self.transport, self.endpoint, self.options, self.wait = transport, endpoint, options, wait
-        self.cleared = False
         self._listing: bytes | None = None
         self._far = self._start(listing)
-        self._command: SessionCommand | None = None
+        self._broken = False
 
     def entries(self) -> dict[bytes, FarEntry] | None:
         """DEST's entries as the session listed them (DEST/.pallet left out); None when DEST is marked
@@ -55,44 +55,38 @@ class FarSession:
             return None
         return parse_records(self._listing)
 
-    def receiver(self, verify: bool, clear: bool) -> FarStager:
-        """Ask the session to receive a bundle stream (``clear``: and remove DEST/.pallet after it); the returned
-        FarStager's stdin takes the stream (:func:`staging_core.streaming.stream_push`)."""
-        if self._command is not None:
+    def receiver(self, verify: bool) -> "SessionStream":
+        """Ask the session to receive a bundle stream; the returned stager's stdin takes it
+        (:func:`staging_core.streaming.stream_push`), and its summary is the session's answer."""
+        if self._broken:
             self._far.close()
-            self._far = self._start(False)          # a retry: the last session ended with its stream
-        self._send(SessionCommand("receive", verify, clear))
-        self.cleared = clear
-        return self._far
+            self._far = self._start(False)          # a retry: the last stream ended that session
+        self._broken = True                         # until the stream's summary has come back
+        self._send(SessionRequest("receive", verify))
+        return SessionStream(self)
+
+    def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None:
+        """Give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
+        if entries:
+            payload = encode_dirs(entries)
+            self._ask(SessionRequest("dirs", size=len(payload)), payload)
 
     def clear(self) -> None:
-        """Remove DEST/.pallet now, the lock still held (holding it from now until the session closes)."""
-        if self._command is None:
-            self._send(SessionCommand("hold"))
-        if self._command.op != "hold":
-            raise StreamError("the session has already received its stream", self.endpoint.url())
-        try:
-            self._far.process.stdin.write(b"clear\n")
-            self._far.process.stdin.flush()
-            answer = self._far.process.stdout.readline()
-        except (BrokenPipeError, ConnectionResetError):
-            answer = b""
-        if answer != CLEARED:
-            raise self._far.failure()
-        self.cleared = True
+        """Remove DEST/.pallet now, the lock still held."""
+        self._ask(SessionRequest("clear"))
 
     def close(self, failed: bool = False) -> None:
         """End the session: the far side releases DEST's lock and exits. Unless ``failed``, a far-side failure
         that nothing reported yet is raised."""
         self._far.close()
-        if not failed and self._far.process.returncode != 0 and (self._command is None or self._command.op == "hold"):
+        if not failed and self._far.process.returncode != 0:
             raise self._far.failure()
 
     def __enter__(self) -> "FarSession":
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        self.close(failed=kind is not None)
+        self.close(failed=kind is not None or self._broken)
 
     def _start(self, listing: bool) -> FarStager:
         far = FarStager(self.transport, session_argv(self.options, self.endpoint.path, self.wait, listing),
@@ -110,21 +104,55 @@ class FarSession:
     def _refused(self, far: FarStager) -> PalletError:
         far.close()
         status = far.process.returncode
-        stderr = far.stderr_text()
         if status == DestinationLocked.exit_code:
             return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),
                                      f"wait for it to finish (it holds a flock on {self.endpoint.path}), then rerun")
-        if status == _USAGE_ERROR and "invalid choice: 'session'" in stderr:
+        if status == _USAGE_ERROR and "invalid choice: 'session'" in far.stderr_text():
             return SessionUnavailable("the far side's pallet has no sessions", self.endpoint.url())
         return far.failure()
 
-    def _send(self, command: SessionCommand) -> None:
-        self._command = command
+    def _send(self, request: SessionRequest, payload: bytes = b"") -> None:
         try:
-            self._far.process.stdin.write(command.encode())
+            self._far.process.stdin.write(request.encode() + payload)
             self._far.process.stdin.flush()
         except (BrokenPipeError, ConnectionResetError):
             raise self._far.failure() from None
+
+    def _ask(self, request: SessionRequest, payload: bytes = b"") -> None:
+        if self._broken:
+            raise StreamError("the far-side session ended with a failed stream", self.endpoint.url())
+        self._send(request, payload)
+        if self._far.process.stdout.readline() != OK:
+            raise self._far.failure()
+
+
+class SessionStream:
+    """The stream side of a :class:`FarSession` as :func:`staging_core.streaming.stream_push` uses a
+    FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors."""
+
+    def __init__(self, session: FarSession):
+        self.session, self.far = session, session._far
+        self.process = self.far.process
+
+    def handshake(self, stream_id: str) -> dict[int, bytes]:
+        return self.far.handshake(stream_id)
+
+    def summary(self) -> ReceiveSummary:
+        """The receiver's summary line; the session is then ready for its next request."""
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        try:
+            summary = ReceiveSummary(**json.loads(line))
+        except (ValueError, TypeError):
+            raise self.failure() from None
+        self.session._broken = False
+        return summary
+
+    def failure(self) -> PalletError:
+        return self.far.failure()
+
+    def close(self) -> None:
+        """Nothing to do: the session outlives its streams (a failed one ends when the session is closed)."""
 
 
 def session_argv(options: StagingOptions, dest: str, wait: bool, listing: bool) -> list[str]:

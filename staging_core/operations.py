@@ -104,7 +104,7 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
                  started: float) -> StagingResult:
     """push, once DEST is locked and its route known: compare with DEST (a whole tree sends only what
     differs), plan, run with retries, clear DEST/.pallet, delete extras with ``options.delete``. When ``lock``
-    is a far-side session, it lists DEST, and a stream goes into it where nothing must follow under the lock."""
+    is a far-side session, it also lists DEST, receives streams, sets directory times and clears DEST/.pallet."""
     src, whole, full = os.fsdecode(tree.root), include is None, tree
     session = lock if isinstance(lock, FarSession) else None
     comparison = _comparison(transport, endpoint, tree, route, options, session) if whole else None
@@ -124,8 +124,7 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
     else:
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
-        receiver = _session_receiver(session, options, whole) \
-            if comparison is None and not (whole and options.delete) else None
+        receiver = (lambda: session.receiver(options.verify)) if session is not None else None
         run, attempts = _with_retries(
             lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
                                progress or NoProgress(), include, receiver), options.retries)
@@ -134,7 +133,8 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
         comparison = comparison or compare_with_dest(transport, endpoint, full) or Comparison()
         delete_extra(transport, endpoint, comparison.extra)
     if comparison is not None:
-        fix_directories(transport, endpoint, full, dirs_to_restore(full, comparison, whole and options.delete))
+        fix_directories(session or transport, endpoint, full,
+                        dirs_to_restore(full, comparison, whole and options.delete))
     if whole and not options.keep_packed and not isinstance(route, PlainRoute):
         _clear_state(transport, endpoint, route, session)   # a plain-tools session clears DEST/.pallet itself
     result = replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
@@ -160,13 +160,6 @@ def _session_possible(transport: Transport, route, options: StagingOptions) -> b
     return isinstance(route, UnpackRoute) and transport.capabilities.streaming and route.streams \
         and options.stream != "off"
 
-
-def _session_receiver(session: FarSession | None, options: StagingOptions, whole: bool):
-    """What starts a stream's receiver in the far-side session (which, for a whole tree, then clears
-    DEST/.pallet itself); None without a session."""
-    if session is None:
-        return None
-    return lambda: session.receiver(options.verify, clear=whole and not options.keep_packed)
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
@@ -252,12 +245,10 @@ def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
 
 def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None,
                  session: FarSession | None = None) -> None:
-    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held;
-    a far-side session may have done it with its stream)."""
+    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held)."""
     state = posixpath.join(endpoint.path, STATE_DIR)
     if session is not None:
-        if not session.cleared:
-            session.clear()
+        session.clear()
     elif endpoint.is_local:
         remove_state(endpoint.path)
     elif transport.capabilities.remote_exec:

@@ -5,6 +5,7 @@ import os
 import shlex
 import stat
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from bundles.errors import DestinationError
 from bundles.safety import safe_mode
@@ -17,6 +18,13 @@ from .plain import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_l
 from .transports.base import Endpoint, RemoteEntry, Transport
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
+
+
+@runtime_checkable
+class DirectorySetter(Protocol):
+    """Sets DEST's directories' mode and mtime itself (a push's far-side session)."""
+
+    def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None: ...
 
 
 @dataclass
@@ -85,9 +93,14 @@ def dirs_to_restore(tree: SourceTree, comparison: Comparison, deleted: bool) -> 
     return sorted(numbers)
 
 
-def fix_directories(transport: Transport, endpoint: Endpoint, tree: SourceTree, numbers: list[int]) -> None:
-    """Give DEST's directories ``numbers`` (entries of ``tree``) the source's mode and mtime."""
+def fix_directories(transport: Transport | DirectorySetter, endpoint: Endpoint, tree: SourceTree,
+                    numbers: list[int]) -> None:
+    """Give DEST's directories ``numbers`` (entries of ``tree``) the source's mode and mtime: through
+    ``transport`` (a shell script over ssh), or a far-side session's ``set_directories``."""
     index = tree.index
+    if isinstance(transport, DirectorySetter):
+        transport.set_directories([(index.paths[i], safe_mode(index.modes[i]), index.mtimes[i]) for i in numbers])
+        return
     if endpoint.is_local:
         for i in numbers:
             path = os.path.join(os.fsencode(endpoint.path), index.paths[i])

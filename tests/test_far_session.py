@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from bundles.errors import DestinationLocked, StreamError
-from mpi_stager.session import CLEARED, HELLO, run_session
+from bundles.progress import NoProgress
+from mpi_stager.send import prepare_source, send_stream
+from mpi_stager.session import HELLO, OK, encode_dirs, run_session
+from staging_core.plain import parse_records
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import user_env
 from tests.servers import count_invocations
@@ -35,14 +39,21 @@ def pushed(sshd, src: str, dest: Path, *args: str, remote_python: str = sys.exec
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_streamed_push_runs_one_far_side_command(sshd, tmp_path, monkeypatch):
-    src = make_nasty_tree(str(tmp_path / "src"))
+def test_a_streamed_push_and_its_repair_each_run_one_far_side_command(sshd, tmp_path, monkeypatch):
+    src, dest = make_nasty_tree(str(tmp_path / "src")), tmp_path / "dest"
     calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
-    summary = pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle")
+    summary = pushed(sshd, src, dest, "--strategy", "bundle")
     commands = far_commands(calls())
     assert summary["route"] == "stream" and summary["transfers"] == 1
     assert len(commands) == 1 and "mpi_stager session --list" in commands[0], commands     # no flock, find, rm
-    assert_same_tree(src, tmp_path / "dest")                      # strict: DEST/.pallet was cleared there
+    assert_same_tree(src, dest)                                    # strict: DEST/.pallet was cleared there
+    (dest / "with space.txt").unlink()
+    seen = len(calls())
+    repaired = pushed(sshd, src, dest, "--strategy", "bundle")
+    commands = far_commands(calls()[seen:])
+    assert repaired["files"] == 1 and repaired["route"] == "stream", repaired
+    assert len(commands) == 1 and "mpi_stager session --list" in commands[0], commands   # directory times too
+    assert_same_tree(src, dest)
 
 
 def test_an_individual_push_holds_the_session_while_rsync_runs(sshd, tmp_path, monkeypatch):
@@ -92,35 +103,51 @@ def test_a_far_side_pallet_without_sessions_gets_separate_commands(sshd, tmp_pat
     assert_same_tree(src, tmp_path / "dest")
 
 
-def session_over(dest: Path, requests: bytes, listing: bool = True) -> tuple[bytes, object]:
+def session_over(dest: Path, requests: bytes, listing: bool = True) -> bytes:
     out = io.BytesIO()
-    summary = run_session(str(dest), io.BytesIO(requests), out, listing=listing)
-    return out.getvalue(), summary
+    run_session(str(dest), io.BytesIO(requests), out, listing=listing)
+    return out.getvalue()
 
 
-def test_the_session_lists_dest_then_holds_and_clears(tmp_path):
+def test_the_session_lists_dest_then_sets_directory_times_and_clears(tmp_path):
     dest = tmp_path / "dest"
     (dest / ".pallet" / "old").mkdir(parents=True)
+    (dest / "sub").mkdir()
     (dest / "a.txt").write_text("a")
-    out, summary = session_over(dest, b"hold\nclear\n")
-    assert summary is None and out.startswith(HELLO) and out.endswith(CLEARED)
-    header, _, rest = out[len(HELLO):].partition(b"\n")
-    assert header == b"listing %d" % (len(rest) - len(CLEARED))
-    assert rest.split(b"\0")[:8] == [b"f", b"644", rest.split(b"\0")[2], b"1", b"", rest.split(b"\0")[5], b"1",
-                                     b"a.txt"]                      # .pallet is left out of the listing
+    os.symlink(tmp_path, dest / "link")
+    dirs = encode_dirs([(b"sub", 0o6750, 5_000_000_123), (b"link", 0o700, 7), (b"../x", 0o700, 7)])
+    out = session_over(dest, b"dirs %d\n" % len(dirs) + dirs + b"clear\n")
+    assert out.startswith(HELLO) and out.endswith(OK + OK)
+    header, _, rest = out[len(HELLO):-2 * len(OK)].partition(b"\n")
+    listed = parse_records(rest)
+    assert header == b"listing %d" % len(rest) and sorted(listed) == [b"a.txt", b"link", b"sub"]   # no .pallet
+    assert listed[b"a.txt"].kind == "f" and listed[b"link"].target == os.fsencode(tmp_path)
+    info = os.stat(dest / "sub")
+    assert (info.st_mode & 0o7777, info.st_mtime_ns) == (0o750, 5_000_000_123)       # no setuid/setgid
+    assert os.stat(tmp_path).st_mtime_ns != 7, "a directory reached through a link was changed"
     assert not (dest / ".pallet").exists() and (dest / "a.txt").exists()
 
 
-def test_the_session_marks_an_incomplete_dest_and_refuses_unknown_requests(tmp_path):
+def test_a_session_receives_a_stream_then_goes_on_serving(tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    stream = io.BytesIO()
+    send_stream(prepare_source(src, "zstd", 1, 16 << 10), stream, lambda stream_id: {}, NoProgress())
+    out = session_over(tmp_path / "dest", b"receive\n" + stream.getvalue() + b"clear\n", listing=False)
+    lines = out[len(HELLO):].splitlines()
+    assert json.loads(lines[0])["done"] == {}                     # the receiver's answer
+    assert json.loads(lines[1])["files"] > 0 and lines[2] + b"\n" == OK
+    assert_same_tree(src, tmp_path / "dest")
+
+
+def test_the_session_marks_an_incomplete_dest_and_refuses_bad_requests(tmp_path):
     dest = tmp_path / "dest"
     (dest / ".pallet").mkdir(parents=True)
     (dest / ".pallet" / "INCOMPLETE").write_text("")
-    out, summary = session_over(dest, b"")
-    assert out == HELLO + b"listing 10\nINCOMPLETE" and summary is None
-    with pytest.raises(StreamError, match="unknown session command"):
-        session_over(dest, b"delete everything\n")
+    assert session_over(dest, b"") == HELLO + b"listing 10\nINCOMPLETE"
     with pytest.raises(StreamError, match="unknown session request"):
-        session_over(dest, b"hold\nrm -rf /\n")
+        session_over(dest, b"delete everything\n")
+    with pytest.raises(StreamError, match="ends after 3 of 10 bytes"):
+        session_over(dest, b"dirs 10\nabc")
 
 
 def test_a_second_session_on_a_held_destination_is_refused(tmp_path):
