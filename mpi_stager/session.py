@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
+import zstandard
+
 from bundles.errors import DestinationError, DestinationLocked, StreamError
 from bundles.safety import path_problem, safe_mode
 from bundles.state import INCOMPLETE, STATE_DIR, remove_state, state_path
@@ -62,8 +64,9 @@ def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, lis
     DestinationLocked at once if another operation holds it, or with
     ``wait`` once it is free) for as long as the session runs, so the lock
     dies with it. Then ``HELLO`` is written, and with ``listing`` one block
-    ``listing N\\n`` + N bytes: DEST's entries as :data:`LISTING_ARGV`
-    prints them, or ``INCOMPLETE`` for a DEST marked incomplete. Then
+    ``listing N\\n`` + N bytes, one zstd frame of DEST's entries as
+    :data:`LISTING_ARGV` prints them, or of ``INCOMPLETE`` for a DEST marked
+    incomplete. Then
     :class:`SessionRequest` lines are served until ``inp`` ends: ``receive``
     runs :func:`mpi_stager.receive.receive` on the stream that follows and
     answers its JSON summary; ``dirs`` gives directories their mode and
@@ -75,7 +78,7 @@ def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, lis
     with _locked(dest, wait):
         out.write(HELLO)
         if listing:
-            block = _listing(dest)
+            block = zstandard.ZstdCompressor(level=1).compress(_listing(dest))
             out.write(b"%s %d\n" % (LISTING_TAG, len(block)) + block)
         out.flush()
         for line in iter(inp.readline, b""):

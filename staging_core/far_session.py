@@ -6,6 +6,8 @@ import shlex
 from contextlib import contextmanager
 from typing import Iterator
 
+import zstandard
+
 from bundles.errors import DestinationLocked, PalletError, StreamError
 from mpi_stager.receive import ReceiveSummary
 from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
@@ -170,7 +172,10 @@ def _read_listing(far: FarStager) -> bytes:
     block = far.process.stdout.read(int(size))
     if len(block) != int(size):
         raise far.failure()
-    return block
+    try:
+        return zstandard.ZstdDecompressor().decompress(block)
+    except zstandard.ZstdError as exc:
+        raise StreamError(f"the session's listing is damaged ({exc})", far.url, "rerun the push") from None
 
 
 @contextmanager

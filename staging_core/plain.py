@@ -219,9 +219,11 @@ def _size(index, i: int) -> int:
 
 
 def _mtime_ns(text: bytes) -> int:
+    """find's ``%T@`` (seconds with a fraction) in ns; one int() for the usual, non-negative case."""
     seconds, _, fraction = text.partition(b".")
-    sign = -1 if seconds.startswith(b"-") else 1
-    return int(seconds) * 1_000_000_000 + sign * int((fraction[:9] or b"0").ljust(9, b"0"))
+    if not seconds.startswith(b"-"):
+        return int(seconds + fraction[:9].ljust(9, b"0"))
+    return int(seconds) * 1_000_000_000 - int((fraction[:9] or b"0").ljust(9, b"0"))
 
 
 def _md5_line(line: bytes) -> tuple[bytes, bytes]:
