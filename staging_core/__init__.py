@@ -1,1 +1,43 @@
-"""pallet's staging core: the `pallet` command line, the planner, transports, push and pull, reading in place."""
+"""pallet's staging core: the `pallet` command line, the planner, transports, push and pull, reading in place.
+
+The names below are its public API, imported lazily (a name's module is
+loaded on first use, as fsspec's registry does), so that ``import
+staging_core`` stays cheap. The Snakemake and Parsl plugins import only
+these.
+"""
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    # operations
+    "push": "operations", "pull": "operations", "fetch": "selection", "send": "selection",
+    "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
+    "plan": "planner", "load_profile": "profiles", "Inventory": "inventory", "DestinationLock": "locking",
+    "far_side_options": "probe", "pack_route": "pack_routes", "PlainRoute": "plain", "closing": "routes",
+    "run_local": "routes", "scratch": "scratch", "parse_size": "display",
+    # transports
+    "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",
+    "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",
+    "open_transport": "transports.registry", "open_endpoint": "transports.registry",
+    "Registration": "transports.registry", "register": "transports.registry",
+    # errors: one hierarchy, rooted at PalletError
+    "TransportError": "transports.errors", "RemotePathMissingError": "transports.errors",
+    "MissingDependencyError": "transports.errors",
+}
+_ERRORS = ("PalletError", "UsageError", "SourceError", "DestinationError", "DestinationLocked", "SetupError",
+           "StreamError", "CorruptBundleError")
+
+__all__ = sorted([*_PUBLIC, *_ERRORS])
+
+
+def __getattr__(name: str):
+    if name in _ERRORS:
+        return getattr(importlib.import_module("bundles.errors"), name)
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

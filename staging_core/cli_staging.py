@@ -97,14 +97,14 @@ def _probe_for_plan(destination, options):
     import sys
 
     from .probe import far_side_options
-    from .transports.errors import TransportError
-    from .transports.registry import open_transport
+    from .transports.errors import MissingDependencyError, TransportError
+    from .transports.registry import open_endpoint
     if destination.scheme != "ssh":
         return None
     try:
-        with open_transport(destination, ssh_options=list(options.ssh_options)) as transport:
+        with open_endpoint(destination, options) as transport:
             return far_side_options(transport, destination, options, current_space=True)[1]
-    except TransportError as exc:
+    except (TransportError, MissingDependencyError) as exc:
         print(f"pallet plan: far side not probed: {str(exc).splitlines()[0]}", file=sys.stderr)
         return None
 
@@ -281,13 +281,13 @@ def _add_calibrate(commands) -> None:
 
 
 def _run_calibrate(args) -> int:
+    from .options import StagingOptions
     from .profiles import calibrate, save_profile
     from .transports.base import parse_url
-    from .transports.registry import open_transport
+    from .transports.registry import open_endpoint
     endpoint = parse_url(args.url)
-    options = {"ssh_options": [o for opt in args.ssh_option for o in shlex.split(opt)]} \
-        if endpoint.scheme == "ssh" else {}
-    with open_transport(endpoint, **options) as transport:
+    options = StagingOptions(ssh_options=tuple(o for opt in args.ssh_option for o in shlex.split(opt)))
+    with open_endpoint(endpoint, options) as transport:
         profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name,
                             args.remote_python)
     path = save_profile(profile)

@@ -19,7 +19,7 @@ from .transports.registry import open_endpoint
 
 def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
     """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
-    with open_endpoint(endpoint, options.ssh_options) as transport:
+    with open_endpoint(endpoint, options) as transport:
         comparison = compare_with_dest(transport, endpoint, tree, options.checksum)
     if comparison is None:
         comparison = Comparison(to_send=list(tree.index.paths))
@@ -39,7 +39,7 @@ def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started
     if endpoint.scheme not in COMPARABLE_SCHEMES:
         raise UsageError(f"pull --dry-run compares listings of ssh and local sources, not {endpoint.scheme}://",
                          endpoint.url(), "run it without --dry-run, or against an ssh URL of the same files")
-    with open_endpoint(endpoint, options.ssh_options) as transport:
+    with open_endpoint(endpoint, options) as transport:
         listed = transport.list(endpoint.path)
         hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if options.checksum else None
         comparison = compare_with_local(listed, dest, hashes, dry_run=True) if os.path.isdir(dest) else None

@@ -88,7 +88,7 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
         walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
         try:
-            with open_endpoint(endpoint, options.ssh_options) as transport:
+            with open_endpoint(endpoint, options) as transport:
                 options, far = far_side_options(transport, endpoint, options)
                 with closing(unpack_route(endpoint, transport, options, far)) as route, \
                         destination_lock(endpoint, transport, options, _session_possible(transport, route, options),
@@ -192,7 +192,7 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     whole, comparison = items is None, None
     if options.dry_run:
         return pull_dry_run(endpoint, local.path, options, started)
-    with open_endpoint(endpoint, options.ssh_options) as transport, ExitStack() as stack:
+    with open_endpoint(endpoint, options) as transport, ExitStack() as stack:
         options, far = far_side_options(transport, endpoint, options)
         route = stack.enter_context(closing(pack_route(endpoint, transport, options, far)))
         early = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .planner import LARGE_FILE_BYTES, Plan
 
@@ -37,6 +38,8 @@ class StagingOptions:
     delete        after a whole-tree push, remove what DEST holds that the source lacks.
     dry_run       push and pull: list what would be sent or fetched (and deleted), change nothing.
     checksum      when comparing with DEST, also compare by md5 the files whose size, mtime and mode match.
+    transport_options  per scheme, keyword arguments for that scheme's transport (see
+                  ``Transport.options_from``): how a transport pallet does not know gets its own options.
     """
 
     strategy: str = "auto"
@@ -62,6 +65,7 @@ class StagingOptions:
     delete: bool = False
     dry_run: bool = False
     checksum: bool = False
+    transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

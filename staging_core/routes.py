@@ -20,7 +20,7 @@ from .probe import FarSide
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import NotSupportedError
-from .transports.registry import open_transport
+from .transports.registry import open_endpoint
 
 INCOMING = ".pallet/incoming"
 JOB_KINDS = ("slurm",)
@@ -309,7 +309,7 @@ def _via_endpoint(text: str, flag: str) -> Endpoint:
 
 
 def open_via(text: str, flag: str, options: StagingOptions) -> Transport:
-    return open_transport(_via_endpoint(text, flag), ssh_options=list(options.ssh_options))
+    return open_endpoint(_via_endpoint(text, flag), options)
 
 
 def bundle_name(codec: str) -> str:

@@ -13,7 +13,7 @@ from typing import Callable
 from bundles.errors import PalletError, UsageError
 
 from .options import StagingOptions
-from .transports.errors import TransportError
+from .transports.errors import MissingDependencyError, TransportError
 
 SCRIPT_NAME = "unpack.sbatch"
 # Every state but these ends the job; COMPLETED is the only good end (squeue/sacct state names).
@@ -145,7 +145,7 @@ def job_state(run: Runner, job_id: str) -> str | None:
                  ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
         try:
             words = run(argv).decode(errors="replace").split()
-        except TransportError:
+        except (TransportError, MissingDependencyError):
             continue
         if words:
             return words[0].upper()
@@ -205,7 +205,7 @@ def _cause(run: Runner, errors: str) -> str:
     """The last line of the job's stderr that is not srun's own report, or ''."""
     try:
         text = run(["tail", "-n", "20", "--", errors]).decode(errors="replace")
-    except TransportError:
+    except (TransportError, MissingDependencyError):
         return ""                 # a job cancelled while pending wrote no output
     lines = [line for line in text.strip().splitlines() if line.strip()]
     ours = [line for line in lines if not line.startswith("srun: ")] or lines

@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from bundles.errors import UsageError
-from staging_core.testing import ConformanceTarget, TransportConformance
+from staging_core import StagingOptions, pull, push
+from staging_core.testing import ConformanceTarget, TransportConformance, assert_same_tree
+from tests.conftest import make_files
 from staging_core.transports.base import (Capabilities, Direction, Endpoint, RemoteEntry, TransferResult,
                                           Transport, parse_url)
 from staging_core.transports.errors import RemotePathMissingError
@@ -111,3 +113,14 @@ def test_the_registry_is_the_only_list_of_schemes(vault_registered):
         register(SCHEME, Registration(f"{__name__}:VaultTransport"))
     with pytest.raises(UsageError, match="is not a URL scheme"):
         register("Not A Scheme", Registration(f"{__name__}:VaultTransport"))
+
+
+def test_a_push_and_a_pull_run_through_it_with_its_own_options(vault_registered, tmp_path):
+    src = make_files(tmp_path / "src", 60, 3, lambda n: b"vault %d\n" % n)       # no hard links: it has none
+    options = StagingOptions(transport_options={SCHEME: {"root": str(tmp_path / "vault")}}, stream="off")
+    pushed = push(src, f"{SCHEME}://shelf2/data", options)
+    assert pushed.strategy == "individual" and pushed.files > 0      # no way to run pallet there: individual
+    assert_same_tree(src, tmp_path / "vault" / "shelf2" / "data")
+    pulled = pull(f"{SCHEME}://shelf2/data", str(tmp_path / "back"), options)
+    assert pulled.strategy == "individual" and pulled.files == pushed.files
+    assert_same_tree(src, tmp_path / "back")

@@ -15,7 +15,7 @@ from parsl.executors import HighThroughputExecutor, ThreadPoolExecutor
 from parsl.providers import LocalProvider
 
 from pallet_parsl import PalletStaging
-from staging_core.options import StagingOptions
+from staging_core import StagingOptions
 
 
 @python_app

@@ -199,6 +199,15 @@ class Transport(ABC):
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
 
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """The keyword arguments this transport's constructor takes from a push's or pull's StagingOptions
+        (``options``): by default those given for its scheme in ``options.transport_options``. A transport
+        whose options have flags of their own (ssh's ``--ssh-option``) adds them by overriding this, as
+        rclone's backends declare theirs; :func:`staging_core.transports.registry.open_endpoint` applies
+        them, so no caller needs to know which scheme has which."""
+        return dict(options.transport_options.get(cls.scheme, {}))
+
     @abstractmethod
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
                  items: Sequence[str] | None = None) -> TransferResult: ...

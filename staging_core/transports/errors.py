@@ -1,7 +1,7 @@
 """Transport errors: one class per cause a user can act on, all carrying the command and its stderr."""
 from __future__ import annotations
 
-from bundles.errors import PalletError
+from bundles.errors import PalletError, SetupError
 
 
 _STDERR_LINES = 6     # the far side's last lines shown under a transport error
@@ -61,8 +61,15 @@ class NotSupportedError(TransportError):
     """The transport lacks the capability asked for (see its Capabilities)."""
 
 
-class MissingDependencyError(TransportError):
-    """A transport needs a program or Python package that is not installed; the hint says how."""
+class MissingDependencyError(SetupError):
+    """A transport needs a program or Python package that is not installed, here or at the far side (a
+    setup error, not a transport failure: nothing is retried); the hint says how to install it. ``command``,
+    ``status`` and ``stderr`` are those of the command that found it missing, if one did."""
+
+    def __init__(self, message: str, path=None, hint=None, command: list[str] | None = None,
+                 status: int | None = None, stderr: str = ""):
+        super().__init__(message, path, hint)
+        self.command, self.status, self.stderr = command, status, stderr.strip()[-2000:]
 
 
 def classify(stderr: str, status: int | None, command: list[str] | None, path: str | None,

@@ -5,7 +5,6 @@ import importlib
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Sequence
 
 from bundles.errors import UsageError
 
@@ -74,9 +73,9 @@ def open_transport(url: str | Endpoint, **options) -> Transport:
     return transport_class(endpoint.scheme)(endpoint, **options)
 
 
-def open_endpoint(url: str | Endpoint, ssh_options: Sequence[str] = ()) -> Transport:
-    """The transport for ``url``, with ``ssh_options`` (extra ssh arguments) applied when it is an ssh one."""
+def open_endpoint(url: str | Endpoint, options=None) -> Transport:
+    """The transport for ``url``, given the options it declares (``Transport.options_from``) taken from
+    ``options`` (a StagingOptions; None: its defaults)."""
     endpoint = url if isinstance(url, Endpoint) else parse_url(url)
-    if endpoint.scheme == "ssh":
-        return open_transport(endpoint, ssh_options=list(ssh_options))
-    return open_transport(endpoint)
+    kind = transport_class(endpoint.scheme)
+    return kind(endpoint, **({} if options is None else kind.options_from(options)))

@@ -47,6 +47,13 @@ class SSHTransport(Transport):
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
                                                 "concurrency": self.parallel})
 
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """``ssh_options`` (``--ssh-option``) from a push's or pull's StagingOptions, after those its
+        ``transport_options`` give."""
+        given = super().options_from(options)
+        return {**given, "ssh_options": [*given.get("ssh_options", ()), *options.ssh_options]}
+
     # ------------------------------------------------------------ connection
 
     @property

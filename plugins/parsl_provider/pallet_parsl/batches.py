@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from staging_core.options import StagingOptions
+from staging_core import StagingOptions
 
 from .tasks import BatchSpec
 

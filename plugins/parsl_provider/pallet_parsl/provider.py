@@ -13,8 +13,7 @@ from parsl.data_provider.files import File
 from parsl.data_provider.staging import Staging
 from parsl.utils import RepresentationMixin
 
-from bundles.errors import UsageError
-from staging_core.options import StagingOptions
+from staging_core import StagingOptions, UsageError
 
 from .batches import Batch, Batcher, BatchKey, Member
 from .tasks import UnpackPlan, move_batch, send_batch, unpack_batch

@@ -15,19 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from bundles.errors import PalletError, SourceError, UsageError
-from staging_core.inventory import Inventory
-from staging_core.locking import DestinationLock
-from staging_core.options import StagingOptions
-from staging_core.planner import plan
-from staging_core.profiles import load_profile
-from staging_core.plain import PlainRoute
-from staging_core.probe import far_side_options
-from staging_core.pack_routes import pack_route
-from staging_core.routes import closing, run_local
-from staging_core.selection import fetch, send
-from staging_core.transports.base import Direction, Endpoint, RemoteEntry, Transport, parse_url
-from staging_core.transports.registry import open_endpoint, open_transport
+from staging_core import (DestinationLock, Direction, Endpoint, Inventory, PalletError, PlainRoute, RemoteEntry,
+                          SourceError, StagingOptions, Transport, UsageError, closing, far_side_options, fetch,
+                          load_profile, open_endpoint, open_transport, pack_route, parse_url, plan, run_local, send)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -222,7 +212,7 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
 def _move(spec: BatchSpec, stream: bool) -> Moved:
     options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
     endpoint = parse_url(spec.remote_root)
-    with open_endpoint(endpoint, options.ssh_options) as transport:
+    with open_endpoint(endpoint, options) as transport:
         options, far = far_side_options(transport, endpoint, options)
         with closing(pack_route(endpoint, transport, options, far)) as route:
             return _move_with(spec, options, transport, route, stream)

@@ -5,10 +5,8 @@ import posixpath
 import threading
 from dataclasses import dataclass, field, replace
 
-from staging_core.options import StagingOptions
-from staging_core.transports.base import Endpoint, RemoteEntry, Transport
-from staging_core.transports.errors import RemotePathMissingError, TransportError
-from staging_core.transports.registry import open_transport
+from staging_core import (Endpoint, RemoteEntry, RemotePathMissingError, StagingOptions, Transport, TransportError,
+                          open_endpoint)
 
 TIMESTAMP = ".snakemake_timestamp"      # Snakemake's mark of when a directory output was finished
 HostKey = tuple[str, str | None, int | None, str | None]
@@ -174,8 +172,7 @@ class RemoteInventory:
         key = host_key(endpoint)
         if key not in self._transports:
             root = replace(endpoint, path="/")
-            self._transports[key] = (open_transport(root, ssh_options=list(self.options.ssh_options))
-                                     if endpoint.scheme == "ssh" else open_transport(root))
+            self._transports[key] = open_endpoint(root, self.options)
         return self._transports[key]
 
     def _covering(self, endpoint: Endpoint) -> Listing | None:

@@ -9,8 +9,7 @@ from snakemake_interface_common.exceptions import WorkflowError
 from snakemake_interface_storage_plugins.storage_provider import (ExampleQuery, Operation, QueryType,
                                                                   StorageProviderBase, StorageQueryValidationResult)
 
-from bundles.errors import UsageError
-from staging_core.transports.base import Endpoint, parse_url
+from staging_core import Endpoint, UsageError, parse_url
 
 from .batching import Batcher, Limits
 from .inventory import RemoteInventory, host_key

@@ -7,8 +7,7 @@ import re
 from snakemake_interface_storage_plugins.io import WILDCARD_REGEX
 from snakemake_interface_storage_plugins.storage_provider import StorageQueryValidationResult
 
-from bundles.errors import UsageError
-from staging_core.transports.base import Endpoint, parse_url
+from staging_core import Endpoint, UsageError, parse_url
 
 _SCHEME = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
 _PLACEHOLDER = "0"      # stands for a wildcard while validating: fits a host, a port, a user and a path part

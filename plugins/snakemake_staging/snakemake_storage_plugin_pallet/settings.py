@@ -8,8 +8,7 @@ from typing import Optional
 from snakemake_interface_common.exceptions import WorkflowError
 from snakemake_interface_storage_plugins.settings import StorageProviderSettingsBase
 
-from staging_core.display import parse_size
-from staging_core.options import STRATEGIES, StagingOptions
+from staging_core import STRATEGIES, StagingOptions, parse_size
 
 CODECS = ("zstd", "gzip", "none")
 

@@ -12,9 +12,7 @@ from snakemake_interface_storage_plugins.io import IOCacheStorageInterface, Mtim
 from snakemake_interface_storage_plugins.storage_object import (StorageObjectGlob, StorageObjectRead,
                                                                 StorageObjectWrite)
 
-from bundles.errors import PalletError
-from staging_core.transports.base import Endpoint, RemoteEntry, parse_url
-from staging_core.transports.errors import RemotePathMissingError
+from staging_core import Endpoint, PalletError, RemoteEntry, RemotePathMissingError, parse_url
 
 from .inventory import seconds
 from .queries import local_suffix, query_for

@@ -11,11 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from bundles.errors import DestinationError, PalletError, SourceError
-from staging_core.options import StagingOptions, StagingResult
-from staging_core.scratch import scratch
-from staging_core.selection import fetch, send
-from staging_core.transports.base import Endpoint, RemoteEntry, local_tree_items
+from staging_core import (DestinationError, Endpoint, PalletError, RemoteEntry, SourceError, StagingOptions,
+                          StagingResult, fetch, local_tree_items, scratch, send)
 
 from .inventory import RemoteInventory, host_key, relative
 
