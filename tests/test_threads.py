@@ -47,6 +47,21 @@ def test_no_function_rebinds_a_module_global(package):
     assert not offenders, "per-operation state must not live in module globals:\n" + "\n".join(offenders)
 
 
+@pytest.mark.parametrize("plugin", ("snakemake_storage_plugin_pallet", "pallet_parsl"))
+def test_the_plugins_import_only_the_public_api(plugin):
+    ours = ("bundles", "mpi_stager", "staging_core")
+    offenders = [f"{path.name}:{node.lineno}: {node.module}"
+                 for path in package_files(plugin)
+                 for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                 if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours
+                 and node.module != "staging_core"]
+    offenders += [f"{path.name}:{node.lineno}: import {alias.name}"
+                  for path in package_files(plugin)
+                  for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.Import)
+                  for alias in node.names if alias.name.split(".")[0] in ours]
+    assert not offenders, "plugins use `from staging_core import ...` only:\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_nothing_forks_or_uses_multiprocessing(package):
     offenders = []
