@@ -15,7 +15,7 @@ _PUBLIC = {
     "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
     "plan": "planner", "load_profile": "profiles", "Inventory": "inventory", "DestinationLock": "locking",
     "far_side_options": "probe", "pack_route": "pack_routes", "PlainRoute": "plain", "closing": "routes",
-    "run_local": "routes", "scratch": "scratch", "parse_size": "display",
+    "run_local": "routes", "scratch_space": "scratch:scratch", "parse_size": "display",
     # transports
     "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",
     "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",
@@ -34,8 +34,9 @@ __all__ = sorted([*_PUBLIC, *_ERRORS])
 def __getattr__(name: str):
     if name in _ERRORS:
         return getattr(importlib.import_module("bundles.errors"), name)
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    if name in _PUBLIC:        # "module" or "module:name" (a name that is also a module's, such as scratch)
+        module, _, attribute = _PUBLIC[name].partition(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

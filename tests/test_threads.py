@@ -62,6 +62,16 @@ def test_the_plugins_import_only_the_public_api(plugin):
     assert not offenders, "plugins use `from staging_core import ...` only:\n" + "\n".join(offenders)
 
 
+def test_every_public_name_resolves_even_after_every_submodule_is_imported():
+    import pkgutil
+
+    import staging_core
+    for info in pkgutil.walk_packages(staging_core.__path__, "staging_core."):
+        importlib.import_module(info.name)          # a submodule import binds its name on the package
+    shadowed = [name for name in staging_core.__all__ if type(getattr(staging_core, name)).__name__ == "module"]
+    assert not shadowed, f"public names hidden by submodules of the same name: {shadowed}"
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_nothing_forks_or_uses_multiprocessing(package):
     offenders = []

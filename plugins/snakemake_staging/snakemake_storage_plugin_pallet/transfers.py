@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from itertools import groupby
 
 from staging_core import (DestinationError, Endpoint, PalletError, RemoteEntry, SourceError, StagingOptions,
-                          StagingResult, fetch, local_tree_items, scratch, send)
+                          StagingResult, fetch, local_tree_items, scratch_space, send)
 
 from .inventory import RemoteInventory, host_key, relative
 
@@ -94,7 +94,7 @@ class Stager:
         source = replace(group[0].remote, path=root).url()
         self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
         try:
-            with scratch(".pallet-fetch-", self.scratch_root) as landing:
+            with scratch_space(".pallet-fetch-", self.scratch_root) as landing:
                 result = fetch(source, items, landing, self.options, sizes=sizes)
                 _place(group, root, landing, directories)
         except Exception:
@@ -155,7 +155,7 @@ class Stager:
             if base is not None:
                 result = send(base, items, dest, self.options)
             else:
-                with scratch(".pallet-send-", self.scratch_root) as staged:
+                with scratch_space(".pallet-send-", self.scratch_root) as staged:
                     for rel, request in zip(rels, group):
                         _link_copy(request.local, os.path.join(staged, rel))
                     result = send(staged, items, dest, self.options)
