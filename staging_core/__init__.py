@@ -14,8 +14,8 @@ _PUBLIC = {
     "push": "operations", "pull": "operations", "fetch": "selection", "send": "selection",
     "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
     "plan": "planner", "load_profile": "profiles", "Inventory": "inventory", "DestinationLock": "locking",
-    "far_side_options": "probe", "pack_route": "pack_routes", "PlainRoute": "plain", "closing": "routes",
-    "run_local": "routes", "scratch_space": "scratch:scratch", "parse_size": "display",
+    "OpenSource": "pull_phases", "plan_pull": "pull_phases", "move_packed": "pull_phases",
+    "MovedBundle": "pull_phases", "run_local": "routes", "scratch_space": "scratch:scratch", "parse_size": "display",
     # transports
     "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",
     "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",

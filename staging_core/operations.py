@@ -18,10 +18,10 @@ from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
-from .inventory import Inventory, compress_ratio, remote_inventory, tree_inventory
+from .inventory import Inventory, compress_ratio, tree_inventory
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
-from .pack_routes import PackRoute, PublishedBundle, pack_route
+from .pack_routes import PackRoute, PublishedBundle
 from .plain import PlainRoute
 from .plain_push import push_plain
 from .plain_pull import pull_plain
@@ -34,6 +34,7 @@ from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_wit
                      compare_with_local, delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
+from .pull_phases import OpenSource, move_packed, plan_pull
 from .streaming import PullStream, stream_pull, stream_push
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError
@@ -192,26 +193,17 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     whole, comparison = items is None, None
     if options.dry_run:
         return pull_dry_run(endpoint, local.path, options, started)
-    with open_endpoint(endpoint, options) as transport, ExitStack() as stack:
-        options, far = far_side_options(transport, endpoint, options)
-        route = stack.enter_context(closing(pack_route(endpoint, transport, options, far)))
-        early = None
-        if isinstance(route, PublishedBundle):
-            inventory, chosen = route.inventory()
-        else:
+    with OpenSource(endpoint, options) as source, ExitStack() as stack:
+        transport, options, route, early = source.transport, source.options, source.route, None
+        if not isinstance(route, PublishedBundle):
             comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
                 if whole else None
             if comparison is not None:
                 items, sizes = comparison.to_fetch, comparison.sizes
             early = _early_stream(transport, endpoint, route, options, items) if sizes is None else None
             if early is not None:
-                stack.enter_context(early)
-                inventory = Inventory(endpoint.path, early.file_sizes(), options.large_file_bytes)
-            else:
-                inventory = (Inventory(endpoint.path, list(sizes), options.large_file_bytes) if sizes is not None
-                             else remote_inventory(transport, endpoint.path, options.large_file_bytes, items))
-            profile, bundle_possible = route_profile(endpoint, options, route is not None, local.path)
-            chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
+                sizes = stack.enter_context(early).file_sizes()
+        inventory, chosen = plan_pull(source, local.path, items, sizes)
         strategy = _strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
         if early is not None and strategy != "bundle":
@@ -223,8 +215,8 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             else:
                 begun = [early] if early is not None and strategy == "bundle" else []
                 run, attempts = _with_retries(
-                    lambda: _pull_once(strategy, transport, endpoint, route, local.path, options,
-                                       progress or NoProgress(), items, begun.pop() if begun else None),
+                    lambda: _pull_once(strategy, source, local.path, progress or NoProgress(), items,
+                                       begun.pop() if begun else None),
                     options.retries)
             deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
             if whole:
@@ -443,9 +435,9 @@ def _early_stream(transport: Transport, endpoint: Endpoint, route, options: Stag
     return PullStream(route.transport, endpoint, options.codec or "zstd", options, items)
 
 
-def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str, options, progress,
-               items: Sequence[str] | None, begun: PullStream | None = None) -> _Run:
-    run = _Run()
+def _pull_once(strategy, source: OpenSource, dest: str, progress, items: Sequence[str] | None,
+               begun: PullStream | None = None) -> _Run:
+    run, transport, endpoint, route, options = _Run(), source.transport, source.endpoint, source.route, source.options
     if strategy == "individual":
         run.route = "individual"
         with _Stage(run, progress, "transfer"):
@@ -457,35 +449,27 @@ def _pull_once(strategy, transport, endpoint, route: PackRoute | None, dest: str
             outcome = pull_plain(transport, endpoint, route, dest, options.jobs, progress, items)
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
-    codec = options.codec or "zstd"
     if begun is not None or _can_stream_pull(route, options):
         outcome = (begun.receive_into(dest, progress) if begun is not None
-                   else stream_pull(route.transport, endpoint, dest, codec, options, progress, items))
+                   else stream_pull(route.transport, endpoint, dest, options.codec or "zstd", options, progress,
+                                    items))
         run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
         run.bytes_sent = outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)
         return run
-    try:
-        with _Stage(run, progress, "pack"):
-            bundle = route.pack(codec, items)
-        ensure_state_dir(dest)
-        staging = os.path.join(dest, INCOMING)
-        os.makedirs(staging, exist_ok=True)
-        name = os.path.basename(bundle)
-        with _Stage(run, progress, "transfer"):
-            fetched = transport.transfer(Direction.PULL, staging, os.path.dirname(bundle), [name, name + ".pidx"])
-        if not fetched.ok:
-            raise next(iter(fetched.failed.values()))
-        run.count(fetched)
-        with _Stage(run, progress, "unpack"):
-            summary = unpack_parallel(SerialComm(), os.path.join(staging, name), dest,
-                                      StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1),
-                                                    lock_held=True))
-        run.skipped_shards = summary.shards_skipped
-        for leftover in (name, name + ".pidx"):
-            os.unlink(os.path.join(staging, leftover))
-        prune(dest, staging)
-        run.route = route.description
-    finally:
-        route.cleanup()
+    ensure_state_dir(dest)
+    staging = os.path.join(dest, INCOMING)
+    os.makedirs(staging, exist_ok=True)
+    with _Stage(run, progress, "pack and transfer"):
+        moved = move_packed(source, staging, items)
+    run.count(moved.transfer)
+    with _Stage(run, progress, "unpack"):
+        summary = unpack_parallel(SerialComm(), moved.path, dest,
+                                  StagerOptions(options.verify, None, max(1, options.jobs or os.cpu_count() or 1),
+                                                lock_held=True))
+    run.skipped_shards = summary.shards_skipped
+    for leftover in (moved.path, moved.path + ".pidx"):
+        os.unlink(leftover)
+    prune(dest, staging)
+    run.route = route.description
     return run

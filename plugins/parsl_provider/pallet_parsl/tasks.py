@@ -8,16 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import posixpath
 import shlex
 import shutil
 import sys
 import time
 from dataclasses import dataclass, replace
 
-from staging_core import (DestinationLock, Direction, Endpoint, Inventory, PalletError, PlainRoute, RemoteEntry,
-                          SourceError, StagingOptions, Transport, UsageError, closing, far_side_options, fetch,
-                          load_profile, open_endpoint, open_transport, pack_route, parse_url, plan, run_local, send)
+from staging_core import (DestinationLock, Endpoint, OpenSource, PalletError, RemoteEntry, SourceError,
+                          StagingOptions, UsageError, fetch, move_packed, open_transport, plan_pull, run_local, send)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -210,48 +208,35 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
 
 
 def _move(spec: BatchSpec, stream: bool) -> Moved:
+    """The move task's work: the source opened and the batch planned (staging_core's pull phases); files
+    fetched into ``local_root`` (individually, streamed, or by the plain-tools route), or a bundle of them
+    packed at the source and brought into ``state_root/incoming-ID/`` for the unpack task."""
     options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
-    endpoint = parse_url(spec.remote_root)
-    with open_endpoint(endpoint, options) as transport:
-        options, far = far_side_options(transport, endpoint, options)
-        with closing(pack_route(endpoint, transport, options, far)) as route:
-            return _move_with(spec, options, transport, route, stream)
+    with OpenSource(spec.remote_root, options) as source:
+        strategy, sizes = _strategy(spec, source)
+        streams = stream and source.options.stream != "off" and source.streams
+        if strategy == "individual" or source.plain or streams:
+            aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
+            result = fetch(spec.remote_root, spec.items, spec.local_root, replace(options, strategy=strategy),
+                           aligned)
+            return Moved(spec, result.strategy, result.transfers, None, result.bytes_sent)
+        incoming = os.path.join(spec.state_root, INCOMING.format(spec.batch_id))
+        os.makedirs(incoming, exist_ok=True)
+        moved = move_packed(source, incoming, spec.items)
+    return Moved(spec, "bundle", 1, moved.path, moved.transfer.bytes_sent)
 
 
-def _move_with(spec: BatchSpec, options: StagingOptions, transport: Transport, route, stream: bool) -> Moved:
-    """The move task, once the source's pack route is known (the plain-tools route and a stream land the files
-    themselves)."""
-    strategy, sizes = _strategy(spec, transport, route is not None)
-    streams = stream and options.stream != "off" and getattr(route, "streams", False)
-    if strategy == "individual" or isinstance(route, PlainRoute) or streams:
-        aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
-        result = fetch(spec.remote_root, spec.items, spec.local_root, replace(options, strategy=strategy), aligned)
-        return Moved(spec, result.strategy, result.transfers, None, result.bytes_sent)
-    incoming = os.path.join(spec.state_root, INCOMING.format(spec.batch_id))
-    os.makedirs(incoming, exist_ok=True)
-    try:
-        bundle = route.pack(options.codec or "zstd", list(spec.items))
-        name = posixpath.basename(bundle)
-        fetched = transport.transfer(Direction.PULL, incoming, posixpath.dirname(bundle), [name, name + ".pidx"])
-        if not fetched.ok:
-            raise next(iter(fetched.failed.values()))
-    finally:
-        route.cleanup()
-    return Moved(spec, "bundle", 1, os.path.join(incoming, name), fetched.bytes_sent)
-
-
-def _strategy(spec: BatchSpec, transport: Transport, has_route: bool) -> tuple[str, list[int] | None]:
+def _strategy(spec: BatchSpec, source: OpenSource) -> tuple[str, list[int] | None]:
     """'individual' or 'bundle' (a hybrid plan runs as a bundle) and the sizes known or listed to decide it.
     Without a pack route there is no choice; an explicit strategy needs no sizes."""
     options, sizes = spec.options, None if spec.sizes is None else list(spec.sizes)
-    if not has_route or options.strategy == "individual":
+    if source.route is None or options.strategy == "individual":
         return "individual", sizes
     if options.strategy != "auto":
         return "bundle", sizes
     if sizes is None:
-        sizes = _listed_sizes(transport.list(parse_url(spec.remote_root).path), spec)
-    chosen = plan(Inventory(spec.remote_root, sizes, options.large_file_bytes).stats, load_profile(options.profile),
-                  0.5, max(1, options.ranks), True)
+        sizes = _listed_sizes(source.transport.list(source.endpoint.path), spec)
+    _, chosen = plan_pull(source, spec.local_root, spec.items, sizes)
     return ("individual" if chosen.strategy == "individual" else "bundle"), sizes
 
 
