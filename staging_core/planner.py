@@ -7,6 +7,13 @@ LARGE_FILE_BYTES = 64 << 20       # hybrid: files at least this big travel indiv
 SIMPLER_WINS_WITHIN = 0.05        # individual is chosen unless another strategy is >5 % faster
 
 
+# A tar member's headers and padding: a 512-byte ustar header, a pax header for sub-second mtimes (two more
+# blocks), and half a block of padding on average. zstd shrinks them at least 20-fold: 4,000 random 1 KiB
+# files pack to 4.29 MB with zstd, of which 4.10 MB is their data (about 47 bytes per member).
+TAR_BYTES_PER_MEMBER = 512 * 3 + 256
+HEADER_RATIO = 0.05
+
+
 @dataclass(frozen=True)
 class TreeStats:
     """What the planner needs to know about a tree: file count, total bytes, and bytes in large files."""
@@ -92,14 +99,23 @@ def individual_seconds(files: int, nbytes: int, profile: LinkProfile) -> float:
             + files / profile.create_rate)
 
 
+def bundle_bytes(files: int, nbytes: int, ratio: float, compress: bool) -> tuple[float, float]:
+    """The bundle's raw (tar) bytes and the bytes it puts on the wire: file contents (shrunk by ``ratio`` when
+    compressed) plus each member's tar headers and padding, which compress to almost nothing."""
+    raw = nbytes + files * TAR_BYTES_PER_MEMBER
+    wire = nbytes * ratio + files * TAR_BYTES_PER_MEMBER * HEADER_RATIO if compress else raw
+    return raw, wire
+
+
 def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, compress: bool, ranks: int) -> float:
     """Pack, send and unpack overlapped as a stream: the slowest stage sets the pace."""
     if files == 0:
         return 0.0
     workers = max(1, profile.cores)
-    pack = files * profile.pack_per_file_s / workers + (nbytes / (profile.compress_rate * workers) if compress else 0)
-    wire = (nbytes * (ratio if compress else 1.0)) / stream_rate(profile, 1)
-    unpack = files / (profile.create_rate * max(1, ranks)) + (nbytes / (profile.decompress_rate * ranks) if compress else 0)
+    raw, on_wire = bundle_bytes(files, nbytes, ratio, compress)
+    pack = files * profile.pack_per_file_s / workers + (raw / (profile.compress_rate * workers) if compress else 0)
+    wire = on_wire / stream_rate(profile, 1)
+    unpack = files / (profile.create_rate * max(1, ranks)) + (raw / (profile.decompress_rate * ranks) if compress else 0)
     return profile.rtt_s * 2 + max(pack, wire, unpack)
 
 
@@ -111,7 +127,9 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
     (1.0 = incompressible); ``bundle_possible`` is False when no route can
     unpack at the destination, which leaves only individual transfer.
     """
-    compress = _compression_pays(profile, compress_ratio)
+    raw, compressed = bundle_bytes(stats.files, stats.bytes, compress_ratio, True)
+    bundle_ratio = compressed / raw if raw else 1.0
+    compress = _compression_pays(profile, bundle_ratio)
     candidates = [Candidate("individual", individual_seconds(stats.files, stats.bytes, profile))]
     if bundle_possible:
         codec = "zstd" if compress else "none"
@@ -128,12 +146,14 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
     if candidates[0].predicted_seconds <= best.predicted_seconds * (1 + SIMPLER_WINS_WITHIN):
         best = candidates[0]          # bundling must pay for its extra machinery
     return Plan(best.strategy, candidates, _reason(best, candidates, stats, profile, compress, compress_ratio),
-                {"compress": compress, "compress_ratio": compress_ratio, "profile": profile.name,
+                {"compress": compress, "compress_ratio": compress_ratio, "bundle_ratio": round(bundle_ratio, 4),
+                 "profile": profile.name,
                  "default_profile": profile.is_default})
 
 
 def _compression_pays(profile: LinkProfile, ratio: float) -> bool:
-    """Compress only when both compressing and decompressing outrun the link, and the data shrinks."""
+    """Compress only when both compressing and decompressing outrun the link, and the bundle (``ratio``:
+    compressed / raw, tar headers included) shrinks."""
     workers = max(1, profile.cores)
     return ratio < 0.9 and min(profile.compress_rate * workers, profile.decompress_rate) > profile.bandwidth
 

@@ -33,14 +33,15 @@ def test_strategy_table(stats, profile, ratio, expected):
     assert {c.strategy for c in result.candidates} >= {"individual"}
 
 
-@pytest.mark.parametrize("bandwidth,ratio,compress", [
-    (100e6, 0.3, True),      # compression and decompression outrun 100 MB/s
-    (10e9, 0.3, False),      # a 10 GB/s link outruns the compressor
-    (100e6, 0.98, False),    # incompressible data
+@pytest.mark.parametrize("stats,bandwidth,ratio,compress", [
+    (W1, 100e6, 0.3, True),      # compression and decompression outrun 100 MB/s
+    (W1, 10e9, 0.3, False),      # a 10 GB/s link outruns the compressor
+    (W2, 100e6, 0.98, False),    # incompressible data in big files
+    (W1, 100e6, 0.98, True),     # incompressible 1 KiB files: their tar headers (1.8 KiB each) compress
 ])
-def test_compress_only_when_both_rates_outrun_the_link(bandwidth, ratio, compress):
+def test_compress_only_when_both_rates_outrun_the_link(stats, bandwidth, ratio, compress):
     profile = LinkProfile(bandwidth=bandwidth, per_file_s=1e-3, is_default=False)
-    result = plan(W1, profile, compress_ratio=ratio)
+    result = plan(stats, profile, compress_ratio=ratio)
     assert result.details["compress"] is compress
     assert (result.chosen.codec == "zstd") is compress
 
