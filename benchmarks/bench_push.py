@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import sys
 import tempfile
@@ -14,10 +13,9 @@ from pathlib import Path
 from bench_bundle import code_version
 from push_grid import GridCase, Tree, run_grid, score
 from push_methods import (Manifest, Method, MethodSpec, Rig, gridftp_peer, manifest, measure, pallet_pull, pallet_push,
-                          rsync_peer, sample_of, scp_sample, stream_peer, stream_pull_peer)
+                          rsync_peer, sample_of, scp_sample, start_rig, stream_peer, stream_pull_peer)
 from push_report import Target, print_grid, print_methods, print_targets, ratio, write_chart
-from wan import LinkCheck, LinkSpec, WanLink, emulated_wan
-from wan_servers import NetnsSSHD, start_netns_gridftp, start_netns_sshd
+from wan import LinkCheck, LinkSpec, WanLink
 from workloads import KIB, MIB, MixedWorkload, Workload, common_parser, ensure_workload
 
 PALLET_AUTO, STREAM, RSYNC = "pallet push (auto)", "tar | zstd | ssh | zstd -d | tar x", "rsync -a over ssh"
@@ -172,26 +170,12 @@ def run(args: argparse.Namespace, work: Path) -> tuple[Headline | None, list[Gri
     """Set up the link and the servers in the namespace, measure, and tear everything down."""
     found = trees(args.workdir, args)
     with ExitStack() as stack:
-        link = stack.enter_context(emulated_wan(work, LinkSpec(args.rtt_ms, args.rate)))
-        sshd = start_netns_sshd(link, work / "sshd")
-        stack.callback(sshd.stop)
-        stack.callback(_report_stray_clients, sshd)
-        gridftp = start_netns_gridftp(link, work / "gridftp")
-        stack.callback(gridftp.stop)
-        dest_root = args.dest_root / work.name if args.dest_root else work / "dest"
-        stack.callback(shutil.rmtree, dest_root, True)
-        rig = Rig(sshd, gridftp, dest_root, work / "config", args.remote_python)
-        rig.clear_destinations()
+        link, rig = start_rig(stack, work, LinkSpec(args.rtt_ms, args.rate), args.dest_root, args.remote_python)
         result = headline(link, rig, found, args) if args.headline else None
         cases = run_grid(link, rig, [found[k] for k in ("W1", "W2", "mixed")], args.rtt_ms, args.repeat) \
             if args.grid else []
         rig.clear_destinations()
     return result, cases
-
-
-def _report_stray_clients(sshd: NetnsSSHD) -> None:
-    if ended := sshd.end_clients():
-        print(f"stopped ssh clients left connected to the namespace: PIDs {ended}")
 
 
 def main(argv: list[str] | None = None) -> int:

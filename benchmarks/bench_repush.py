@@ -16,10 +16,9 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from push_methods import Method, MethodSpec, Rig, manifest, pallet_push, rsync_peer, run_once
+from push_methods import Method, MethodSpec, manifest, pallet_push, rsync_peer, run_once, start_rig
 from push_report import Target, print_methods, print_targets, ratio
-from wan import LinkSpec, emulated_wan
-from wan_servers import start_netns_sshd
+from wan import LinkSpec
 from workloads import KIB, Workload, common_parser, ensure_workload
 
 PALLET, RSYNC = "pallet push (auto), rerun", "rsync -a over ssh, rerun"
@@ -57,14 +56,9 @@ def run(args: argparse.Namespace, work: Path) -> list[Method]:
     subprocess.run(["cp", "-a", f"{original}/.", str(src)], check=True)
     names = sorted(p for p in src.rglob("*") if p.is_file())
     with ExitStack() as stack:
-        link = stack.enter_context(emulated_wan(work, LinkSpec(args.rtt_ms, args.rate)))
-        sshd = start_netns_sshd(link, work / "sshd")
-        stack.callback(sshd.stop)
-        dest_root = args.dest_root / work.name if args.dest_root else work / "dest"
-        stack.callback(shutil.rmtree, dest_root, True)
-        rig = Rig(sshd, None, dest_root, work / "config", sys.executable)
-        rig.clear_destinations()
-        dests = {PALLET: dest_root / "pallet", RSYNC: dest_root / "rsync"}
+        _, rig = start_rig(stack, work, LinkSpec(args.rtt_ms, args.rate), args.dest_root, sys.executable,
+                           gridftp=False)
+        dests = {PALLET: rig.dest_root / "pallet", RSYNC: rig.dest_root / "rsync"}
         specs = [MethodSpec(PALLET, "pallet", pallet_push(rig), {}), MethodSpec(RSYNC, "rsync", rsync_peer(rig), {})]
         for spec in specs:                                  # the first, whole-tree copy: untimed
             spec.run(src, dests[spec.name])

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from contextlib import ExitStack
+
 from bench_bundle import child_env, pallet_cmd
-from wan_servers import NetnsGridFTP, NetnsSSHD
+from wan import LinkSpec, WanLink, emulated_wan
+from wan_servers import NetnsGridFTP, NetnsSSHD, start_netns_gridftp, start_netns_sshd
 
 Manifest = dict[str, int]          # relative path -> size of every regular file
 RUN_TIMEOUT_S = 3 * 3600           # one run taking longer than this counts as failed
@@ -67,7 +70,7 @@ class Rig:
     """The servers in the namespace, where destinations go, and the environment of every pallet run."""
 
     sshd: NetnsSSHD
-    gridftp: NetnsGridFTP
+    gridftp: NetnsGridFTP | None
     dest_root: Path
     config_home: Path
     remote_python: str
@@ -86,6 +89,30 @@ class Rig:
         """Delete every destination written so far (untimed, between comparisons)."""
         shutil.rmtree(self.dest_root, ignore_errors=True)
         self.dest_root.mkdir(parents=True)
+
+
+def start_rig(stack: ExitStack, work: Path, spec: LinkSpec, dest_base: Path | None, remote_python: str,
+              gridftp: bool = True) -> tuple[WanLink, Rig]:
+    """The emulated link ``spec``, an sshd (and with ``gridftp`` a GridFTP server) in its namespace, and the
+    Rig over them, its destinations under ``dest_base`` (default: ``work``/dest); ``stack`` tears it all down,
+    stopping ssh clients a failed run left connected."""
+    link = stack.enter_context(emulated_wan(work, spec))
+    sshd = start_netns_sshd(link, work / "sshd")
+    stack.callback(sshd.stop)
+    stack.callback(_report_stray_clients, sshd)
+    server = start_netns_gridftp(link, work / "gridftp") if gridftp else None
+    if server is not None:
+        stack.callback(server.stop)
+    dest_root = dest_base / work.name if dest_base else work / "dest"
+    stack.callback(shutil.rmtree, dest_root, True)
+    rig = Rig(sshd, server, dest_root, work / "config", remote_python)
+    rig.clear_destinations()
+    return link, rig
+
+
+def _report_stray_clients(sshd: NetnsSSHD) -> None:
+    if ended := sshd.end_clients():
+        print(f"stopped ssh clients left connected to the namespace: PIDs {ended}")
 
 
 @dataclass(frozen=True)
