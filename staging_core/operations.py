@@ -344,7 +344,8 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
 
 def _can_stream(transport: Transport, route: UnpackRoute, options: StagingOptions) -> bool:
     return _streams(transport.capabilities.streaming and route.streams, options,
-                    f"{transport.scheme} to this destination cannot stream")
+                    f"{transport.scheme} to this destination cannot stream",
+                    "; streaming needs an ssh destination with pallet and no --launcher")
 
 
 def _can_stream_pull(route: PackRoute, options: StagingOptions) -> bool:

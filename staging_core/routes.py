@@ -153,11 +153,14 @@ class LocalUnpack(UnpackRoute):
 class RemoteExecUnpack(UnpackRoute):
     """The destination transport can run commands there (ssh): mpi_stager runs on that host."""
 
-    streams = True
-
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
         self.transport = transport
+
+    @property
+    def streams(self) -> bool:
+        """A stream goes into one far-side process; a launcher asks for MPI ranks, which store and forward."""
+        return not self.options.launcher
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,

@@ -169,3 +169,19 @@ def test_a_second_session_on_a_held_destination_is_refused(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_launcher_stores_and_forwards_and_refuses_stream_on(sshd, tmp_path):
+    src, dest = make_nasty_tree(str(tmp_path / "src")), tmp_path / "dest"
+    log = tmp_path / "launch.log"
+    launcher = tmp_path / "launch"
+    launcher.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "$@"\n')
+    launcher.chmod(0o755)
+    summary = pushed(sshd, src, dest, "--strategy", "bundle", "--launcher", str(launcher))
+    assert summary["route"] != "stream" and summary["transfers"] == 1, summary
+    launched = log.read_text().splitlines()
+    assert len(launched) == 1 and "-m mpi_stager unpack" in launched[0], launched   # the launcher is obeyed
+    assert_same_tree(src, dest)
+    refused = run_pallet("push", "--quiet", "--strategy", "bundle", "--stream", "on", "--launcher", str(launcher),
+                         "--remote-python", sys.executable, *ssh_flags(sshd), src, sshd.url(str(tmp_path / "d2")))
+    assert refused.returncode == 2 and "no --launcher" in refused.stderr and "Traceback" not in refused.stderr
