@@ -1,0 +1,85 @@
+"""Time to the first shard byte of `pallet push` on an emulated WAN: from pallet's start until the far side reads a
+shard frame (first_frame_probe.py stands in for its Python and notes the moment), against 0.3 s + one round trip."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench_bundle import pallet_cmd
+from push_methods import check_destination, manifest, start_rig
+from push_report import Target, print_targets
+from wan import NS_IP, LinkSpec, ping_rtt_ms
+from workloads import KIB, Workload, common_parser, ensure_workload
+
+PROBE = Path(__file__).with_name("first_frame_probe.py")
+BUDGET_S = 0.3                     # the issue's bound: 0.3 s + one round trip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = common_parser(__doc__.splitlines()[0], "smoke run, 1 repetition: W1 of 4,096 files")
+    parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 4,096 with --quick)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the link (default 1gbit)")
+    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeat = 1
+    args.files = args.files or (4_096 if args.quick else 65_536)
+    return args
+
+
+def first_byte(rig, src: Path, dest: Path, log: Path) -> tuple[float, float, dict]:
+    """One push of ``src``: seconds to the far side's first shard frame, seconds in all, and its summary."""
+    far_python = f"{sys.executable} {PROBE} {log} {sys.executable}"
+    argv = [*pallet_cmd(), "push", "--quiet", "--json", "--remote-python", far_python, str(src), rig.sshd.url(str(dest))]
+    started = time.time()
+    done = subprocess.run(argv, env=rig.pallet_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    total = time.time() - started
+    if done.returncode != 0 or not log.exists():
+        raise SystemExit(f"pallet push failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return float(log.read_text()) - started, total, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # so that the link is torn down
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = ensure_workload(args.workdir, Workload("W1", args.files, KIB, max(1, min(256, args.files // 256)), False))
+    expected, work = manifest(src), args.workdir / f"first-byte-{os.getpid()}"
+    work.mkdir()
+    firsts: list[float] = []
+    try:
+        with ExitStack() as stack:
+            _, rig = start_rig(stack, work, LinkSpec(args.rtt_ms, args.rate), args.dest_root, sys.executable,
+                               gridftp=False)
+            rtt_s = ping_rtt_ms(NS_IP) / 1000
+            for rep in range(args.repeat):
+                dest = rig.fresh_dest("first")
+                first, total, summary = first_byte(rig, src, dest, work / f"first-{rep}")
+                if problem := check_destination(expected, dest):
+                    raise SystemExit(problem)
+                firsts.append(first)
+                print(f"    [{rep + 1}/{args.repeat}] first shard frame at the far side {first:6.2f} s, push "
+                      f"{total:6.2f} s ({summary['route']})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    median = statistics.median(firsts)
+    print(f"\nW1 {args.files:,} x 1 KiB, {args.rtt_ms:g} ms (ping {rtt_s * 1000:.1f} ms), {args.rate}: time to the "
+          f"first shard frame, median of {args.repeat}: {median:.2f} s")
+    target = Target(f"time to first shard byte, s (bound {BUDGET_S} s + one round trip)", median,
+                    round(BUDGET_S + rtt_s, 3))
+    print_targets([target])
+    return 0 if median <= BUDGET_S + rtt_s else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
