@@ -18,23 +18,14 @@ from bench_bundle import pallet_cmd
 from push_methods import check_destination, manifest, start_rig
 from push_report import Target, print_targets
 from wan import NS_IP, LinkSpec, ping_rtt_ms
-from workloads import KIB, Workload, common_parser, ensure_workload
+from workloads import KIB, Workload, ensure_workload, wan_w1_args, wan_w1_parser
 
 PROBE = Path(__file__).with_name("first_frame_probe.py")
 BUDGET_S = 0.3                     # the bound: 0.3 s + one round trip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common_parser(__doc__.splitlines()[0], "smoke run, 1 repetition: W1 of 4,096 files")
-    parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 4,096 with --quick)")
-    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
-    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the link (default 1gbit)")
-    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.repeat = 1
-    args.files = args.files or (4_096 if args.quick else 65_536)
-    return args
+    return wan_w1_args(wan_w1_parser(__doc__.splitlines()[0]), argv)
 
 
 def first_byte(rig, src: Path, dest: Path, log: Path) -> tuple[float, float, dict]:
@@ -78,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(f"time to first shard byte, s (bound {BUDGET_S} s + one round trip)", median,
                     round(BUDGET_S + rtt_s, 3))
     print_targets([target])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"files": args.files, "rtt_ms": args.rtt_ms, "ping_ms": rtt_s * 1000,
+                                               "first_frame_s": firsts, "target": target.to_json()}, indent=2))
     return 0 if median <= BUDGET_S + rtt_s else 1
 
 

@@ -8,6 +8,7 @@ which goes first; both destinations are checked against the source.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -19,24 +20,16 @@ from pathlib import Path
 from push_methods import Method, MethodSpec, manifest, pallet_push, rsync_peer, run_once, start_rig
 from push_report import Target, print_methods, print_targets, ratio
 from wan import LinkSpec
-from workloads import KIB, Workload, common_parser, ensure_workload
+from workloads import KIB, Workload, ensure_workload, wan_w1_args, wan_w1_parser
 
 PALLET, RSYNC = "pallet push (auto), rerun", "rsync -a over ssh, rerun"
 TARGET = 0.5            # pallet / rsync -a, re-push of W1 after 10 changes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common_parser(__doc__.splitlines()[0], "smoke run, 1 repetition: W1 of 4,096 files")
-    parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 4,096 with --quick)")
+    parser = wan_w1_parser(__doc__.splitlines()[0])
     parser.add_argument("--changes", type=int, default=10, help="files rewritten before each rerun (default 10)")
-    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
-    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the link (default 1gbit)")
-    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.repeat = 1
-    args.files = args.files or (4_096 if args.quick else 65_536)
-    return args
+    return wan_w1_args(parser, argv)
 
 
 def change_files(src: Path, files: list[Path], round_number: int) -> None:
@@ -90,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {m.name: m for m in methods}
     print_methods(f"W1 {args.files:,} x 1 KiB, {args.changes} files changed before each rerun, "
                   f"{args.rtt_ms:g} ms, {args.rate} (medians of {args.repeat})", methods)
-    print_targets([Target(f"re-push after {args.changes} changes: pallet / rsync -a",
-                          ratio(by_name[PALLET], by_name[RSYNC]), TARGET)])
+    target = Target(f"re-push after {args.changes} changes: pallet / rsync -a", ratio(by_name[PALLET], by_name[RSYNC]),
+                    TARGET)
+    print_targets([target])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"files": args.files, "changes": args.changes, "rtt_ms": args.rtt_ms,
+                                               "methods": {m.name: m.to_json() for m in methods},
+                                               "target": target.to_json()}, indent=2))
     return 1 if any(m.errors for m in methods) else 0
 
 

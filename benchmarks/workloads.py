@@ -128,3 +128,23 @@ def common_parser(description: str, quick_help: str = "smoke run: W1 8,192 files
     parser.add_argument("--repeat", type=int, default=3, help="repetitions per command (default: 3)")
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
     return parser
+
+
+def wan_w1_parser(description: str) -> argparse.ArgumentParser:
+    """:func:`common_parser` plus what the W1-over-an-emulated-WAN scripts share: --files, --rtt-ms, --rate,
+    --dest-root (see :func:`wan_w1_args`)."""
+    parser = common_parser(description, "smoke run, 1 repetition: W1 of 4,096 files")
+    parser.add_argument("--files", type=int, help="W1 file count (default 65,536; 4,096 with --quick)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the link (default 1gbit)")
+    parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir)")
+    return parser
+
+
+def wan_w1_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; --quick means one repetition of 4,096 files."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeat = 1
+    args.files = args.files or (4_096 if args.quick else 65_536)
+    return args
