@@ -22,17 +22,22 @@ def state_path(dest: str, *parts: str) -> str:
 
 
 @contextmanager
-def holding_lock(dest: str, held_by_caller: bool = False) -> Iterator[None]:
+def holding_lock(dest: str, held_by_caller: bool = False, wait: bool = False) -> Iterator[None]:
     """Hold an flock on the directory ``dest`` itself (the lock `pallet push` and `pull` take) while the block
-    runs; raise DestinationLocked (exit status 4) at once if another operation holds it. With
-    ``held_by_caller`` the caller already holds it (for this operation) and nothing is done."""
+    runs; raise DestinationLocked (exit status 4) at once if another operation holds it, or with ``wait``
+    block until it is free. With ``held_by_caller`` the caller already holds it (for this operation) and
+    nothing is done. DestinationError if ``dest`` cannot be opened."""
     if held_by_caller:
         yield
         return
-    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DestinationError(f"cannot open the destination ({exc.strerror})", dest,
+                               "check that DEST is a directory you can read and write") from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise DestinationLocked("another pallet operation is writing this destination", dest,
                                     "wait for it to finish, then run again") from None

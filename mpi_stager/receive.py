@@ -114,7 +114,8 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
     reader.shard_limit = frame_limit(skeleton)
     progress.start("receive", sum(1 for kind in skeleton.index.kinds if kind == Kind.FILE), sum(skeleton.index.sizes))
     try:
-        with _ReadAhead(reader, ends_at_index) as frames, ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
+        with _ReadAhead(reader, ends_at_index) as frames, \
+                ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
             receiver.pool = pool
             for plan in skeleton.plans:
                 receiver.take(plan, frames)

@@ -1,19 +1,18 @@
 """`mpi_stager session DEST`: one far-side process for a whole push — lock, listing, stream and finishing touches."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import zstandard
 
-from bundles.errors import DestinationError, DestinationLocked, StreamError
+from bundles.errors import DestinationError, StreamError
 from bundles.safety import path_problem, safe_mode
-from bundles.state import INCOMPLETE, STATE_DIR, remove_state, state_path
+from bundles.state import INCOMPLETE, STATE_DIR, holding_lock, remove_state, state_path
 
 from .receive import receive
 
@@ -135,23 +134,14 @@ def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:
     return data
 
 
-@contextmanager
-def _locked(dest: str, wait: bool) -> Iterator[None]:
+def _locked(dest: str, wait: bool) -> AbstractContextManager:
+    """DEST made if missing, then its lock (:func:`bundles.state.holding_lock`)."""
     try:
         os.makedirs(dest, exist_ok=True)
-        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise DestinationError(f"cannot create or open the destination ({exc.strerror})", dest,
+        raise DestinationError(f"cannot create the destination ({exc.strerror})", dest,
                                "check that DEST is a directory you can write, or can be made") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise DestinationLocked("another pallet push/pull is writing this destination", dest,
-                                    f"wait for it to finish (it holds a flock on {dest}), then rerun") from None
-        yield
-    finally:
-        os.close(fd)
+    return holding_lock(dest, wait=wait)
 
 
 def _listing(dest: str) -> bytes:

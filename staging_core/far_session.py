@@ -12,7 +12,7 @@ from bundles.errors import DestinationLocked, PalletError, StreamError
 from mpi_stager.receive import ReceiveSummary
 from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
 
-from .locking import DestinationLock
+from .locking import DestinationLock, locked_error
 from .options import StagingOptions
 from .plain import FarEntry, parse_records
 from .streaming import FarStager
@@ -107,8 +107,7 @@ class FarSession:
         far.close()
         status = far.process.returncode
         if status == DestinationLocked.exit_code:
-            return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),
-                                     f"wait for it to finish (it holds a flock on {self.endpoint.path}), then rerun")
+            return locked_error(self.endpoint)
         if status == _USAGE_ERROR and "invalid choice: 'session'" in far.stderr_text():
             return SessionUnavailable("the far side's pallet has no sessions", self.endpoint.url())
         return far.failure()

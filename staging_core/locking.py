@@ -54,7 +54,7 @@ class DestinationLock:
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
-            raise self._busy() from None
+            raise locked_error(self.endpoint) from None
 
     def _lock_there(self) -> None:
         flock = "flock" if self.wait else "flock -n"
@@ -68,14 +68,10 @@ class DestinationLock:
         stderr = self._holder.stderr.read().decode(errors="replace").strip()
         self._holder = None
         if status == _BUSY:
-            raise self._busy()
+            raise locked_error(self.endpoint)
         raise PalletError(f"cannot create or lock the destination ({stderr or f'status {status}'})",
                           self.endpoint.url(), "check that DEST can be made there and that `flock` (util-linux) "
                                                "is installed")
-
-    def _busy(self) -> DestinationLocked:
-        return DestinationLocked("another pallet push/pull is writing this destination", self.endpoint.url(),
-                                 f"wait for it to finish (it holds a flock on {self.path}), then rerun")
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
@@ -85,3 +81,9 @@ class DestinationLock:
             self._holder.stdin.close()
             self._holder.wait()
             self._holder = None
+
+
+def locked_error(endpoint: Endpoint) -> DestinationLocked:
+    """The error of a push or pull that finds ``endpoint``'s DEST locked by another operation."""
+    return DestinationLocked("another pallet push/pull is writing this destination", endpoint.url(),
+                             f"wait for it to finish (it holds a flock on {endpoint.path}), then rerun")

@@ -35,7 +35,7 @@ from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_wit
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
 from .scratch import scratch_dir
 from .pull_phases import OpenSource, move_packed, plan_pull
-from .streaming import PullStream, stream_pull, stream_push
+from .streaming import PullStream, StreamOutcome, stream_pull, stream_push
 from .transports.base import Direction, Endpoint, Transport, TransferResult, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_endpoint, open_transport
@@ -50,6 +50,12 @@ class _Run:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     skipped_shards: int = 0
     bytes_sent: int | None = 0
+
+    def streamed(self, outcome: StreamOutcome) -> None:
+        """Record one bundle stream (push or pull)."""
+        self.route, self.transfers, self.skipped_shards = "stream", 1, outcome.skipped_shards
+        self.bytes_sent = outcome.bytes_sent
+        self.stage_seconds.update(outcome.stage_seconds)
 
     def count(self, result: TransferResult) -> None:
         """Add one transfer and the bytes it moved."""
@@ -160,7 +166,6 @@ def _session_possible(transport: Transport, route, options: StagingOptions) -> b
     """Whether a push may run through one far-side session (staging_core.far_session): where it would stream."""
     return isinstance(route, UnpackRoute) and transport.capabilities.streaming and route.streams \
         and options.stream != "off"
-
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
@@ -333,10 +338,7 @@ def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, i
     elif strategy == "hybrid":
         _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
     elif _can_stream(transport, route, options):
-        outcome = stream_push(transport, src, endpoint, codec, options, progress, tree, receiver)
-        run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
-        run.bytes_sent = outcome.bytes_sent
-        run.stage_seconds.update(outcome.stage_seconds)
+        run.streamed(stream_push(transport, src, endpoint, codec, options, progress, tree, receiver))
     else:
         _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run, include)
     return run
@@ -451,12 +453,9 @@ def _pull_once(strategy, source: OpenSource, dest: str, progress, items: Sequenc
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         return run
     if begun is not None or _can_stream_pull(route, options):
-        outcome = (begun.receive_into(dest, progress) if begun is not None
-                   else stream_pull(route.transport, endpoint, dest, options.codec or "zstd", options, progress,
-                                    items))
-        run.route, run.transfers, run.skipped_shards = "stream", 1, outcome.skipped_shards
-        run.bytes_sent = outcome.bytes_sent
-        run.stage_seconds.update(outcome.stage_seconds)
+        run.streamed(begun.receive_into(dest, progress) if begun is not None
+                      else stream_pull(route.transport, endpoint, dest, options.codec or "zstd", options, progress,
+                                       items))
         return run
     ensure_state_dir(dest)
     staging = os.path.join(dest, INCOMING)

@@ -11,12 +11,12 @@ from bundles.progress import Progress
 from bundles.scan import SourceTree, scan
 from bundles.tarformat import Kind, member_header
 from bundles.writer import iter_shards
+from mpi_stager.send import RelaySink, prepare_source
 
 from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differing, hash_local_files,
                     parse_md5_lines, parse_records, shown_names, unchanged_files,
                     with_link_groups)
 from .plain_session import FarSession, FrameWriter
-from mpi_stager.send import RelaySink, prepare_source
 from .transports.base import Endpoint, Transport
 
 TAR_RUN_BYTES = 16 << 20  # shard bytes (uncompressed) per far-side tar run; its files are checked as the next arrives
