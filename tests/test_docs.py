@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs import SOURCE, blocks_of, doc_block, user_docs
+from tests.docs import SOURCE, DocBlock, blocks_of, doc_block, user_docs
 from tests.programs import BIN, program, user_env
 from tests.servers import start_sshd
 
@@ -59,9 +59,12 @@ CLAIMS = (
     Claim("docs/parsl.md", "import parsl", "tests.test_docs::test_parsl_guide_script_runs"),
     Claim("docs/parsl.md", "parsl.dataflow.errors.DependencyError",
           "tests.test_parsl::test_a_failed_batch_fails_each_dependent_app_naming_the_cause"),
-    Claim("examples/parsl/README.md", "python examples/parsl/many_inputs.py",
+    Claim("examples/parsl/README.md", "python examples/parsl/many_inputs.py ssh://localhost/tmp/rows",
           "tests.test_docs::test_parsl_example_runs"),
-    Claim("examples/parsl/README.md", "2000 apps, total", "tests.test_docs::test_parsl_example_runs"),
+    Claim("examples/parsl/README.md", "2000 apps, total 2004995, 9.8", "tests.test_docs::test_parsl_example_runs"),
+    Claim("examples/parsl/README.md", "python examples/parsl/many_inputs.py ssh://localhost/tmp/kept",
+          "tests.test_docs::test_parsl_example_runs"),
+    Claim("examples/parsl/README.md", "2000 apps, total 2004995, 12.0", "tests.test_docs::test_parsl_example_runs"),
     Claim("examples/snakemake/README.md", "ssh login.hpc python3 -", "tests.test_docs::example_inputs"),
     Claim("examples/snakemake/README.md", "snakemake -s examples/snakemake/Snakefile --cores 4",
           "tests.test_docs::test_snakemake_example_runs"),
@@ -276,16 +279,28 @@ def test_parsl_guide_script_runs(world):
     assert done.stdout.strip().splitlines()[-1] == "1000"
 
 
+def _run_parsl_example(world, work: Path, command: DocBlock, output: DocBlock) -> None:
+    """Run the README's ``command`` block; its printed lines must have the shape of the ``output`` block."""
+    done = world.run(command.text, work)
+    sample = world.moved(output.text).splitlines()
+    printed = done.stdout.strip().splitlines()
+    assert [shape(line) for line in printed] == [shape(line) for line in sample], done.stdout
+
+
 @pytest.mark.slow
 def test_parsl_example_runs(world):
     work = world.workdir("parsl-example")
-    done = world.run(doc_block("examples/parsl/README.md", "python examples/parsl/many_inputs.py").text, work)
-    sample = world.moved(doc_block("examples/parsl/README.md", "2000 apps, total").text).splitlines()
-    printed = done.stdout.strip().splitlines()
-    assert [shape(line) for line in printed] == [shape(line) for line in sample], done.stdout
     total = sum(n + n % 7 for n in range(2000))
-    assert printed[0].startswith(f"2000 apps, total {total},")
+    _run_parsl_example(world, work, doc_block("examples/parsl/README.md",
+                                              "python examples/parsl/many_inputs.py ssh://localhost/tmp/rows"),
+                       doc_block("examples/parsl/README.md", "2000 apps, total 2004995, 9.8"))
     assert Path(world.moved("/tmp/rows/total.txt")).read_text() == f"{total}\n"
+    _run_parsl_example(world, work, doc_block("examples/parsl/README.md",
+                                              "python examples/parsl/many_inputs.py ssh://localhost/tmp/kept"),
+                       doc_block("examples/parsl/README.md", "2000 apps, total 2004995, 12.0"))
+    assert Path(world.moved("/tmp/kept/total.txt")).read_text() == f"{total}\n"
+    mirrored = work / "parsl-work" / "localhost" / world.moved("/tmp/kept").lstrip("/")
+    assert os.listdir(mirrored) == ["total.txt"]              # the output only: no input was unpacked
 
 
 @pytest.mark.slow

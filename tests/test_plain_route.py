@@ -289,3 +289,27 @@ def test_parsl_apps_read_2000_files_from_a_far_side_without_pallet(bare, tmp_pat
         assert [f.result(timeout=300) for f in futures] == [f"file {n}\n" for n in range(2000)]
         batches = finished(staging)
     assert sum(b.files for b in batches) == 2000 and "bundle" in {b.strategy for b in batches}
+
+
+def test_parsl_keep_packed_from_a_far_side_without_pallet_says_what_it_needs(bare, tmp_path):
+    from parsl import python_app
+    from parsl.data_provider.files import File
+    from parsl.dataflow.errors import DependencyError
+
+    from pallet_parsl import BatchError, PalletStaging
+    from staging_core.options import StagingOptions
+    from tests.test_parsl import read_text, remote_files, threads, workflow
+    paths = remote_files(str(tmp_path / "remote"), 3)
+    staging = PalletStaging(options=StagingOptions(ssh_options=tuple(bare.ssh_options)), window=0.5,
+                            keep_packed=True, scratch=str(tmp_path / "scratch"))
+    executor = threads(tmp_path, staging)
+    with workflow(tmp_path, executor):
+        read = python_app(read_text, executors=[executor.label])
+        future = read(inputs=[File(bare.url(paths[0]))])
+        with pytest.raises(DependencyError) as failed:
+            future.result(timeout=120)
+    cause = failed.value
+    while isinstance(cause, DependencyError):
+        cause = cause.dependent_exceptions_tids[0][0]
+    assert isinstance(cause, BatchError) and "keep_packed needs a source that packs bundles" in str(cause)
+    assert "pallet remote install" in str(cause)

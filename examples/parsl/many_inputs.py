@@ -62,13 +62,16 @@ def main() -> int:
     parser.add_argument("--executor", choices=("threads", "htex"), default="threads")
     parser.add_argument("--workdir", default=os.path.abspath("parsl-work"), help="where local copies go")
     parser.add_argument("--remote-python", default="python3", help="Python with pallet on the remote host")
+    parser.add_argument("--keep-packed", action="store_true",
+                        help="keep each batch as one bundle; every app copies its own input out of it")
     args = parser.parse_args()
     if args.generate:
         generate(args.generate, args.count)
     remote = args.remote.rstrip("/")
     # This script flushes after each wave of apps, so a long window keeps a
     # slow submit loop from splitting the wave into several batches.
-    staging = PalletStaging(window=600.0, options=StagingOptions(remote_python=args.remote_python))
+    staging = PalletStaging(window=600.0, keep_packed=args.keep_packed,
+                            options=StagingOptions(remote_python=args.remote_python))
     started = time.monotonic()
     with parsl.load(config(args, staging)):
         sums = [row_sum(inputs=[File(f"{remote}/part{n // 100:03d}/row{n:05d}.csv")]) for n in range(args.count)]

@@ -10,19 +10,22 @@ from typing import Callable
 
 from staging_core import StagingOptions
 
+from .kept import PackedBatch
 from .tasks import BatchSpec
 
 
 @dataclass(frozen=True)
 class BatchKey:
     """What the files of one batch share. ``gated``: its members wait for an upstream future (the app that
-    writes an output, or the upstream output an input is) and are kept apart from files ready now."""
+    writes an output, or the upstream output an input is) and are kept apart from files ready now;
+    ``packed``: the batch is kept as one bundle (``keep_packed``)."""
 
     direction: str
     executor: str
     scheme: str
     netloc: str
     gated: bool
+    packed: bool = False
 
 
 @dataclass
@@ -40,7 +43,8 @@ class Member:
 @dataclass
 class Batch:
     """A batch being filled. ``manifest`` resolves to its BatchSpec once it is sealed and every gate is done;
-    its tasks, submitted when it opened, wait for it. ``done`` is the future of its last task."""
+    its tasks, submitted when it opened, wait for it. ``done`` is the future of its last task; ``kept`` says
+    where the apps of a packed batch find its bundle once ``done``."""
 
     number: int
     key: BatchKey
@@ -53,6 +57,7 @@ class Batch:
     manifest: Future = field(default_factory=Future)
     done: Future | None = None
     timer: threading.Timer | None = None
+    kept: PackedBatch = field(default_factory=PackedBatch)
 
 
 class Batcher:
@@ -76,8 +81,9 @@ class Batcher:
         self._lock = threading.Lock()
 
     def add(self, key: BatchKey, host_root: str, member: Member,
-            opener: Callable[[Batch], Future]) -> tuple[Future, int]:
-        """Add ``member``; return the future its DataFuture follows and the Parsl task id that stands for it."""
+            opener: Callable[[Batch], Future]) -> tuple[Future, int, PackedBatch]:
+        """Add ``member``; return the future its DataFuture follows, the Parsl task id that stands for it and
+        where a packed batch's bundle will be."""
         with self._lock:
             batch = self._open.get(key) or self._start(key, host_root, opener)
             batch.members.append(member)
@@ -88,7 +94,7 @@ class Batcher:
             member.gate.add_done_callback(lambda _: self._gate_done(batch))
         if full:
             self.seal(batch)
-        return member.result or batch.done, batch.done.tid
+        return member.result or batch.done, batch.done.tid, batch.kept
 
     def seal(self, batch: Batch) -> None:
         """Take no more members into ``batch``; release it if nothing is awaited."""
@@ -110,6 +116,8 @@ class Batcher:
     def _start(self, key: BatchKey, host_root: str, opener: Callable[[Batch], Future]) -> Batch:
         batch = Batch(len(self.batches) + 1, key, host_root)
         batch.done = opener(batch)
+        if key.packed:                      # before any DataFuture over it: filled before its apps launch
+            batch.done.add_done_callback(batch.kept.fill)
         batch.timer = threading.Timer(self.window, self.seal, (batch,))
         batch.timer.daemon = True
         batch.timer.start()
@@ -141,15 +149,15 @@ def spec_for(batch: Batch, members: list[Member], options: StagingOptions) -> Ba
     """The BatchSpec of ``members``: both roots at their deepest common directory, items relative to it."""
     if not members:
         return BatchSpec(batch.number, "", batch.key.direction, "", batch.host_root, (), None, options,
-                         state_root(batch.host_root))
+                         state_root(batch.host_root), batch.key.packed)
     common = posixpath.commonpath([posixpath.dirname(m.path) for m in members])
     items = tuple(posixpath.relpath(m.path, common) for m in members)
     remote_root = f"{batch.key.scheme}://{batch.key.netloc}{common}"
     local_root = os.path.join(batch.host_root, common.lstrip("/"))
     sizes = None if any(m.size is None for m in members) else tuple(m.size for m in members)
-    ident = BatchSpec.ident(batch.key.direction, remote_root, local_root, items)
+    ident = BatchSpec.ident(batch.key.direction, remote_root, local_root, items, batch.key.packed)
     return BatchSpec(batch.number, ident, batch.key.direction, remote_root, local_root, items, sizes, options,
-                     state_root(batch.host_root))
+                     state_root(batch.host_root), batch.key.packed)
 
 
 def state_root(host_root: str) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import tempfile
 import threading
 from concurrent.futures import Future
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ from parsl.utils import RepresentationMixin
 from staging_core import StagingOptions, UsageError
 
 from .batches import Batch, Batcher, BatchKey, Member
+from .kept import PackedBatch, ReadsKeptInputs, private_copy_path
 from .tasks import UnpackPlan, move_batch, send_batch, unpack_batch
 
 DEFAULT_SCHEMES = ("ssh", "gsiftp", "globus")
@@ -56,6 +58,17 @@ class PalletStaging(Staging, RepresentationMixin):
       None and an app executor that is not an MPIExecutor, a bundle from
       an ssh source with pallet is streamed: the move task unpacks it as it
       arrives, and the unpack task only checks and marks the batch.
+    - ``keep_packed``: each incoming batch is packed at the source and kept
+      as one bundle under ``ROOT/.pallet/parsl/packed-ID/`` (one file on the
+      shared file system instead of one per input); nothing is unpacked.
+      Each app then copies just its own inputs out of the bundle, checked
+      against the shard hashes, into a private directory below ``scratch``
+      on its node, and that copy is removed when the app ends. ``inputs[0]``
+      is that copy. Needs pallet at an ssh source (or ``pack_via`` for
+      GridFTP/Globus); inputs that are upstream outputs are staged as usual.
+    - ``scratch``: node-local directory for those copies (default: the
+      system temporary directory's ``pallet-parsl-UID``); the same path on
+      every worker node, a real directory only this user can write into.
 
     ``stage_in`` only records the file: it returns a DataFuture over the
     batch's unpack task (or, for a file that is an upstream app's output,
@@ -73,16 +86,20 @@ class PalletStaging(Staging, RepresentationMixin):
                  window: float = 2.0, max_files: int = 10_000, max_bytes: int = 1 << 30,
                  size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = StagingOptions(),
                  mover: str | None = None, unpack_executor: str | None = None, mpi_ranks: int = 2,
-                 mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1):
+                 mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1, keep_packed: bool = False,
+                 scratch: str | None = None):
         if window <= 0 or max_files < 1 or max_bytes < 1 or mpi_ranks < 1 or unpack_workers < 1:
             raise UsageError("window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
         self.schemes, self.local_root, self.size_hint = tuple(schemes), local_root, size_hint
         self.window, self.max_files, self.max_bytes = window, max_files, max_bytes
         self.options, self.mover, self.unpack_executor = options, mover, unpack_executor
         self.mpi_ranks, self.mpi_launcher, self.unpack_workers = mpi_ranks, mpi_launcher, unpack_workers
+        self.keep_packed = keep_packed
+        self.scratch = os.path.abspath(scratch or os.path.join(tempfile.gettempdir(), f"pallet-parsl-{os.getuid()}"))
         self._batcher = Batcher(window, max_files, max_bytes, options)
         self._lock = threading.Lock()
-        self._staged: dict[str, tuple[Future, int]] = {}       # local path -> what its DataFutures follow
+        self._staged: dict[tuple[str, bool], tuple] = {}       # (local path, kept) -> what its DataFutures follow
+        self._to_wrap: dict[str, tuple[PackedBatch, str]] = {}   # a kept input's copy -> its batch, remote path
         self._produced: set[str] = set()                       # local paths of outputs staged out here
         self._made_dirs: set[str] = set()
         self._apps: dict[tuple, object] = {}
@@ -98,19 +115,33 @@ class PalletStaging(Staging, RepresentationMixin):
     def stage_in(self, dm, executor: str, file: File, parent_fut: Future | None) -> DataFuture:
         """Record ``file`` for the open batch and set its ``local_path``; no I/O, no waiting."""
         host_root = self._host_root(dm, executor, file)
-        file.local_path = _below(host_root, file.path)
-        if file.local_path in self._produced and parent_fut is not None:
+        mirrored = _below(host_root, file.path)
+        if mirrored in self._produced and parent_fut is not None:
+            file.local_path = mirrored
             return DataFuture(parent_fut, file, tid=parent_fut.tid)      # written here by an upstream app
+        gated = parent_fut is not None and not (parent_fut.done() and parent_fut.exception() is None)
+        kept = self.keep_packed and not gated
         with self._lock:
-            known = self._staged.get(file.local_path)
+            known = self._staged.get((mirrored, kept))
         if known is None:
-            gated = parent_fut is not None and not (parent_fut.done() and parent_fut.exception() is None)
-            member = Member(file.path, file.local_path, self._size(file), parent_fut if gated else None,
+            member = Member(file.path, mirrored, self._size(file), parent_fut if gated else None,
                             Future() if gated else None)
-            key = BatchKey("in", executor, file.scheme, file.netloc, gated)
+            key = BatchKey("in", executor, file.scheme, file.netloc, gated, kept)
             known = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
-            self._remember(file.local_path, known)
+            self._remember((mirrored, kept), known)
+        file.local_path = mirrored
+        if kept:
+            file.local_path = private_copy_path(self.scratch, file.path)
+            with self._lock:
+                self._to_wrap[file.local_path] = (known[2], file.path)
         return DataFuture(known[0], file, tid=known[1])
+
+    def replace_task(self, dm, executor: str, file: File, func):
+        """For a kept input (``keep_packed``): ``func`` wrapped to copy the input out of its batch's bundle
+        before it runs, and to remove the copy after; otherwise None (``func`` runs as it is)."""
+        with self._lock:
+            kept = self._to_wrap.pop(file.local_path, None)
+        return None if kept is None else ReadsKeptInputs(func, kept[0], kept[1], file.local_path)
 
     def stage_out(self, dm, executor: str, file: File, app_fu: Future) -> Future:
         """Set ``local_path`` (its directory is created) and add the file to the open outgoing batch, which is
@@ -120,7 +151,7 @@ class PalletStaging(Staging, RepresentationMixin):
         self._make_parent(file.local_path)
         member = Member(file.path, file.local_path, self._size(file), app_fu, Future())
         key = BatchKey("out", executor, file.scheme, file.netloc, True)
-        future, _ = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
+        future, _, _ = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
         self._produced.add(file.local_path)
         return future
 
@@ -140,6 +171,11 @@ class PalletStaging(Staging, RepresentationMixin):
         if batch.key.direction == "out":
             return self._app(dfk, send_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
                                                      **_resources(dfk, mover, 1))
+        if batch.key.packed:             # kept as it came: its check is light, and runs where it was moved
+            moved = self._app(dfk, move_batch, mover)(batch.manifest, False, _parsl_staging_inhibit=True,
+                                                      **_resources(dfk, mover, 1))
+            return self._app(dfk, unpack_batch, mover)(moved, UnpackPlan(), _parsl_staging_inhibit=True,
+                                                       **_resources(dfk, mover, 1))
         unpacker = self.unpack_executor or batch.key.executor
         stream = self.unpack_executor is None and not _is_mpi(dfk, unpacker)      # no unpack asked for elsewhere
         moved = self._app(dfk, move_batch, mover)(batch.manifest, stream, _parsl_staging_inhibit=True,
@@ -166,7 +202,7 @@ class PalletStaging(Staging, RepresentationMixin):
     def _size(self, file: File) -> int | None:
         return self.size_hint(file.url) if self.size_hint else None
 
-    def _remember(self, local: str, known: tuple[Future, int]) -> None:
+    def _remember(self, local: tuple[str, bool], known: tuple) -> None:
         """De-duplicate by local path; forget a file whose batch failed, so a later app tries again."""
         with self._lock:
             self._staged[local] = known

@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass, replace
 
 from staging_core import (DestinationLock, Endpoint, OpenSource, PalletError, RemoteEntry, SourceError,
-                          StagingOptions, UsageError, fetch, move_packed, open_transport, plan_pull, run_local, send)
+                          StagingOptions, UsageError, fetch, missing_members, move_packed, open_transport, plan_pull,
+                          run_local, send)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
+KEPT = "packed-{}"               # a keep-packed batch's bundle, kept for its apps
 
 
 class BatchError(PalletError):
@@ -45,7 +47,8 @@ class BatchSpec:
     ``batch_id`` depends only on the direction, the roots and the set of
     items, so a rerun of the same batch finds its completion marker;
     ``state_root`` is where markers and bundles in transit live: beside the
-    mirrored trees (``ROOT/.pallet/parsl``), never inside one.
+    mirrored trees (``ROOT/.pallet/parsl``), never inside one;
+    ``packed``: the batch is kept as a bundle (``keep_packed``), not unpacked.
     """
 
     number: int
@@ -57,10 +60,12 @@ class BatchSpec:
     sizes: tuple[int, ...] | None
     options: StagingOptions
     state_root: str
+    packed: bool = False
 
     @staticmethod
-    def ident(direction: str, remote_root: str, local_root: str, items) -> str:
-        digest = hashlib.sha256("\0".join([direction, remote_root, local_root, *sorted(items)]).encode())
+    def ident(direction: str, remote_root: str, local_root: str, items, packed: bool = False) -> str:
+        how = direction + (" packed" if packed else "")
+        digest = hashlib.sha256("\0".join([how, remote_root, local_root, *sorted(items)]).encode())
         return digest.hexdigest()[:20]
 
     def describe(self) -> str:
@@ -80,8 +85,9 @@ class UnpackPlan:
 @dataclass(frozen=True)
 class Moved:
     """What the move task did: 'individual' (files already in place), 'bundle' (``bundle`` fetched, to be
-    unpacked) or 'done before' (the completion marker was there); transport transfers made; file bytes sent;
-    its wall seconds."""
+    unpacked), 'kept packed' (``bundle`` fetched, to be kept) or 'done before' (the completion marker was
+    there; ``bundle`` is then a kept batch's bundle); transport transfers made; file bytes sent; its wall
+    seconds."""
 
     spec: BatchSpec
     strategy: str
@@ -94,7 +100,8 @@ class Moved:
 @dataclass(frozen=True)
 class BatchDone:
     """A finished batch: its number, direction, files, strategy, transfers made, file bytes the transport sent
-    (None when it cannot tell), shards an earlier run had unpacked, unpack ranks and wall seconds of its tasks."""
+    (None when it cannot tell), shards an earlier run had unpacked, unpack ranks and wall seconds of its tasks;
+    for a keep-packed batch, its local ``bundle`` and the ``remote_root`` URL its paths are relative to."""
 
     number: int
     direction: str
@@ -105,6 +112,8 @@ class BatchDone:
     skipped_shards: int = 0
     ranks: int = 0
     seconds: float = 0.0
+    bundle: str | None = None
+    remote_root: str = ""
 
 
 def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: bool = True,
@@ -120,14 +129,17 @@ def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: boo
     pack route packs just these items and bundle + index come in one
     transfer into ``state_root/incoming-ID/`` (a rerun finds it there: rsync
     sends no data again), for the unpack task. Sources with no pack route
-    (GridFTP, Globus without ``pack_via``) go individually. Raises
-    BatchError naming the batch and the cause.
+    (GridFTP, Globus without ``pack_via``) go individually. A ``packed``
+    batch is always packed at the source and brought into
+    ``state_root/packed-ID/``, where it stays. Raises BatchError naming the
+    batch and the cause.
     """
-    if not spec.items or os.path.exists(os.path.join(spec.state_root, MARKER.format(spec.batch_id))):
-        return Moved(spec, "done before", 0)
+    done = _done_before(spec)
+    if done is not None:
+        return done
     started = time.monotonic()
     try:
-        moved = _move(spec, stream)
+        moved = _move_kept(spec) if spec.packed else _move(spec, stream)
     except PalletError as exc:
         raise _failed(spec, exc) from exc
     return replace(moved, seconds=time.monotonic() - started)
@@ -141,6 +153,8 @@ def unpack_batch(moved: Moved, how: UnpackPlan, _parsl_staging_inhibit: bool = T
     bundle is deleted once unpacked. Unpacks into one directory take turns on its pallet lock (as fetches
     do). Raises BatchError naming the batch and the cause."""
     started, spec = time.monotonic(), moved.spec
+    if spec.packed:
+        return _check_kept(moved, started)
     if moved.strategy == "done before":
         return BatchDone(spec.number, "in", len(spec.items), moved.strategy, 0, 0)
     summary = {"shards_skipped": 0, "ranks": 0}
@@ -260,9 +274,59 @@ def _check_present(spec: BatchSpec) -> None:
                           spec.local_root, "see the transfer's errors; rerun to fetch the rest")
 
 
-def _write_marker(spec: BatchSpec, strategy: str) -> None:
+def _write_marker(spec: BatchSpec, strategy: str, bundle: str | None = None) -> None:
     path = os.path.join(spec.state_root, MARKER.format(spec.batch_id))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as handle:
-        json.dump({"remote_root": spec.remote_root, "files": len(spec.items), "strategy": strategy}, handle)
+        json.dump({"remote_root": spec.remote_root, "files": len(spec.items), "strategy": strategy,
+                   "bundle": bundle}, handle)
     os.replace(path + ".tmp", path)
+
+
+def _done_before(spec: BatchSpec) -> Moved | None:
+    """A Moved saying 'done before' when the batch's completion marker is there (and, for a kept batch, its
+    bundle still is); None when the batch must run."""
+    if not spec.items:
+        return Moved(spec, "done before", 0)
+    try:
+        with open(os.path.join(spec.state_root, MARKER.format(spec.batch_id))) as handle:
+            bundle = json.load(handle).get("bundle")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if spec.packed and not (isinstance(bundle, str) and os.path.isfile(bundle)):
+        return None
+    return Moved(spec, "done before", 0, bundle if spec.packed else None)
+
+
+def _move_kept(spec: BatchSpec) -> Moved:
+    """A keep-packed batch's move: its items packed at the source and brought into ``state_root/packed-ID/``."""
+    options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
+    with OpenSource(spec.remote_root, options) as source:
+        if source.route is None or source.plain:
+            raise UsageError("keep_packed needs a source that packs bundles: pallet at an ssh source, or pack_via "
+                             "for a GridFTP/Globus one", spec.remote_root,
+                             "install pallet there (pallet remote install HOST), set options.pack_via, or drop "
+                             "keep_packed")
+        kept = os.path.join(spec.state_root, KEPT.format(spec.batch_id))
+        os.makedirs(kept, exist_ok=True)
+        moved = move_packed(source, kept, spec.items)
+    return Moved(spec, "kept packed", 1, moved.path, moved.transfer.bytes_sent)
+
+
+def _check_kept(moved: Moved, started: float) -> BatchDone:
+    """A keep-packed batch's second task: every item is in the bundle; the marker names the bundle."""
+    spec = moved.spec
+    if not spec.items:
+        return BatchDone(spec.number, "in", 0, moved.strategy, 0, 0)
+    try:
+        missing = missing_members(moved.bundle, spec.items)
+        if missing:
+            raise SourceError(f"{len(missing)} file(s) not in the kept bundle: {', '.join(missing[:10])}",
+                              moved.bundle, "check the URLs given to the apps")
+    except PalletError as exc:
+        raise _failed(spec, exc) from exc
+    if moved.strategy != "done before":
+        _write_marker(spec, moved.strategy, moved.bundle)
+    return BatchDone(spec.number, "in", len(spec.items), moved.strategy, moved.transfers, moved.bytes_sent,
+                     seconds=moved.seconds + time.monotonic() - started, bundle=moved.bundle,
+                     remote_root=spec.remote_root)

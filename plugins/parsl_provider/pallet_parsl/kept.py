@@ -1,0 +1,71 @@
+"""keep_packed: a batch lands as one bundle, and each app copies only its own inputs out of it onto node-local scratch."""
+from __future__ import annotations
+
+import functools
+import os
+import posixpath
+import shutil
+import stat
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from staging_core import DestinationError, SetupError, copy_out, parse_url
+
+
+@dataclass
+class PackedBatch:
+    """Where the apps of one keep-packed batch find their inputs: the local ``bundle`` and the remote directory
+    (``root``) its paths are relative to. Both are None until the batch's tasks have finished; they are filled
+    on the submitting side before Parsl launches any app reading the batch (its apps wait for the batch), so a
+    wrapper pickled at launch carries them."""
+
+    bundle: str | None = None
+    root: str | None = None
+
+    def fill(self, done: Future) -> None:
+        """The done-callback of the batch's last task (registered before any app's DataFuture)."""
+        if done.exception() is None and done.result().bundle:
+            result = done.result()
+            self.bundle, self.root = result.bundle, parse_url(result.remote_root).path
+
+
+def private_copy_path(scratch: str, remote_path: str) -> str:
+    """Where one app's copy of ``remote_path`` goes: a fresh directory of its own below ``scratch`` (made when
+    the app runs), keeping the file's name."""
+    return os.path.join(scratch, uuid.uuid4().hex[:16], posixpath.basename(remote_path.rstrip("/")) or "input")
+
+
+class ReadsKeptInputs:
+    """An app function wrapped so that, on the worker, its input ``remote_path`` is first copied out of its
+    batch's bundle to ``local_path`` (checked against the shard hashes), and removed with its private
+    directory once the app returns or raises. A picklable class, not a closure: HTEX ships it to workers."""
+
+    def __init__(self, func: Callable, batch: PackedBatch, remote_path: str, local_path: str):
+        functools.update_wrapper(self, func)
+        self.func, self.batch, self.remote_path, self.local_path = func, batch, remote_path, local_path
+
+    def __call__(self, *args, **kwargs):
+        private = os.path.dirname(self.local_path)
+        _make_private_directory(private)
+        try:
+            if self.batch.bundle is None or self.batch.root is None:
+                raise SetupError("the kept bundle of this input's batch is not known to the app",
+                                 self.remote_path, "the batch did not finish; see its error")
+            copy_out(self.batch.bundle, posixpath.relpath(self.remote_path, self.batch.root), self.local_path)
+            return self.func(*args, **kwargs)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _make_private_directory(path: str) -> None:
+    """Make ``path`` (new, mode 0700) below its parent, the scratch root, which must be a real directory of this
+    user's: a link or another user's directory planted there is refused, never written through."""
+    scratch = os.path.dirname(path)
+    os.makedirs(scratch, mode=0o700, exist_ok=True)
+    found = os.lstat(scratch)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+        raise DestinationError("is not a directory of this user's that only this user can write into",
+                               scratch, "give PalletStaging(scratch=...) a node-local directory of yours")
+    os.mkdir(path, 0o700)
