@@ -16,6 +16,7 @@ from snakemake_interface_common.exceptions import WorkflowError  # noqa: E402
 from snakemake_interface_storage_plugins.tests import TestStorageBase  # noqa: E402
 
 from snakemake_storage_plugin_pallet import StorageProvider, StorageProviderSettings  # noqa: E402
+from staging_core.testing import snapshot  # noqa: E402
 from tests.programs import program, user_env  # noqa: E402
 from tests.servers import count_invocations, count_transfers, start_sshd  # noqa: E402
 
@@ -342,3 +343,39 @@ def test_bad_inputs_fail_clearly_naming_the_file(tmp_path, query, message):
     named = query.removeprefix("file://")
     assert message in done.stderr and named in done.stderr, done.stderr[-3000:]
     assert not any(p.is_file() for p in (tmp_path / "wf" / ".snakemake" / "storage").rglob("*"))
+
+
+ON_DEMAND = """
+rule all:
+    input: "linked.txt", "copied.txt"
+
+rule linked:
+    input: access.sequential(storage.pallet("file://{data}/s00000.csv"))
+    output: "linked.txt"
+    run:
+        with open(output[0], "w") as f:
+            f.write(f"{os.path.islink(input[0])} {os.path.realpath(input[0])} {open(input[0]).read()}")
+
+rule copied:
+    input: storage.pallet("file://{data}/s00001.csv")
+    output: "copied.txt"
+    run:
+        with open(output[0], "w") as f:
+            f.write(f"{os.path.islink(input[0])} {os.path.realpath(input[0])} {open(input[0]).read()}")
+"""
+
+
+@pytest.mark.parametrize("flags, linked", [((), True), (("--storage-pallet-no-ondemand-links",), False)])
+def test_an_on_demand_eligible_file_input_is_linked_in_place(tmp_path, flags, linked):
+    data = make_inputs(tmp_path / "remote", 2)
+    before = snapshot(data)
+    (tmp_path / "Snakefile").write_text("import os\n" + ON_DEMAND.replace("{data}", str(data)))
+    done = snakemake(tmp_path / "wf", *flags, snakefile=tmp_path / "Snakefile", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    is_link, path, text = (tmp_path / "wf" / "linked.txt").read_text().split(" ", 2)
+    assert (is_link, path == str(data / "s00000.csv")) == (str(linked), linked)
+    assert text == (data / "s00000.csv").read_text()
+    is_link, path, text = (tmp_path / "wf" / "copied.txt").read_text().split(" ", 2)
+    assert is_link == "False" and text == (data / "s00001.csv").read_text()       # not annotated: copied
+    assert snapshot(data) == before                        # Snakemake removed its local copies, never the source
+    assert not any(p.is_file() or p.is_symlink() for p in (tmp_path / "wf" / ".snakemake" / "storage").rglob("*"))

@@ -37,6 +37,7 @@ class StorageProvider(StorageProviderBase):
         self.stager = Stager(self.inventory, options, os.path.abspath(self.local_prefix), self.logger,
                              self.wait_for_free_local_storage)
         self.limits = Limits(settings.batch_window, settings.batch_max_files, settings.batch_max_bytes)
+        self.links_on_demand = not settings.no_ondemand_links
         self.retrievals = Batcher(lambda requests: self._errors(requests, self.stager.retrieve), self.limits)
         self.stores = Batcher(lambda requests: self._errors(requests, self.stager.store), self.limits)
         weakref.finalize(self, self.inventory.close)

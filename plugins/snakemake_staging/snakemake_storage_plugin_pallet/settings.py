@@ -47,6 +47,9 @@ class StorageProviderSettings(StorageProviderSettingsBase):
                                                "system and unpacks bundles there.", str)
     retries: int = _setting(2, "Attempts after the first when a batch fails for network reasons.", int)
     no_verify: bool = _setting(False, "Do not check unpacked files against the bundle index hashes.", bool)
+    no_ondemand_links: bool = _setting(False, "Copy file:// inputs that Snakemake marks on-demand eligible "
+                                              "(read once, sequentially, by one job) instead of linking them "
+                                              "in place.", bool)
     batch_window: float = _setting(0.0, "Seconds a batch stays open for more requests of the same round "
                                         "(0: until the scheduler has handed over the whole round).", float)
     batch_max_files: int = _setting(0, "Start a new batch after this many objects (0: no limit).", int)

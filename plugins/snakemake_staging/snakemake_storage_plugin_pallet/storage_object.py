@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shutil
+import uuid
 from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
@@ -100,7 +102,10 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
     # ------------------------------------------------------------ moving data
 
     async def managed_retrieve(self):
-        """Join this round's batch; the batch checks free space for all its objects at once."""
+        """Join this round's batch; the batch checks free space for all its objects at once. A file:// object
+        Snakemake marks on-demand eligible is linked in place instead (see :meth:`_link_in_place`)."""
+        if self._links_in_place():
+            return self._link_in_place()
         nbytes = await self.managed_local_footprint() if self.provider.limits.max_bytes else 0
         await self.provider.retrievals.submit(self.request(), nbytes)
 
@@ -110,7 +115,33 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
         await self.provider.stores.submit(self.request(), nbytes)
 
     def retrieve_object(self):
+        if self._links_in_place():
+            return self._link_in_place()
         self.provider.run_now("retrieve", self.request())
+
+    def _links_in_place(self) -> bool:
+        return self.is_ondemand_eligible and self.endpoint.scheme == "file" and self.provider.links_on_demand
+
+    def _link_in_place(self) -> None:
+        """Make the local copy a symlink to the file:// source: Snakemake marks an input on-demand eligible when
+        one job reads it once, sequentially, so a copy would only cost a create and a write. The link replaces
+        whatever the local path held (an older copy, an older link) in one rename; no existing name is ever
+        written through. Snakemake removes the link, never the source, when the job no longer needs it."""
+        source, local = self.endpoint.path, os.path.abspath(self.local_path())
+        if not os.path.exists(source):
+            raise WorkflowError(f"{self.print_query} does not exist")
+        fresh = f"{local}.pallet-link-{uuid.uuid4().hex[:12]}"
+        try:
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            if os.path.isdir(local) and not os.path.islink(local):
+                shutil.rmtree(local)                     # an earlier copy of a directory object: ours to replace
+            os.symlink(source, fresh)
+            os.replace(fresh, local)
+        except OSError as exc:
+            if os.path.islink(fresh):
+                os.unlink(fresh)
+            raise WorkflowError(f"pallet cannot link {self.print_query} in place at {local}: {exc.strerror}; "
+                                "pass --storage-pallet-no-ondemand-links to copy it instead") from None
 
     def store_object(self):
         self.provider.run_now("store", self.request())
