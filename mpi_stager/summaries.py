@@ -8,9 +8,10 @@ from urllib.parse import urlsplit
 
 from bundles.errors import SummaryError
 
-# The summary format's version (docs/bundle-format.md §9). Adding a field with a default keeps it; renaming,
-# removing or changing the meaning of one, or adding a required one, raises it. A summary with no "summary"
-# field comes from a pallet before versioned summaries: it reads as version 0, the same fields.
+# The summary format's version (docs/bundle-format.md §9). Adding a field older readers may ignore keeps it;
+# renaming, removing or changing the type or meaning of one, or adding one readers need, raises it (a field
+# added later has a default, so that older versions still read). A summary with no "summary" field comes from
+# a pallet before versioned summaries: it reads as version 0, the same fields.
 SUMMARY_VERSION = 1
 
 _SAME_PALLET = "install the same pallet version at the far side: `pallet remote install {host}`"
