@@ -99,5 +99,10 @@ class WorkerError(PalletError):
     """A worker process of a pool ended without answering (killed, out of memory, or broken install)."""
 
 
+class SummaryError(PalletError):
+    """A far side's JSON summary cannot be read: none printed, damaged, incomplete, or of a newer version than
+    this pallet knows (mpi_stager.summaries)."""
+
+
 class SetupError(PalletError):
     """Something pallet needs on this machine is missing (a library, a kernel feature, an optional extra)."""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -15,6 +14,7 @@ from .pack import pack_parallel
 from .receive import receive
 from .send import RECEIVER_GONE, read_selection_block, send
 from .session import run_session
+from .summaries import encode
 from .unpack import StagerError, StagerOptions, unpack_parallel
 
 _EPILOG = """\
@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if rank0:
-        doc = {k: v for k, v in summary.__dict__.items() if k != "errors"}
-        print(json.dumps(doc) if args.json else
+        print(encode(summary) if args.json else
               f"unpacked {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} with "
               f"{summary.ranks} rank(s) in {summary.seconds:.2f} s: {summary.shards_done} shard(s) extracted, "
               f"{summary.shards_skipped} already done")
@@ -149,7 +148,7 @@ def _run_receive(args) -> int:
     except PalletError as exc:
         print(f"mpi_stager receive: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps(summary.to_json()) if args.json else
+    print(encode(summary) if args.json else
           f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
           f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
           f"{summary.shards_skipped} already done")
@@ -205,7 +204,7 @@ def _run_pack(comm, args) -> int:
             print(f"mpi_stager pack: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if comm.rank == 0:
-        print(json.dumps(summary.__dict__) if args.json else
+        print(encode(summary) if args.json else
               f"packed {summary.entries} entries into {summary.bundle} with {summary.ranks} rank(s): "
               f"{summary.shards} shard(s), {summary.bundle_bytes} bytes, {summary.seconds:.2f} s")
     return 0

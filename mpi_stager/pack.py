@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from bundles import container
 from bundles.codecs import get_codec
@@ -15,20 +15,9 @@ from bundles.shards import (BuiltShard, ShardPlan, auto_shard_size, build_shard,
 from bundles.writer import PackOptions, check_destination, temp_name, write_error, write_sidecar
 
 from .comm import Communicator
+from .summaries import PackSummary
 
 _COPY_CHUNK = 64 << 20
-
-
-@dataclass(frozen=True)
-class PackSummary:
-    """The job's outcome, the same on every rank."""
-
-    bundle: str
-    ranks: int
-    entries: int
-    shards: int
-    bundle_bytes: int
-    seconds: float
 
 
 def pack_parallel(comm: Communicator, src: str, bundle: str, options: PackOptions) -> PackSummary:

@@ -9,7 +9,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import BinaryIO
 
 from bundles.codecs import Codec, get_codec
@@ -26,35 +25,10 @@ from bundles.tarformat import Kind
 from bundles.state import finish, holding_lock, mark_incomplete
 
 from .journal import Journal, new_run_name
+from .summaries import ReceiveSummary
 
 _HINT = "rerun the transfer: shards finished here are not sent again"
 _READ_AHEAD = 2          # frames buffered while the previous shard is written
-
-
-@dataclass(frozen=True)
-class ReceiveSummary:
-    """What one receive did; printed as JSON (the last line on stdout) and kept in the completion marker.
-
-    ``stream_bytes`` counts every byte read from the stream, ``data_bytes``
-    the compressed shard bytes among them (skipped shards send none);
-    ``max_rss_bytes`` is this process's peak resident memory.
-    """
-
-    dest: str
-    stream_id: str
-    shards_total: int
-    shards_received: int
-    shards_skipped: int
-    files: int
-    file_bytes: int
-    stream_bytes: int
-    data_bytes: int
-    verified: bool
-    max_rss_bytes: int
-    seconds: float
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def read_skeleton(inp: BinaryIO, source: str) -> tuple[FrameReader, Skeleton]:

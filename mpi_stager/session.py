@@ -1,7 +1,6 @@
 """`mpi_stager session DEST`: one far-side process for a whole push — lock, listing, stream and finishing touches."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from contextlib import AbstractContextManager
@@ -15,6 +14,7 @@ from bundles.safety import path_problem, safe_mode
 from bundles.state import INCOMPLETE, STATE_DIR, holding_lock, remove_state, state_path
 
 from .receive import receive
+from .summaries import encode
 
 SESSION_VERSION = 1
 HELLO = b"pallet-session %d\n" % SESSION_VERSION
@@ -91,7 +91,7 @@ def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO) -> 
     """Carry out ``request``; its answer line."""
     if request.op == "receive":
         summary = receive(inp, out, dest, request.verify, lock_held=True, ends_at_index=True)
-        return json.dumps(summary.to_json()).encode() + b"\n"
+        return encode(summary).encode() + b"\n"
     if request.op == "dirs":
         set_directories(dest, decode_dirs(read_exactly(inp, request.size, f"session at {dest}")))
     else:

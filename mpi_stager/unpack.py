@@ -18,6 +18,7 @@ from bundles.unpack import shard_cost
 from .comm import POISON, Communicator
 from .journal import Journal, new_run_name
 from .schedule import assign_shards
+from .summaries import StagerSummary
 
 
 @dataclass(frozen=True)
@@ -44,25 +45,6 @@ class RankReport:
     files: int = 0
     file_bytes: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class StagerSummary:
-    """The job's outcome, the same on every rank."""
-
-    dest: str
-    ranks: int
-    shards_total: int
-    shards_skipped: int
-    shards_done: int
-    files: int
-    file_bytes: int
-    seconds: float
-    errors: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
 
 
 class StagerError(PalletError):

@@ -16,7 +16,8 @@ _PUBLIC = {
     "plan": "planner", "load_profile": "profiles", "Inventory": "inventory", "DestinationLock": "locking",
     "OpenSource": "pull_phases", "plan_pull": "pull_phases", "move_packed": "pull_phases",
     "MovedBundle": "pull_phases", "copy_out": "bundle_copy", "missing_members": "bundle_copy",
-    "CopiedOut": "bundle_copy", "run_local": "routes", "scratch_space": "scratch:scratch", "parse_size": "display",
+    "CopiedOut": "bundle_copy", "run_local": "routes", "unpack_summary": "routes", "scratch_space": "scratch:scratch",
+    "parse_size": "display",
     # transports
     "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",
     "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",
@@ -27,7 +28,7 @@ _PUBLIC = {
     "MissingDependencyError": "transports.errors",
 }
 _ERRORS = ("PalletError", "UsageError", "SourceError", "DestinationError", "DestinationLocked", "SetupError",
-           "StreamError", "CorruptBundleError")
+           "StreamError", "CorruptBundleError", "SummaryError")
 
 __all__ = sorted([*_PUBLIC, *_ERRORS])
 

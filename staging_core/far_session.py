@@ -1,7 +1,6 @@
 """A push's far side over one ssh channel: `mpi_stager session` holds DEST's lock, lists DEST, receives, tidies."""
 from __future__ import annotations
 
-import json
 import shlex
 from contextlib import contextmanager
 from typing import Iterator
@@ -9,8 +8,8 @@ from typing import Iterator
 import zstandard
 
 from bundles.errors import DestinationLocked, PalletError, StreamError
-from mpi_stager.receive import ReceiveSummary
 from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
+from mpi_stager.summaries import ReceiveSummary, decode
 
 from .locking import DestinationLock, locked_error
 from .options import StagingOptions
@@ -139,13 +138,13 @@ class SessionStream:
         return self.far.handshake(stream_id)
 
     def summary(self) -> ReceiveSummary:
-        """The receiver's summary line; the session is then ready for its next request."""
+        """The receiver's summary line; the session is then ready for its next request. No line: the far side's
+        error; a line that is no receive summary: SummaryError (the session then ends)."""
         self.process.stdin.flush()
         line = self.process.stdout.readline()
-        try:
-            summary = ReceiveSummary(**json.loads(line))
-        except (ValueError, TypeError):
-            raise self.failure() from None
+        if not line.strip():
+            raise self.failure()
+        summary = decode(line, "receive", self.far.url)
         self.session._broken = False
         return summary
 

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
@@ -29,7 +29,7 @@ from .planner import Plan, plan
 from .probe import far_side_options
 from .dry_run import pull_dry_run, push_dry_run
 from .local_profile import observe, route_profile, uses_local_copy
-from .far_session import FarSession, destination_lock
+from .far_session import FarSession, SessionStream, destination_lock
 from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_dest_entries,
                      compare_with_local, delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
 from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
@@ -62,6 +62,29 @@ class _Run:
         self.transfers += 1
         self.bytes_sent = None if self.bytes_sent is None or result.bytes_sent is None \
             else self.bytes_sent + result.bytes_sent
+
+
+@dataclass(frozen=True)
+class PushContext:
+    """What every attempt of one push works with: the transport to DEST and its route, the tree to send (only
+    ``include`` of it when a selection or the comparison with DEST narrowed it), its inventory and paths, the
+    plan, the options, progress, and the far-side session's ``receiver`` of streams when there is one."""
+
+    transport: Transport
+    endpoint: Endpoint
+    route: UnpackRoute | PlainRoute | None
+    tree: SourceTree
+    chosen: Plan
+    inventory: Inventory
+    paths: list[bytes]
+    options: StagingOptions
+    progress: Progress
+    include: frozenset[bytes] | None = None
+    receiver: Callable[[], SessionStream] | None = None
+
+    @property
+    def src(self) -> str:
+        return os.fsdecode(self.tree.root)
 
 
 def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
@@ -132,9 +155,9 @@ def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, loc
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
-        run, attempts = _with_retries(
-            lambda: _push_once(strategy, transport, tree, endpoint, route, chosen, inventory, paths, options,
-                               progress or NoProgress(), include, receiver), options.retries)
+        context = PushContext(transport, endpoint, route, tree, chosen, inventory, paths, options,
+                              progress or NoProgress(), include, receiver)
+        run, attempts = _with_retries(lambda: _push_once(context, strategy), options.retries)
     in_place = comparison.in_place if comparison else 0
     if whole and options.delete:
         comparison = comparison or compare_with_dest(transport, endpoint, full) or Comparison()
@@ -318,29 +341,27 @@ class _Stage:
 
 # ---------------------------------------------------------------- push strategies
 
-def _push_once(strategy, transport, tree: SourceTree, endpoint, route, chosen, inventory, paths, options, progress,
-               include: frozenset[bytes] | None, receiver=None) -> _Run:
-    run = _Run()
-    src = os.fsdecode(tree.root)
-    codec = options.codec or chosen.chosen.codec or "zstd"
+def _push_once(ctx: PushContext, strategy: str) -> _Run:
+    run, transport, route, options, progress = _Run(), ctx.transport, ctx.route, ctx.options, ctx.progress
+    codec = options.codec or ctx.chosen.chosen.codec or "zstd"
     if strategy == "individual":
         run.route = "individual"
-        listed = None if include is None else [os.fsdecode(p) for p in paths]
+        listed = None if ctx.include is None else [os.fsdecode(p) for p in ctx.paths]
         if listed is None and transport.scheme == "file":        # the scan's names: no second walk of SRC
-            listed = [os.fsdecode(p) for p in tree.index.paths]
-        with _Stage(run, progress, "transfer", len(inventory.sizes), inventory.stats.bytes):
-            run.count(_send_items(transport, src, endpoint, listed))
+            listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
+        with _Stage(run, progress, "transfer", len(ctx.inventory.sizes), ctx.inventory.stats.bytes):
+            run.count(_send_items(transport, ctx.src, ctx.endpoint, listed))
     elif isinstance(route, PlainRoute):
-        outcome = push_plain(transport, tree, endpoint, route, options.jobs, progress,
-                             clear_state=include is None and not options.keep_packed)
+        outcome = push_plain(transport, ctx.tree, ctx.endpoint, route, options.jobs, progress,
+                             clear_state=ctx.include is None and not options.keep_packed)
         run.route, run.transfers, run.bytes_sent = route.description, outcome.rounds, outcome.bytes_sent
         run.stage_seconds.update(outcome.stage_seconds)
     elif strategy == "hybrid":
-        _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run)
+        _push_hybrid(ctx, codec, run)
     elif _can_stream(transport, route, options):
-        run.streamed(stream_push(transport, src, endpoint, codec, options, progress, tree, receiver))
+        run.streamed(stream_push(transport, ctx.src, ctx.endpoint, codec, options, progress, ctx.tree, ctx.receiver))
     else:
-        _push_bundle(transport, src, endpoint, route, codec, frozenset(), options, progress, run, include)
+        _push_bundle(ctx, codec, frozenset(), run)
     return run
 
 
@@ -389,26 +410,26 @@ def _one_line(error: BaseException) -> str:
     return f"{message} ({said[-1][:200]})" if said and said[-1] not in message else message
 
 
-def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclude: frozenset[bytes],
-                 options: StagingOptions, progress: Progress, run: _Run,
-                 include: frozenset[bytes] | None = None) -> None:
-    """Store and forward: pack here, one transfer of bundle + index into the route's incoming, unpack there."""
+def _push_bundle(ctx: PushContext, codec: str, exclude: frozenset[bytes], run: _Run) -> None:
+    """Store and forward: pack here (``ctx.include`` of the tree, without ``exclude``), one transfer of bundle +
+    index into the route's incoming, unpack there."""
+    transport, endpoint, route, options, include = ctx.transport, ctx.endpoint, ctx.route, ctx.options, ctx.include
     staging = scratch_dir("pallet-push-")
     try:
         bundle = os.path.join(staging, bundle_name(codec))
         with _Stage(run, NoProgress(), "pack"):          # pack draws its own bar
-            pack(src, bundle, PackOptions(codec=codec, shard_size=options.shard_size, jobs=options.jobs,
-                                          exclude=exclude, include=include), progress)
+            pack(ctx.src, bundle, PackOptions(codec=codec, shard_size=options.shard_size, jobs=options.jobs,
+                                              exclude=exclude, include=include), ctx.progress)
         if endpoint.is_local:
             ensure_state_dir(endpoint.path)     # never follow a link planted at DEST/.pallet
         transport.mkdir(route.incoming)
         names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx", *route.extra_files(bundle)]
-        with _Stage(run, progress, "transfer", 0, os.path.getsize(bundle)):
+        with _Stage(run, ctx.progress, "transfer", 0, os.path.getsize(bundle)):
             sent = transport.transfer(Direction.PUSH, staging, route.incoming, names)
         if not sent.ok:
             raise next(iter(sent.failed.values()))
         run.count(sent)
-        with _Stage(run, progress, "unpack"):
+        with _Stage(run, ctx.progress, "unpack"):
             run.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]), keep_journal=include is None)
         run.route = route.description
         if include is not None:     # a selection; a whole-tree push clears all of DEST/.pallet at the end
@@ -417,14 +438,15 @@ def _push_bundle(transport, src, endpoint, route: UnpackRoute, codec: str, exclu
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _push_hybrid(transport, src, endpoint, route, codec, inventory, paths, options, progress, run: _Run) -> None:
-    """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory times)."""
-    large = [p for p, size in zip(paths, inventory.sizes) if size >= options.large_file_bytes]
+def _push_hybrid(ctx: PushContext, codec: str, run: _Run) -> None:
+    """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory times).
+    Only for a whole tree (``ctx.include`` None): a narrowed one goes as a bundle."""
+    large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes) if size >= ctx.options.large_file_bytes]
     with ThreadPoolExecutor(1) as pool:
-        sending = pool.submit(_send_items, transport, src, endpoint, [os.fsdecode(p) for p in large])
-        _push_bundle(transport, src, endpoint, route, codec, frozenset(large), options, progress, run)
+        sending = pool.submit(_send_items, ctx.transport, ctx.src, ctx.endpoint, [os.fsdecode(p) for p in large])
+        _push_bundle(ctx, codec, frozenset(large), run)
         run.count(sending.result())
-    run.route = f"hybrid: {len(large)} large file(s) individually, the rest {route.description}"
+    run.route = f"hybrid: {len(large)} large file(s) individually, the rest {ctx.route.description}"
 
 
 # ---------------------------------------------------------------- pull strategies

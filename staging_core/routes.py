@@ -1,7 +1,6 @@
 """Routes: where a bundle is unpacked at a destination and by which command (pack routes: pack_routes.py)."""
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import shlex
@@ -12,6 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from bundles.errors import PalletError, UsageError
 from bundles.state import prune
 from mpi_stager.comm import SerialComm
+from mpi_stager.summaries import StagerSummary, decode
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
 from .options import StagingOptions
@@ -44,7 +44,7 @@ def stager_argv(options: StagingOptions, command: str, *args: str) -> list[str]:
 
 def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_journal: bool = False,
                 locked: bool = False) -> list[str]:
-    """The far-side unpack command; it prints its summary as JSON (see :func:`_skipped`). With
+    """The far-side unpack command; it prints its summary as JSON (see :func:`unpack_summary`). With
     ``keep_journal`` it leaves DEST/.pallet for the push to remove when all is done (a push killed after the
     unpack finished then resumes without extracting anything again); ``locked``: the push holds DEST's lock
     (without it, mpi_stager takes the lock itself)."""
@@ -53,13 +53,15 @@ def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_
     return stager_argv(options, "unpack", "--json", *flags, bundle_path, dest_path)
 
 
-def _skipped(output: bytes) -> int:
-    """Shards an earlier run had finished, from the JSON summary mpi_stager printed last."""
-    lines = output.decode(errors="replace").strip().splitlines()
-    try:
-        return int(json.loads(lines[-1])["shards_skipped"])
-    except (IndexError, ValueError, KeyError, TypeError):
-        raise PalletError("mpi_stager unpack printed no summary", hint="check the far side's pallet version") from None
+def unpack_summary(output: bytes, where: str) -> StagerSummary:
+    """The summary ``mpi_stager unpack --json`` printed last in ``output`` at ``where`` (the destination, or the
+    host that unpacked it): :func:`mpi_stager.summaries.decode`, SummaryError when there is none."""
+    return decode(output, "unpack", where)
+
+
+def _skipped(output: bytes, where: str) -> int:
+    """Shards an earlier run had finished, from :func:`unpack_summary`."""
+    return unpack_summary(output, where).shards_skipped
 
 
 def run_local(argv: list[str]) -> bytes:
@@ -138,7 +140,7 @@ class LocalUnpack(UnpackRoute):
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         if self.options.launcher:
             return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
-                                                  locked=True)))
+                                                  locked=True)), self.endpoint.url())
         workers = self.options.ranks or os.cpu_count() or 1
         summary = unpack_parallel(SerialComm(), bundle_path, self.endpoint.path,
                                   StagerOptions(self.options.verify, None, workers, lock_held=True))
@@ -164,7 +166,7 @@ class RemoteExecUnpack(UnpackRoute):
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
-                                                       locked=True)))
+                                                       locked=True)), self.endpoint.url())
 
     def run_there(self, argv: list[str]) -> bytes:
         return self.transport.run(argv)
@@ -184,7 +186,8 @@ class ViaUnpack(UnpackRoute):
         return f"via {self.options.unpack_via}"
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
-        return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)))
+        return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)),
+                        self.options.unpack_via)
 
     def run_there(self, argv: list[str]) -> bytes:
         return self.via.run(argv)
@@ -211,7 +214,7 @@ class SlurmJobUnpack(ViaUnpack):
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         job = UnpackJob(bundle_path, self.endpoint.path)     # a job cleans up after itself: no journal is kept
         self.job_id, output = run_job(self.via.run, job, self.options.unpack_via, echo_for(self.options.progress))
-        return _skipped(output)
+        return _skipped(output, self.options.unpack_via)
 
     def discard(self, paths: list[str]) -> None:
         job = UnpackJob(paths[0], self.endpoint.path)

@@ -1,7 +1,6 @@
 """Streamed bundles over ssh: a push feeds the far side's `mpi_stager receive`, a pull reads its `mpi_stager send`."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -15,8 +14,9 @@ from bundles.progress import Progress
 from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
-from mpi_stager.receive import ReceiveSummary, read_skeleton, receive
+from mpi_stager.receive import read_skeleton, receive
 from mpi_stager.send import RECEIVER_GONE, SOURCE_MISSING, prepare_source, selection_block, send_stream
+from mpi_stager.summaries import ReceiveSummary, decode
 
 from .options import StagingOptions
 from .transports.base import Endpoint, Transport
@@ -206,16 +206,13 @@ class FarStager:
         return decode_resume_reply(line, stream_id, self.url)
 
     def summary(self) -> ReceiveSummary:
-        """Close the stream, wait for the receiver and return its summary (its last stdout line)."""
+        """Close the stream, wait for the receiver and return its summary (its last stdout line; SummaryError
+        when that is none)."""
         self.process.stdin.close()
         output = self.process.stdout.read()
         if self.process.wait() != 0:
             raise self.failure()
-        try:
-            return ReceiveSummary(**json.loads(output.strip().splitlines()[-1]))
-        except (IndexError, ValueError, TypeError) as exc:
-            raise PalletError(f"the far side's receiver printed no summary ({exc})", self.url,
-                              "check that the far side runs the same pallet version") from None
+        return decode(output, "receive", self.url)
 
     def failure(self) -> PalletError:
         """The error the far side (or ssh) reported, once it has exited."""

@@ -15,6 +15,7 @@ from bundles.errors import DestinationLocked, StreamError
 from bundles.progress import NoProgress
 from mpi_stager.send import prepare_source, send_stream
 from mpi_stager.session import HELLO, OK, encode_dirs, run_session
+from mpi_stager.summaries import decode
 from staging_core.plain import parse_records
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import user_env
@@ -143,7 +144,7 @@ def test_a_session_receives_a_stream_then_goes_on_serving(tmp_path):
     out = session_over(tmp_path / "dest", b"receive\n" + stream.getvalue() + b"clear\n", listing=False)
     lines = out[len(HELLO):].splitlines()
     assert json.loads(lines[0])["done"] == {}                     # the receiver's answer
-    assert json.loads(lines[1])["files"] > 0 and lines[2] + b"\n" == OK
+    assert decode(lines[1], "receive", "session").files > 0 and lines[2] + b"\n" == OK
     assert_same_tree(src, tmp_path / "dest")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from staging_core import (DestinationLock, Endpoint, OpenSource, PalletError, RemoteEntry, SourceError,
                           StagingOptions, UsageError, fetch, missing_members, move_packed, open_transport, plan_pull,
-                          run_local, send)
+                          run_local, send, unpack_summary)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -157,18 +157,19 @@ def unpack_batch(moved: Moved, how: UnpackPlan, _parsl_staging_inhibit: bool = T
         return _check_kept(moved, started)
     if moved.strategy == "done before":
         return BatchDone(spec.number, "in", len(spec.items), moved.strategy, 0, 0)
-    summary = {"shards_skipped": 0, "ranks": 0}
+    skipped = ranks = 0
     try:
         if moved.bundle:
             with _local_lock(spec.local_root):
-                summary = _summary(run_local(unpack_argv(how, moved.bundle, spec.local_root)))
+                summary = unpack_summary(run_local(unpack_argv(how, moved.bundle, spec.local_root)), spec.local_root)
+            skipped, ranks = summary.shards_skipped, summary.ranks
             shutil.rmtree(os.path.dirname(moved.bundle), ignore_errors=True)
         _check_present(spec)
     except PalletError as exc:
         raise _failed(spec, exc) from exc
     _write_marker(spec, moved.strategy)
     return BatchDone(spec.number, "in", len(spec.items), moved.strategy, moved.transfers, moved.bytes_sent,
-                     summary["shards_skipped"], summary["ranks"], moved.seconds + time.monotonic() - started)
+                     skipped, ranks, moved.seconds + time.monotonic() - started)
 
 
 def send_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
@@ -205,14 +206,6 @@ def _local_lock(dest: str) -> DestinationLock:
     ``DEST/.pallet/INCOMPLETE`` is per directory, not per bundle."""
     local = Endpoint("file", dest)
     return DestinationLock(local, open_transport(local), wait=True)
-
-
-def _summary(output: bytes) -> dict:
-    """The JSON summary mpi_stager printed last (rank 0)."""
-    try:
-        return json.loads(output.splitlines()[-1])
-    except (IndexError, ValueError):
-        raise PalletError("mpi_stager unpack printed no summary", hint="check pallet on the workers") from None
 
 
 def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
