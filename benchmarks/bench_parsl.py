@@ -1,4 +1,4 @@
-"""Benchmark Parsl staging of many tiny inputs over ssh loopback: PalletStaging against Parsl's RSyncStaging."""
+"""Parsl staging of many tiny inputs over ssh loopback: PalletStaging (unpacked, kept packed) against RSyncStaging."""
 from __future__ import annotations
 
 import argparse
@@ -111,6 +111,10 @@ def measure(sshd, workdir: Path, args) -> dict:
     staging = PalletStaging(options=options, window=60, max_files=args.files)
     pallet_submit, pallet_s = run_apps(workdir / "pallet", staging, [File(sshd.url(p)) for p in paths], args.threads)
     batches = [future.result() for future in staging.batches()]
+    kept = PalletStaging(options=options, window=60, max_files=args.files, keep_packed=True,
+                         scratch=str(workdir / "node-local"))
+    _, kept_s = run_apps(workdir / "kept", kept, [File(sshd.url(p)) for p in paths], args.threads)
+    kept_batches = [future.result() for future in kept.batches()]
     # RSyncStaging runs `rsync HOST:PATH LOCAL` per file in the app's task; rsync takes the ssh options from RSYNC_RSH
     os.environ["RSYNC_RSH"] = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options])
     sample = paths[:args.rsync_sample or args.files]
@@ -125,10 +129,19 @@ def measure(sshd, workdir: Path, args) -> dict:
             "pallet_seconds": round(pallet_s, 2), "pallet_submit_seconds": round(pallet_submit, 2),
             "pallet_batches": [{"files": b.files, "strategy": b.strategy, "transfers": b.transfers,
                                 "seconds": round(b.seconds, 2)} for b in batches],
+            "pallet_files_created": files_under(workdir / "pallet" / "local"),
+            "kept_seconds": round(kept_s, 2), "kept_files_created": files_under(workdir / "kept" / "local"),
+            "kept_batches": [{"files": b.files, "strategy": b.strategy, "transfers": b.transfers,
+                              "seconds": round(b.seconds, 2)} for b in kept_batches],
             "rsync_sample_files": len(sample), "rsync_sample_seconds": round(rsync_s, 2),
             "rsync_seconds" + ("" if len(sample) == args.files else "_extrapolated"): round(rsync_full, 1),
             "speedup": round(rsync_full / pallet_s, 1), "target": TARGET,
             "result": "PASS" if rsync_full / pallet_s >= TARGET else "MISS"}
+
+
+def files_under(root: Path) -> int:
+    """Files the run left below ``root`` (its local copies, markers and kept bundles): the creates it cost."""
+    return sum(len(names) for _, _, names in os.walk(root))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ _PUBLIC = {
     "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
     "plan": "planner", "load_profile": "profiles", "Inventory": "inventory", "DestinationLock": "locking",
     "OpenSource": "pull_phases", "plan_pull": "pull_phases", "move_packed": "pull_phases",
-    "MovedBundle": "pull_phases", "copy_out": "bundle_copy", "missing_members": "bundle_copy",
+    "MovedBundle": "pull_phases", "copy_out": "bundle_copy", "missing_members": "bundle_copy", "open_bundle": "bundle_copy",
     "CopiedOut": "bundle_copy", "run_local": "routes", "unpack_summary": "routes", "scratch_space": "scratch:scratch",
     "parse_size": "display",
     # transports

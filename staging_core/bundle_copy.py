@@ -28,8 +28,15 @@ def missing_members(bundle: str, items: Iterable[str]) -> list[str]:
         return [item for item in items if view.lookup(item) is None]
 
 
-def copy_out(bundle: str, item: str, target: str) -> CopiedOut:
-    """Copy the entry ``item`` of the local bundle ``bundle`` to the new path ``target``.
+def open_bundle(bundle: str) -> BundleView:
+    """A local bundle opened for :func:`copy_out` calls (close it when done): opening reads and checks the whole
+    index, so many copies out of one bundle share one."""
+    return BundleView.open(bundle)
+
+
+def copy_out(bundle: str | BundleView, item: str, target: str) -> CopiedOut:
+    """Copy the entry ``item`` of the local bundle ``bundle`` (a path, or a view from :func:`open_bundle`,
+    left open) to the new path ``target``.
 
     A file is copied with its mode and mtime, a symlink made as stored, a
     directory copied with everything below it. Every byte comes from a
@@ -40,11 +47,17 @@ def copy_out(bundle: str, item: str, target: str) -> CopiedOut:
     SourceError when the bundle does not hold ``item`` and DestinationError
     when ``target`` exists; a partial copy is left for the caller to remove.
     """
+    if isinstance(bundle, BundleView):
+        return _copy_entry(bundle, item, target)
     with BundleView.open(bundle) as view:
-        node = view.lookup(item)
-        if node is None:
-            raise SourceError(f"the bundle holds no {item!r}", bundle, "check the path relative to the bundle root")
-        return _copy(view, item, node, target, CopiedOut())
+        return _copy_entry(view, item, target)
+
+
+def _copy_entry(view: BundleView, item: str, target: str) -> CopiedOut:
+    node = view.lookup(item)
+    if node is None:
+        raise SourceError(f"the bundle holds no {item!r}", view.name, "check the path relative to the bundle root")
+    return _copy(view, item, node, target, CopiedOut())
 
 
 def _copy(view: BundleView, item: str, node: Node, target: str, done: CopiedOut) -> CopiedOut:

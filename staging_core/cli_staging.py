@@ -61,7 +61,8 @@ def _run_plan(args) -> int:
     from .options import StagingOptions
     from .planner import plan
     from .profiles import load_profile
-    from .routes import check_route_options, has_unpack_route
+    from .route_registry import check_route_options
+    from .routes import has_unpack_route
     from .transports.base import Direction, parse_url
     destination = parse_url(args.dest)
     routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed, reprobe=args.reprobe,

@@ -32,7 +32,8 @@ from .local_profile import observe, route_profile, uses_local_copy
 from .far_session import FarSession, SessionStream, destination_lock
 from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_dest_entries,
                      compare_with_local, delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
-from .routes import INCOMING, UnpackRoute, bundle_name, check_route_options, closing, unpack_route
+from .route_registry import check_route_options
+from .routes import INCOMING, UnpackRoute, bundle_name, closing, unpack_route
 from .scratch import scratch_dir
 from .pull_phases import OpenSource, move_packed, plan_pull
 from .streaming import PullStream, StreamOutcome, stream_pull, stream_push

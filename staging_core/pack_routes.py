@@ -19,7 +19,9 @@ from .options import StagingOptions
 from .plain import PlainRoute
 from .planner import Candidate, Plan
 from .probe import FarSide
-from .routes import BUNDLE_SUFFIXES, bundle_name, open_via, stager_argv
+from .route_registry import RouteQuery, RouteSpec, open_route, register_route
+from .routes import (BUNDLE_SUFFIXES, bundle_name, far_pallet, far_plain, open_via, open_via_endpoint,
+                     runs_commands, stager_argv)
 from .scratch import scratch, scratch_dir
 from .transports.base import Direction, Endpoint, Transport
 
@@ -212,18 +214,41 @@ def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingO
 
 def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
                far: FarSide | None = None) -> PackRoute | PlainRoute | None:
-    """The route that packs the tree at ``endpoint``, or None when there is none (bundling impossible). A
-    published bundle needs no packing (:func:`published_bundle`); then ``pack_via`` wins; otherwise local
-    sources pack in this process and sources whose transport runs commands (ssh) pack there."""
-    published = published_bundle(endpoint, transport, options)
-    if published is not None:
-        return published
+    """The registered pull route that packs the tree at ``endpoint`` (see :func:`register_pack_routes`), or None
+    when there is none (bundling impossible)."""
+    return open_route(Direction.PULL, RouteQuery(endpoint, transport, options, far))
+
+
+def _check_pack_via(options: StagingOptions, direction: Direction) -> None:
+    if options.pack_via and direction is Direction.PUSH:
+        raise UsageError("--pack-via is for pull", hint="a push packs here; use --unpack-via ssh://HOST")
     if options.pack_via:
-        return ViaPack(endpoint, options, open_via(options.pack_via, "--pack-via", options))
-    if endpoint.is_local:
-        return LocalPack(endpoint, options)
-    if transport.capabilities.remote_exec:
-        if far is None or far.pallet_usable:
-            return RemoteExecPack(endpoint, options, transport)
-        return PlainRoute(endpoint.host, far.plain_decoder, pulling=True) if far.plain_decoder else None
-    return None
+        open_via_endpoint(options.pack_via, "--pack-via")
+
+
+def register_pack_routes() -> None:
+    """pallet's pull routes, asked in this order: a published bundle needs no packing (:func:`published_bundle`);
+    then ``--pack-via``; then a local source packs in this process, and a source whose transport runs commands
+    (ssh) packs there, with pallet when the probe found it (or was not asked), else with the far side's own
+    ``tar -c`` (the plain-tools route)."""
+    for spec in (
+        RouteSpec("published-bundle", Direction.PULL, 10,
+                  lambda q: published_bundle(q.endpoint, q.transport, q.options),
+                  possible=lambda endpoint, options: endpoint.path.endswith(BUNDLE_SUFFIXES)),
+        RouteSpec("pack-via", Direction.PULL, 20,
+                  lambda q: ViaPack(q.endpoint, q.options, open_via(q.options.pack_via, "--pack-via", q.options))
+                  if q.options.pack_via else None, _check_pack_via, lambda endpoint, options: bool(options.pack_via)),
+        RouteSpec("local", Direction.PULL, 30,
+                  lambda q: LocalPack(q.endpoint, q.options) if q.endpoint.is_local else None,
+                  possible=lambda endpoint, options: endpoint.is_local),
+        RouteSpec("remote", Direction.PULL, 40,
+                  lambda q: RemoteExecPack(q.endpoint, q.options, q.transport) if far_pallet(q) else None,
+                  possible=lambda endpoint, options: runs_commands(endpoint)),
+        RouteSpec("plain-tools", Direction.PULL, 50,
+                  lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder, pulling=True) if far_plain(q) else None,
+                  possible=lambda endpoint, options: runs_commands(endpoint)),
+    ):
+        register_route(spec)
+
+
+register_pack_routes()

@@ -20,7 +20,8 @@ from .probe import FarSide
 from .slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import NotSupportedError
-from .transports.registry import open_endpoint
+from .route_registry import RouteQuery, RouteSpec, has_route, open_route, register_route
+from .transports.registry import open_endpoint, transport_class
 
 INCOMING = ".pallet/incoming"
 JOB_KINDS = ("slurm",)
@@ -248,28 +249,14 @@ def job_files(bundle: str, incoming: str, dest_path: str, options: StagingOption
 
 def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
                  far: FarSide | None = None) -> UnpackRoute | PlainRoute | None:
-    """The route that unpacks bundles at ``endpoint``, or None when there is none (bundling impossible).
-    Explicit options win: ``keep_packed``, then ``unpack_via`` (with ``unpack_job``); otherwise local
-    destinations unpack in this process and destinations whose transport runs commands (ssh) unpack there:
-    with pallet when the probe's findings ``far`` have it (or say nothing), else with the far side's own
-    tar (:class:`PlainRoute`) when it can, else there is no route."""
-    if options.keep_packed:
-        return KeepPacked(endpoint, options)
-    if options.unpack_via:
-        via = open_via(options.unpack_via, "--unpack-via", options)
-        return SlurmJobUnpack(endpoint, options, via) if options.unpack_job else ViaUnpack(endpoint, options, via)
-    if endpoint.is_local:
-        return LocalUnpack(endpoint, options)
-    if transport.capabilities.remote_exec:
-        if far is None or far.pallet_usable:
-            return RemoteExecUnpack(endpoint, options, transport)
-        return PlainRoute(endpoint.host, far.plain_decoder) if far.plain_decoder else None
-    return None
+    """The registered push route that unpacks bundles at ``endpoint`` (see :func:`register_unpack_routes`), or
+    None when there is none (bundling impossible)."""
+    return open_route(Direction.PUSH, RouteQuery(endpoint, transport, options, far))
 
 
 def has_unpack_route(endpoint: Endpoint, options: StagingOptions) -> bool:
     """Whether :func:`unpack_route` would find a route, decided without contacting anything (``pallet plan``)."""
-    return endpoint.scheme in ("file", "ssh") or bool(options.unpack_via) or options.keep_packed
+    return has_route(Direction.PUSH, endpoint, options)
 
 
 def closing(route):
@@ -278,35 +265,91 @@ def closing(route):
     return nullcontext() if route is None else route
 
 
-def check_route_options(options: StagingOptions, direction: Direction) -> None:
-    """Raise UsageError for route options that do not fit together or ``direction``: push takes ``unpack_job``
-    (one of JOB_KINDS, needs ``unpack_via``) or ``keep_packed`` (not both), ``job_options`` only with one of
-    them; pull takes only ``pack_via``. Via URLs must be ``ssh://[user@]host[:port]``."""
-    if direction is Direction.PULL:
-        if options.unpack_via or options.unpack_job or options.keep_packed or options.job_options:
-            raise UsageError("--unpack-via, --unpack-job, --job-option and --keep-packed are for push",
-                             hint="a pull unpacks here; --pack-via ssh://HOST packs at a GridFTP/Globus source")
-        if options.pack_via:
-            _via_endpoint(options.pack_via, "--pack-via")
-        return
-    if options.pack_via:
-        raise UsageError("--pack-via is for pull", hint="a push packs here; use --unpack-via ssh://HOST")
+def _push_only(options: StagingOptions, direction: Direction) -> None:
+    if direction is Direction.PULL and (options.unpack_via or options.unpack_job or options.keep_packed
+                                        or options.job_options):
+        raise UsageError("--unpack-via, --unpack-job, --job-option and --keep-packed are for push",
+                         hint="a pull unpacks here; --pack-via ssh://HOST packs at a GridFTP/Globus source")
+
+
+def _check_keep_packed(options: StagingOptions, direction: Direction) -> None:
+    _push_only(options, direction)
+    if options.keep_packed and (options.unpack_via or options.unpack_job):
+        raise UsageError("--keep-packed leaves the bundle packed: it does not go with --unpack-via/--unpack-job",
+                         hint="choose one: unpack now (--unpack-via) or later (--keep-packed, then sbatch)")
+
+
+def _check_unpack_job(options: StagingOptions, direction: Direction) -> None:
+    _push_only(options, direction)
     if options.unpack_job is not None and options.unpack_job not in JOB_KINDS:
         raise UsageError(f"unknown --unpack-job {options.unpack_job!r}", hint=f"use one of {', '.join(JOB_KINDS)}")
     if options.unpack_job and not options.unpack_via:
         raise UsageError(f"--unpack-job {options.unpack_job} needs --unpack-via",
                          hint="name the login node that runs sbatch: --unpack-via ssh://login.hpc")
-    if options.keep_packed and (options.unpack_via or options.unpack_job):
-        raise UsageError("--keep-packed leaves the bundle packed: it does not go with --unpack-via/--unpack-job",
-                         hint="choose one: unpack now (--unpack-via) or later (--keep-packed, then sbatch)")
     if options.job_options and not (options.unpack_job or options.keep_packed):
         raise UsageError("--job-option needs --unpack-job slurm or --keep-packed",
                          hint="job options go into the unpack.sbatch script those write")
+
+
+def _check_unpack_via(options: StagingOptions, direction: Direction) -> None:
+    _push_only(options, direction)
     if options.unpack_via:
-        _via_endpoint(options.unpack_via, "--unpack-via")
+        open_via_endpoint(options.unpack_via, "--unpack-via")
 
 
-def _via_endpoint(text: str, flag: str) -> Endpoint:
+def _open_via_route(query: RouteQuery, kind: type[ViaUnpack]) -> ViaUnpack:
+    return kind(query.endpoint, query.options, open_via(query.options.unpack_via, "--unpack-via", query.options))
+
+
+def runs_commands(endpoint: Endpoint) -> bool:
+    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection)."""
+    try:
+        return transport_class(endpoint.scheme).capabilities.remote_exec
+    except PalletError:
+        return False
+
+
+def far_pallet(query: RouteQuery) -> bool:
+    """The query's transport runs commands there and pallet is there (or was not probed for)."""
+    return query.transport.capabilities.remote_exec and (query.far is None or query.far.pallet_usable)
+
+
+def far_plain(query: RouteQuery) -> bool:
+    """The query's transport runs commands there, the probe found no usable pallet but a decoder for tar."""
+    return (query.transport.capabilities.remote_exec and query.far is not None and not query.far.pallet_usable
+            and bool(query.far.plain_decoder))
+
+
+def register_unpack_routes() -> None:
+    """pallet's push routes, asked in this order: explicit options first (``--keep-packed``, ``--unpack-via``
+    with or without ``--unpack-job``), then a local destination unpacks in this process, then a destination
+    whose transport runs commands (ssh) unpacks there, with pallet when the probe found it (or was not asked),
+    else with the far side's own tar when it can (the plain-tools route, see plain.py)."""
+    for spec in (
+        RouteSpec("keep-packed", Direction.PUSH, 10,
+                  lambda q: KeepPacked(q.endpoint, q.options) if q.options.keep_packed else None,
+                  _check_keep_packed, lambda endpoint, options: options.keep_packed),
+        RouteSpec("slurm-job", Direction.PUSH, 20,
+                  lambda q: _open_via_route(q, SlurmJobUnpack) if q.options.unpack_via and q.options.unpack_job
+                  else None, _check_unpack_job, lambda endpoint, options: bool(options.unpack_via)),
+        RouteSpec("unpack-via", Direction.PUSH, 30,
+                  lambda q: _open_via_route(q, ViaUnpack) if q.options.unpack_via else None,
+                  _check_unpack_via, lambda endpoint, options: bool(options.unpack_via)),
+        RouteSpec("local", Direction.PUSH, 40,
+                  lambda q: LocalUnpack(q.endpoint, q.options) if q.endpoint.is_local else None,
+                  possible=lambda endpoint, options: endpoint.is_local),
+        RouteSpec("remote", Direction.PUSH, 50,
+                  lambda q: RemoteExecUnpack(q.endpoint, q.options, q.transport) if far_pallet(q) else None,
+                  possible=lambda endpoint, options: runs_commands(endpoint)),
+        RouteSpec("plain-tools", Direction.PUSH, 60,
+                  lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder) if far_plain(q) else None,
+                  possible=lambda endpoint, options: runs_commands(endpoint)),
+    ):
+        register_route(spec)
+
+
+def open_via_endpoint(text: str, flag: str) -> Endpoint:
+    """The ssh endpoint of a via option (``--unpack-via``/``--pack-via``); UsageError naming the flag otherwise."""
     hint = f"{flag} ssh://[user@]host[:port]: a host that mounts the same file system"
     endpoint = parse_url(text) if text.startswith("ssh://") else None
     if endpoint is None or endpoint.scheme != "ssh":
@@ -315,9 +358,12 @@ def _via_endpoint(text: str, flag: str) -> Endpoint:
 
 
 def open_via(text: str, flag: str, options: StagingOptions) -> Transport:
-    return open_endpoint(_via_endpoint(text, flag), options)
+    return open_endpoint(open_via_endpoint(text, flag), options)
 
 
 def bundle_name(codec: str) -> str:
     """The file name a pushed or pulled bundle gets for ``codec``."""
     return "bundle.tar" + {"zstd": ".zst", "gzip": ".gz"}.get(codec, "")
+
+
+register_unpack_routes()

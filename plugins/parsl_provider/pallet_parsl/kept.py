@@ -6,29 +6,48 @@ import os
 import posixpath
 import shutil
 import stat
+import threading
 import uuid
+import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
-from staging_core import DestinationError, SetupError, copy_out, parse_url
+from staging_core import DestinationError, SetupError, copy_out, open_bundle, parse_url
 
 
-@dataclass
 class PackedBatch:
     """Where the apps of one keep-packed batch find their inputs: the local ``bundle`` and the remote directory
     (``root``) its paths are relative to. Both are None until the batch's tasks have finished; they are filled
     on the submitting side before Parsl launches any app reading the batch (its apps wait for the batch), so a
-    wrapper pickled at launch carries them."""
+    wrapper pickled at launch carries them. Apps that share this object (threads of one process) share one
+    open view of the bundle, whose index is read once; a pickled copy opens its own."""
 
-    bundle: str | None = None
-    root: str | None = None
+    def __init__(self):
+        self.bundle: str | None = None
+        self.root: str | None = None
+        self._view = None
+        self._lock = threading.Lock()
 
     def fill(self, done: Future) -> None:
         """The done-callback of the batch's last task (registered before any app's DataFuture)."""
         if done.exception() is None and done.result().bundle:
             result = done.result()
             self.bundle, self.root = result.bundle, parse_url(result.remote_root).path
+
+    def view(self):
+        """The bundle, opened once for every app sharing this object; it closes when this object goes."""
+        with self._lock:
+            if self._view is None:
+                self._view = open_bundle(self.bundle)
+                weakref.finalize(self, self._view.close)
+            return self._view
+
+    def __getstate__(self) -> dict:
+        return {"bundle": self.bundle, "root": self.root}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.bundle, self.root = state["bundle"], state["root"]
 
 
 def private_copy_path(scratch: str, remote_path: str) -> str:
@@ -53,7 +72,7 @@ class ReadsKeptInputs:
             if self.batch.bundle is None or self.batch.root is None:
                 raise SetupError("the kept bundle of this input's batch is not known to the app",
                                  self.remote_path, "the batch did not finish; see its error")
-            copy_out(self.batch.bundle, posixpath.relpath(self.remote_path, self.batch.root), self.local_path)
+            copy_out(self.batch.view(), posixpath.relpath(self.remote_path, self.batch.root), self.local_path)
             return self.func(*args, **kwargs)
         finally:
             shutil.rmtree(private, ignore_errors=True)
