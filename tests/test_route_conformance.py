@@ -1,0 +1,156 @@
+"""The shipped route conformance suite, run against every registered push and pull route with its real far side."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from staging_core.route_conformance import RouteCase, RouteConformance
+from staging_core.route_registry import registered_routes
+from staging_core.transports.base import Direction
+from tests.programs import program, user_env
+from tests.test_plain_route import bare  # noqa: F401  (the far side without pallet)
+from tests.test_routes import gsiftp_server, needs_gridftp, slurm, via_url  # noqa: F401
+
+
+def ssh_flags(server, with_pallet: bool = True) -> tuple[str, ...]:
+    flags = tuple(f"--ssh-option={option}" for option in server.ssh_options)
+    return (*flags, "--remote-python", sys.executable) if with_pallet else flags
+
+
+def gridftp_env(server) -> dict[str, str]:
+    """The GSI client environment of the test GridFTP server, for the installed command."""
+    return user_env(**server.client_env, PALLET_GRIDFTP_OPTIONS=shlex.join(server.options))
+
+
+def unpack_kept(dest: str, scratch: str) -> str:
+    """DEST after --keep-packed holds only .pallet/incoming (bundle, index, unpack.sbatch): unpack it elsewhere."""
+    incoming = os.path.join(dest, ".pallet", "incoming")
+    assert os.listdir(dest) == [".pallet"] and os.listdir(os.path.join(dest, ".pallet")) == ["incoming"]
+    bundle = next(name for name in os.listdir(incoming) if name.startswith("bundle.tar") and "pidx" not in name)
+    assert sorted(os.listdir(incoming)) == [bundle, f"{bundle}.pidx", "unpack.sbatch"]
+    subprocess.run([program("pallet"), "unpack", "--quiet", os.path.join(incoming, bundle), scratch],
+                   check=True, env=user_env(), stdin=subprocess.DEVNULL, timeout=300)
+    return scratch
+
+
+def published(tree: str, scratch: str) -> str:
+    """``tree`` packed into a bundle with its index beside it, as `pallet pack` publishes one."""
+    os.makedirs(scratch)
+    bundle = os.path.join(scratch, "data.tar.zst")
+    subprocess.run([program("pallet"), "pack", "--quiet", tree, bundle], check=True, env=user_env(),
+                   stdin=subprocess.DEVNULL, timeout=300)
+    return bundle
+
+
+# ---------------------------------------------------------------- push routes
+
+class TestLocalPush(RouteConformance):
+    route, direction = "local", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self):
+        return RouteCase(far=lambda path: path, env=user_env(), pallet=program("pallet"))
+
+
+class TestRemotePush(RouteConformance):
+    route, direction = "remote", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self, sshd):
+        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), pallet=program("pallet"))
+
+
+class TestPlainToolsPush(RouteConformance):
+    route, direction = "plain-tools", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self, bare):  # noqa: F811
+        return RouteCase(far=bare.url, flags=ssh_flags(bare, with_pallet=False), env=user_env(),
+                         expect_route="plain tools", pallet=program("pallet"))
+
+
+class TestKeepPackedPush(RouteConformance):
+    route, direction = "keep-packed", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self):
+        return RouteCase(far=lambda path: path, flags=("--keep-packed",), env=user_env(), landed=unpack_kept,
+                         expect_route="kept packed", pallet=program("pallet"))
+
+
+@needs_gridftp
+class TestUnpackViaPush(RouteConformance):
+    route, direction = "unpack-via", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self, gsiftp_server, sshd):  # noqa: F811
+        return RouteCase(far=gsiftp_server.url, flags=(*ssh_flags(sshd), "--unpack-via", via_url(sshd)),
+                         env=gridftp_env(gsiftp_server), expect_route="via ssh://", pallet=program("pallet"))
+
+
+@needs_gridftp
+class TestSlurmJobPush(RouteConformance):
+    route, direction = "slurm-job", Direction.PUSH
+
+    @pytest.fixture
+    def route_case(self, gsiftp_server, sshd, slurm):  # noqa: F811
+        flags = (*ssh_flags(sshd), *(f"--ssh-option={o}" for o in slurm.ssh_options), "--unpack-via", via_url(sshd),
+                 "--unpack-job", "slurm")
+        return RouteCase(far=gsiftp_server.url, flags=flags, env=gridftp_env(gsiftp_server),
+                         expect_route="slurm job", pallet=program("pallet"))
+
+
+# ---------------------------------------------------------------- pull routes
+
+class TestLocalPull(RouteConformance):
+    route, direction = "local", Direction.PULL
+
+    @pytest.fixture
+    def route_case(self):
+        return RouteCase(far=lambda path: path, env=user_env(), pallet=program("pallet"))
+
+
+class TestRemotePull(RouteConformance):
+    route, direction = "remote", Direction.PULL
+
+    @pytest.fixture
+    def route_case(self, sshd):
+        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), pallet=program("pallet"))
+
+
+class TestPlainToolsPull(RouteConformance):
+    route, direction = "plain-tools", Direction.PULL
+
+    @pytest.fixture
+    def route_case(self, bare):  # noqa: F811
+        return RouteCase(far=bare.url, flags=ssh_flags(bare, with_pallet=False), env=user_env(),
+                         expect_route="plain tools", pallet=program("pallet"))
+
+
+class TestPublishedBundlePull(RouteConformance):
+    route, direction = "published-bundle", Direction.PULL
+
+    @pytest.fixture
+    def route_case(self, sshd):
+        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), source=published,
+                         pallet=program("pallet"))
+
+
+@needs_gridftp
+class TestPackViaPull(RouteConformance):
+    route, direction = "pack-via", Direction.PULL
+
+    @pytest.fixture
+    def route_case(self, gsiftp_server, sshd):  # noqa: F811
+        return RouteCase(far=gsiftp_server.url, flags=(*ssh_flags(sshd), "--pack-via", via_url(sshd)),
+                         env=gridftp_env(gsiftp_server), pallet=program("pallet"))
+
+
+def test_every_registered_route_has_a_conformance_run():
+    registered = {(direction, spec.name) for direction in Direction for spec in registered_routes(direction)}
+    assert registered <= RouteConformance.tested_routes, \
+        f"routes without a conformance run: {sorted(registered - RouteConformance.tested_routes)}"
