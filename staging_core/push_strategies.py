@@ -1,0 +1,173 @@
+"""The ways a push moves a tree, as strategies: individually, streamed, stored and forwarded, hybrid, plain tools."""
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from bundles.progress import NoProgress, Progress
+from bundles.scan import SourceTree
+from bundles.state import ensure_state_dir
+from bundles.writer import PackOptions, pack
+
+from .far_session import SessionStream
+from .inventory import Inventory
+from .options import StagingOptions
+from .plain import PlainRoute
+from .plain_push import push_plain
+from .planner import Plan
+from .routes import UnpackRoute, bundle_name
+from .scratch import scratch_dir
+from .strategy_base import Attempt, Stage, Strategy, streams_where, transfer_all
+from .streaming import stream_push
+from .transports.base import Direction, Endpoint, Transport
+
+
+@dataclass(frozen=True)
+class PushContext:
+    """What every attempt of one push works with: the transport to DEST and its route, the tree to send (only
+    ``include`` of it when a selection or the comparison with DEST narrowed it), its inventory and paths, the
+    plan, the options, progress, and the far-side session's ``receiver`` of streams when there is one."""
+
+    transport: Transport
+    endpoint: Endpoint
+    route: UnpackRoute | PlainRoute | None
+    tree: SourceTree
+    chosen: Plan
+    inventory: Inventory
+    paths: list[bytes]
+    options: StagingOptions
+    progress: Progress
+    include: frozenset[bytes] | None = None
+    receiver: Callable[[], SessionStream] | None = None
+
+    @property
+    def src(self) -> str:
+        return os.fsdecode(self.tree.root)
+
+    @property
+    def codec(self) -> str:
+        """The bundle codec: the user's, else the plan's, else zstd."""
+        return self.options.codec or self.chosen.chosen.codec or "zstd"
+
+
+class IndividualPush(Strategy[PushContext]):
+    """One batch transfer of the files themselves (rsync over ssh, a parallel copy locally ...)."""
+
+    name = "individual"
+
+    def run(self, ctx: PushContext) -> Attempt:
+        attempt = Attempt(route="individual")
+        listed = None if ctx.include is None else [os.fsdecode(p) for p in ctx.paths]
+        if listed is None and ctx.transport.scheme == "file":        # the scan's names: no second walk of SRC
+            listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
+        with Stage(attempt, ctx.progress, "transfer", len(ctx.inventory.sizes), ctx.inventory.stats.bytes):
+            attempt.count(transfer_all(ctx.transport, Direction.PUSH, ctx.src, ctx.endpoint, listed))
+        return attempt
+
+
+class PlainToolsPush(Strategy[PushContext]):
+    """Bundles into the far side's own ``tar -x``, checked with its md5sum (staging_core.plain_push)."""
+
+    name = "plain-tools"
+
+    def run(self, ctx: PushContext) -> Attempt:
+        outcome = push_plain(ctx.transport, ctx.tree, ctx.endpoint, ctx.route, ctx.options.jobs, ctx.progress,
+                             clear_state=ctx.include is None and not ctx.options.keep_packed)
+        attempt = Attempt(ctx.route.description, outcome.rounds, dict(outcome.stage_seconds))
+        attempt.bytes_sent = outcome.bytes_sent
+        return attempt
+
+
+class StreamPush(Strategy[PushContext]):
+    """The bundle streamed into the far side's unpacker as it is packed (the far-side session's receiver when
+    the push runs one), resumable by shard."""
+
+    name = "stream"
+
+    def run(self, ctx: PushContext) -> Attempt:
+        attempt = Attempt()
+        attempt.streamed(stream_push(ctx.transport, ctx.src, ctx.endpoint, ctx.codec, ctx.options, ctx.progress,
+                                     ctx.tree, ctx.receiver))
+        return attempt
+
+
+class StoreAndForwardPush(Strategy[PushContext]):
+    """Pack here, one transfer of bundle and index into the route's incoming directory, unpack there."""
+
+    name = "store-and-forward"
+
+    def run(self, ctx: PushContext) -> Attempt:
+        attempt = Attempt()
+        push_bundle(ctx, frozenset(), attempt)
+        return attempt
+
+
+class HybridPush(Strategy[PushContext]):
+    """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory
+    times). Only for a whole tree: a narrowed one goes as a bundle."""
+
+    name = "hybrid"
+
+    def run(self, ctx: PushContext) -> Attempt:
+        attempt = Attempt()
+        large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes) if size >= ctx.options.large_file_bytes]
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(transfer_all, ctx.transport, Direction.PUSH, ctx.src, ctx.endpoint,
+                                  [os.fsdecode(p) for p in large])
+            push_bundle(ctx, frozenset(large), attempt)
+            attempt.count(sending.result())
+        attempt.route = f"hybrid: {len(large)} large file(s) individually, the rest {ctx.route.description}"
+        return attempt
+
+
+def push_strategy(ctx: PushContext, planned: str) -> Strategy[PushContext]:
+    """The strategy that carries out ``planned`` (individual, bundle or hybrid) where ``ctx`` leads: a bundle
+    goes through the far side's plain tools when that is the route, is streamed where the transport and the
+    route can (and ``--stream`` allows), else is stored and forwarded."""
+    if planned == "individual":
+        return IndividualPush()
+    if isinstance(ctx.route, PlainRoute):
+        return PlainToolsPush()
+    if planned == "hybrid":
+        return HybridPush()
+    if can_stream(ctx.transport, ctx.route, ctx.options):
+        return StreamPush()
+    return StoreAndForwardPush()
+
+
+def can_stream(transport: Transport, route: UnpackRoute, options: StagingOptions) -> bool:
+    return streams_where(transport.capabilities.streaming and route.streams, options,
+                         f"{transport.scheme} to this destination cannot stream",
+                         "; streaming needs an ssh destination with pallet and no --launcher")
+
+
+def push_bundle(ctx: PushContext, exclude: frozenset[bytes], attempt: Attempt) -> None:
+    """Store and forward: pack here (``ctx.include`` of the tree, without ``exclude``), one transfer of bundle +
+    index into the route's incoming, unpack there."""
+    transport, endpoint, route, options, include = ctx.transport, ctx.endpoint, ctx.route, ctx.options, ctx.include
+    staging = scratch_dir("pallet-push-")
+    try:
+        bundle = os.path.join(staging, bundle_name(ctx.codec))
+        with Stage(attempt, NoProgress(), "pack"):          # pack draws its own bar
+            pack(ctx.src, bundle, PackOptions(codec=ctx.codec, shard_size=options.shard_size, jobs=options.jobs,
+                                              exclude=exclude, include=include), ctx.progress)
+        if endpoint.is_local:
+            ensure_state_dir(endpoint.path)     # never follow a link planted at DEST/.pallet
+        transport.mkdir(route.incoming)
+        names = [os.path.basename(bundle), os.path.basename(bundle) + ".pidx", *route.extra_files(bundle)]
+        with Stage(attempt, ctx.progress, "transfer", 0, os.path.getsize(bundle)):
+            sent = transport.transfer(Direction.PUSH, staging, route.incoming, names)
+        if not sent.ok:
+            raise next(iter(sent.failed.values()))
+        attempt.count(sent)
+        with Stage(attempt, ctx.progress, "unpack"):
+            attempt.skipped_shards += route.unpack(os.path.join(route.incoming, names[0]),
+                                                   keep_journal=include is None)
+        attempt.route = route.description
+        if include is not None:     # a selection; a whole-tree push clears all of DEST/.pallet at the end
+            route.discard([os.path.join(route.incoming, n) for n in names])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
