@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -12,30 +11,27 @@ from typing import Callable, Sequence
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
-from bundles.state import STATE_DIR, remove_state
+from bundles.state import remove_state
 
 from .dry_run import pull_dry_run, push_dry_run
-from .far_session import FarSession, destination_lock
-from .inventory import Inventory, compress_ratio, tree_inventory
-from .local_profile import observe, route_profile, uses_local_copy
+from .inventory import Inventory
+from .local_profile import observe, uses_local_copy
 from .locking import DestinationLock
 from .options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
 from .pack_routes import PublishedBundle
 from .plain import PlainRoute
-from .planner import Plan, plan
-from .probe import far_side_options
+from .planner import Plan
 from .pull_phases import OpenSource, plan_pull
 from .pull_strategies import PullContext, early_stream, pull_strategy
+from .push_phases import OpenDestination, finish_push, plan_push
 from .push_strategies import PushContext, push_strategy
-from .repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_dest_entries,
-                     compare_with_local, delete_extra, dest_md5, dirs_to_restore, finish_local_pull, fix_directories)
+from .repair import COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, finish_local_pull
 from .route_registry import check_route_options
-from .routes import UnpackRoute, closing, unpack_route
-from .strategy_base import Attempt
+from .strategy_base import Attempt, resolve_strategy
 from .streaming import PullStream
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import TransportError
-from .transports.registry import open_endpoint, open_transport
+from .transports.registry import open_transport
 
 
 def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
@@ -69,78 +65,40 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
         walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
         try:
-            with open_endpoint(endpoint, options) as transport:
-                options, far = far_side_options(transport, endpoint, options)
-                with closing(unpack_route(endpoint, transport, options, far)) as route, \
-                        destination_lock(endpoint, transport, options, _session_possible(transport, route, options),
-                                         wait=items is not None, listing=include is None) as lock:
-                    return _push_locked(walking.result(), endpoint, transport, lock, route, options, progress,
-                                        include, started)
+            with OpenDestination(endpoint, options, wait=items is not None, listing=include is None) as dest:
+                return _push_locked(walking.result(), dest, progress, include, started)
         finally:
             walking.cancel()
 
 
-def _push_locked(tree: SourceTree, endpoint: Endpoint, transport: Transport, lock: DestinationLock | FarSession,
-                 route, options: StagingOptions, progress: Progress | None, include: frozenset[bytes] | None,
-                 started: float) -> StagingResult:
-    """push, once DEST is locked and its route known: compare with DEST (a whole tree sends only what
-    differs), plan, run with retries, clear DEST/.pallet, delete extras with ``options.delete``. When ``lock``
-    is a far-side session, it also lists DEST, receives streams, sets directory times and clears DEST/.pallet."""
-    src, whole, full = os.fsdecode(tree.root), include is None, tree
-    session = lock if isinstance(lock, FarSession) else None
-    comparison = _comparison(transport, endpoint, tree, route, options, session) if whole else None
-    if comparison is not None and not comparison.nothing_to_send:
-        include = frozenset(comparison.to_send)
-        tree = scan(src, "none", 0, include=include)
-    inventory, paths = tree_inventory(tree, options.large_file_bytes)
-    profile, bundle_possible = route_profile(endpoint, options, route is not None)
-    chosen = plan(inventory.stats, profile, compress_ratio(src, paths), max(1, options.ranks), bundle_possible)
-    strategy = _strategy(chosen, options, route, endpoint)
-    if strategy == "hybrid" and (include is not None or isinstance(route, PlainRoute)):
-        strategy = "bundle"
-    if not lock.supported:
+def _push_locked(full: SourceTree, dest: OpenDestination, progress: Progress | None,
+                 include: frozenset[bytes] | None, started: float) -> StagingResult:
+    """push, once DEST is open and locked: compare and plan (:func:`plan_push`), run the strategy with retries,
+    then finish (:func:`finish_push`: deletions, directory times, DEST/.pallet cleared)."""
+    transport, endpoint, options, whole = dest.transport, dest.endpoint, dest.options, include is None
+    planned = plan_push(dest, full, include)
+    inventory, comparison = planned.inventory, planned.comparison
+    if not dest.lock.supported:
         transport.mkdir(endpoint.path)      # the lock made DEST otherwise
-    if comparison is not None and comparison.nothing_to_send:
-        run, attempts, inventory = Attempt(route="already in place"), 0, Inventory(src, [], options.large_file_bytes)
+    if planned.nothing_to_send:
+        run, attempts = Attempt(route="already in place"), 0
+        inventory = Inventory(os.fsdecode(full.root), [], options.large_file_bytes)
     else:
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
+        session = dest.session
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
-        context = PushContext(transport, endpoint, route, tree, chosen, inventory, paths, options,
-                              progress or NoProgress(), include, receiver)
-        way = push_strategy(context, strategy)
+        context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
+                              planned.paths, options, progress or NoProgress(), planned.include, receiver)
+        way = push_strategy(context, planned.strategy)
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
-    in_place = comparison.in_place if comparison else 0
-    if whole and options.delete:
-        comparison = comparison or compare_with_dest(transport, endpoint, full) or Comparison()
-        delete_extra(transport, endpoint, comparison.extra)
-    if comparison is not None:
-        fix_directories(session or transport, endpoint, full,
-                        dirs_to_restore(full, comparison, whole and options.delete))
-    if whole and not options.keep_packed and not isinstance(route, PlainRoute):
-        _clear_state(transport, endpoint, route, session)   # a plain-tools session clears DEST/.pallet itself
-    result = replace(_result(endpoint.url(), chosen, strategy, inventory, run, attempts, started),
-                     in_place=in_place, deleted=len(comparison.extra) if whole and options.delete else 0)
-    if strategy == "individual" and not in_place and uses_local_copy(endpoint.scheme, options.profile):
+    deleted = finish_push(dest, full, comparison, whole)
+    result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started),
+                     in_place=comparison.in_place if comparison else 0, deleted=deleted)
+    if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,
+                                                                                      options.profile):
         observe(endpoint.path, result.files, result.file_bytes, result.seconds)
     return result
-
-
-def _comparison(transport: Transport, endpoint: Endpoint, tree: SourceTree, route, options: StagingOptions,
-                session: FarSession | None) -> Comparison | None:
-    """DEST compared with the whole source, where a push compares (not into a plain-tools route, which lists
-    DEST itself, nor for --keep-packed), from the session's listing when there is one."""
-    if options.keep_packed or isinstance(route, PlainRoute):
-        return None
-    if session is not None:
-        return compare_with_dest_entries(session.entries(), transport, endpoint, tree, options.checksum)
-    return compare_with_dest(transport, endpoint, tree, options.checksum)
-
-
-def _session_possible(transport: Transport, route, options: StagingOptions) -> bool:
-    """Whether a push may run through one far-side session (staging_core.far_session): where it would stream."""
-    return isinstance(route, UnpackRoute) and transport.capabilities.streaming and route.streams \
-        and options.stream != "off"
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
@@ -184,7 +142,7 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             if early is not None:
                 sizes = stack.enter_context(early).file_sizes()
         inventory, chosen = plan_pull(source, local.path, items, sizes)
-        strategy = _strategy(chosen, options, route, endpoint)
+        strategy = resolve_strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
         if early is not None and strategy != "bundle":
             early.close()                           # the plan is individual: that sender stops now
@@ -224,20 +182,6 @@ def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
     return compare_with_local(transport.list(endpoint.path), dest, hashes)
 
 
-def _clear_state(transport: Transport, endpoint: Endpoint, route: UnpackRoute | None,
-                 session: FarSession | None = None) -> None:
-    """After a whole-tree push: remove DEST/.pallet, with any state older runs left (the lock is still held)."""
-    state = posixpath.join(endpoint.path, STATE_DIR)
-    if session is not None:
-        session.clear()
-    elif endpoint.is_local:
-        remove_state(endpoint.path)
-    elif transport.capabilities.remote_exec:
-        transport.run(["rm", "-rf", "--", state])
-    elif route is not None:
-        route.run_there(["rm", "-rf", "--", state])
-
-
 def _check_options(options: StagingOptions) -> None:
     if options.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
@@ -245,16 +189,6 @@ def _check_options(options: StagingOptions) -> None:
         raise UsageError(f"unknown stream mode {options.stream!r}", hint=f"use one of {', '.join(STREAM_MODES)}")
     if options.ranks < 0 or options.retries < 0:
         raise UsageError("--ranks and --retries must not be negative")
-
-
-def _strategy(chosen: Plan, options: StagingOptions, route, endpoint: Endpoint) -> str:
-    if options.strategy == "auto":
-        return chosen.strategy
-    if options.strategy != "individual" and route is None:
-        raise UsageError(f"--strategy {options.strategy} needs a way to run pallet at {endpoint.url()}",
-                         hint="add --unpack-via ssh://HOST (a host that mounts that file system), "
-                              "--keep-packed, or use --strategy individual")
-    return options.strategy
 
 
 def _prepare_local_dest(dest: str) -> None:

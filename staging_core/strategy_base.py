@@ -79,6 +79,18 @@ class Stage:
         seconds[self.name] = seconds.get(self.name, 0.0) + time.monotonic() - self.started
 
 
+def resolve_strategy(chosen, options: StagingOptions, route, endpoint: Endpoint) -> str:
+    """The strategy to run: the planner's choice (a planner.Plan) under ``--strategy auto``, else the user's;
+    UsageError when the user asks for a bundle where no route can unpack or pack one."""
+    if options.strategy == "auto":
+        return chosen.strategy
+    if options.strategy != "individual" and route is None:
+        raise UsageError(f"--strategy {options.strategy} needs a way to run pallet at {endpoint.url()}",
+                         hint="add --unpack-via ssh://HOST (a host that mounts that file system), "
+                              "--keep-packed, or use --strategy individual")
+    return options.strategy
+
+
 def streams_where(capable: bool, options: StagingOptions, why_not: str, needs: str = "") -> bool:
     """Whether ``options.stream`` (auto, on, off) streams where ``capable`` says it can; UsageError for 'on'
     where it cannot."""

@@ -1,0 +1,145 @@
+"""A push's phases as public steps — open and lock the destination, compare and plan, finish — that push() composes."""
+from __future__ import annotations
+
+import os
+import posixpath
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from bundles.scan import SourceTree, scan
+from bundles.state import STATE_DIR, remove_state
+
+from .far_session import FarSession, destination_lock
+from .inventory import Inventory, compress_ratio, tree_inventory
+from .locking import DestinationLock
+from .local_profile import route_profile
+from .options import StagingOptions
+from .plain import PlainRoute
+from .planner import Plan, plan
+from .probe import far_side_options
+from .repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra, dirs_to_restore,
+                     fix_directories)
+from .routes import UnpackRoute, closing, unpack_route
+from .strategy_base import resolve_strategy
+from .transports.base import Endpoint, Transport, parse_url
+from .transports.registry import open_endpoint
+
+
+class OpenDestination:
+    """A push destination opened and locked: its transport, the options as the probe left them (``far``: what
+    the probe found), the route that unpacks bundles there (None: files only go individually) and the lock,
+    which is a far-side session (``session``) when the push may stream over ssh, else a DestinationLock.
+    ``wait``: wait for another run's lock instead of failing; ``listing``: the session sends DEST's listing.
+
+    Use it as a context manager; it releases the lock, then closes the route and the transport.
+    """
+
+    def __init__(self, dest_url: str | Endpoint, options: StagingOptions, wait: bool = False, listing: bool = True):
+        self.endpoint = dest_url if isinstance(dest_url, Endpoint) else parse_url(dest_url)
+        self._stack = ExitStack()
+        try:
+            self.transport: Transport = self._stack.enter_context(open_endpoint(self.endpoint, options))
+            self.options, self.far = far_side_options(self.transport, self.endpoint, options)
+            self.route: UnpackRoute | PlainRoute | None = self._stack.enter_context(
+                closing(unpack_route(self.endpoint, self.transport, self.options, self.far)))
+            self.lock: DestinationLock | FarSession = self._stack.enter_context(
+                destination_lock(self.endpoint, self.transport, self.options, self.streams, wait=wait,
+                                 listing=listing))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    @property
+    def streams(self) -> bool:
+        """Whether bundles may stream into the route there (so one far-side session may serve the push)."""
+        return isinstance(self.route, UnpackRoute) and self.transport.capabilities.streaming \
+            and self.route.streams and self.options.stream != "off"
+
+    @property
+    def session(self) -> FarSession | None:
+        return self.lock if isinstance(self.lock, FarSession) else None
+
+    def __enter__(self) -> "OpenDestination":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """What a push will send: the ``tree`` (narrowed to what differs from DEST), ``include`` (None: all of it),
+    its inventory and paths, the planner's choice, the strategy to run, and the comparison with DEST (None:
+    not compared)."""
+
+    tree: SourceTree
+    include: frozenset[bytes] | None
+    inventory: Inventory
+    paths: list[bytes]
+    chosen: Plan
+    strategy: str
+    comparison: Comparison | None = None
+
+    @property
+    def nothing_to_send(self) -> bool:
+        return self.comparison is not None and self.comparison.nothing_to_send
+
+
+def compare_destination(dest: OpenDestination, tree: SourceTree) -> Comparison | None:
+    """DEST compared with the whole source, where a push compares (not into a plain-tools route, which lists
+    DEST itself, nor for --keep-packed), from the session's listing when there is one."""
+    if dest.options.keep_packed or isinstance(dest.route, PlainRoute):
+        return None
+    if dest.session is not None:
+        return compare_with_dest_entries(dest.session.entries(), dest.transport, dest.endpoint, tree,
+                                         dest.options.checksum)
+    return compare_with_dest(dest.transport, dest.endpoint, tree, dest.options.checksum)
+
+
+def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes] | None = None) -> PushPlan:
+    """Compare a whole tree (``include`` None) with DEST and narrow it to what differs, then plan what is left:
+    the inventory, the planner's choice from the route's profile, and the strategy (a hybrid plan of a
+    selection or into the plain-tools route runs as a bundle). Raises UsageError for a strategy the
+    destination cannot honour."""
+    src, options = os.fsdecode(tree.root), dest.options
+    comparison = compare_destination(dest, tree) if include is None else None
+    if comparison is not None and not comparison.nothing_to_send:
+        include = frozenset(comparison.to_send)
+        tree = scan(src, "none", 0, include=include)
+    inventory, paths = tree_inventory(tree, options.large_file_bytes)
+    profile, bundle_possible = route_profile(dest.endpoint, options, dest.route is not None)
+    chosen = plan(inventory.stats, profile, compress_ratio(src, paths), max(1, options.ranks), bundle_possible)
+    strategy = resolve_strategy(chosen, options, dest.route, dest.endpoint)
+    if strategy == "hybrid" and (include is not None or isinstance(dest.route, PlainRoute)):
+        strategy = "bundle"
+    return PushPlan(tree, include, inventory, paths, chosen, strategy, comparison)
+
+
+def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison | None, whole: bool) -> int:
+    """After the strategy: with ``--delete`` remove DEST entries the source lacks, give directories their
+    source times again, and clear DEST/.pallet after a whole-tree push (the lock is still held); return the
+    entries deleted."""
+    deleted = 0
+    if whole and dest.options.delete:
+        comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full) or Comparison()
+        delete_extra(dest.transport, dest.endpoint, comparison.extra)
+        deleted = len(comparison.extra)
+    if comparison is not None:
+        fix_directories(dest.session or dest.transport, dest.endpoint, full,
+                        dirs_to_restore(full, comparison, whole and dest.options.delete))
+    if whole and not dest.options.keep_packed and not isinstance(dest.route, PlainRoute):
+        clear_state(dest)                   # a plain-tools session clears DEST/.pallet itself
+    return deleted
+
+
+def clear_state(dest: OpenDestination) -> None:
+    """Remove DEST/.pallet, with any state older runs left."""
+    state = posixpath.join(dest.endpoint.path, STATE_DIR)
+    if dest.session is not None:
+        dest.session.clear()
+    elif dest.endpoint.is_local:
+        remove_state(dest.endpoint.path)
+    elif dest.transport.capabilities.remote_exec:
+        dest.transport.run(["rm", "-rf", "--", state])
+    elif dest.route is not None:
+        dest.route.run_there(["rm", "-rf", "--", state])
