@@ -301,8 +301,14 @@ def _open_via_route(query: RouteQuery, kind: type[ViaUnpack]) -> ViaUnpack:
     return kind(query.endpoint, query.options, open_via(query.options.unpack_via, "--unpack-via", query.options))
 
 
-def runs_commands(endpoint: Endpoint) -> bool:
-    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection)."""
+def is_local(endpoint: Endpoint, options: StagingOptions) -> bool:
+    """A route's ``possible``: the endpoint is a local path."""
+    return endpoint.is_local
+
+
+def runs_commands(endpoint: Endpoint, options: StagingOptions | None = None) -> bool:
+    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection);
+    also a route's ``possible``."""
     try:
         return transport_class(endpoint.scheme).capabilities.remote_exec
     except PalletError:
@@ -337,13 +343,13 @@ def register_unpack_routes() -> None:
                   _check_unpack_via, lambda endpoint, options: bool(options.unpack_via)),
         RouteSpec("local", Direction.PUSH, 40,
                   lambda q: LocalUnpack(q.endpoint, q.options) if q.endpoint.is_local else None,
-                  possible=lambda endpoint, options: endpoint.is_local),
+                  possible=is_local),
         RouteSpec("remote", Direction.PUSH, 50,
                   lambda q: RemoteExecUnpack(q.endpoint, q.options, q.transport) if far_pallet(q) else None,
-                  possible=lambda endpoint, options: runs_commands(endpoint)),
+                  possible=runs_commands),
         RouteSpec("plain-tools", Direction.PUSH, 60,
                   lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder) if far_plain(q) else None,
-                  possible=lambda endpoint, options: runs_commands(endpoint)),
+                  possible=runs_commands),
     ):
         register_route(spec)
 

@@ -46,6 +46,27 @@ def published(tree: str, scratch: str) -> str:
     return bundle
 
 
+def local_case(**extra) -> RouteCase:
+    return RouteCase(far=lambda path: path, env=user_env(), pallet=program("pallet"), **extra)
+
+
+def remote_case(server, **extra) -> RouteCase:
+    """A far side over ssh with pallet (this environment's Python)."""
+    return RouteCase(far=server.url, flags=ssh_flags(server), env=user_env(), pallet=program("pallet"), **extra)
+
+
+def plain_case(server) -> RouteCase:
+    """A far side over ssh without pallet: its own tar and md5sum."""
+    return RouteCase(far=server.url, flags=ssh_flags(server, with_pallet=False), env=user_env(),
+                     expect_route="plain tools", pallet=program("pallet"))
+
+
+def gridftp_case(gridftp, sshd, *flags: str, expect_route: str = "") -> RouteCase:
+    """A GridFTP far side whose file system the test sshd also sees (the via host)."""
+    return RouteCase(far=gridftp.url, flags=(*ssh_flags(sshd), *flags), env=gridftp_env(gridftp),
+                     expect_route=expect_route, pallet=program("pallet"))
+
+
 # ---------------------------------------------------------------- push routes
 
 class TestLocalPush(RouteConformance):
@@ -53,7 +74,7 @@ class TestLocalPush(RouteConformance):
 
     @pytest.fixture
     def route_case(self):
-        return RouteCase(far=lambda path: path, env=user_env(), pallet=program("pallet"))
+        return local_case()
 
 
 class TestRemotePush(RouteConformance):
@@ -61,7 +82,7 @@ class TestRemotePush(RouteConformance):
 
     @pytest.fixture
     def route_case(self, sshd):
-        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), pallet=program("pallet"))
+        return remote_case(sshd)
 
 
 class TestPlainToolsPush(RouteConformance):
@@ -69,8 +90,7 @@ class TestPlainToolsPush(RouteConformance):
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811
-        return RouteCase(far=bare.url, flags=ssh_flags(bare, with_pallet=False), env=user_env(),
-                         expect_route="plain tools", pallet=program("pallet"))
+        return plain_case(bare)
 
 
 class TestKeepPackedPush(RouteConformance):
@@ -78,8 +98,7 @@ class TestKeepPackedPush(RouteConformance):
 
     @pytest.fixture
     def route_case(self):
-        return RouteCase(far=lambda path: path, flags=("--keep-packed",), env=user_env(), landed=unpack_kept,
-                         expect_route="kept packed", pallet=program("pallet"))
+        return local_case(flags=("--keep-packed",), landed=unpack_kept, expect_route="kept packed")
 
 
 @needs_gridftp
@@ -88,8 +107,7 @@ class TestUnpackViaPush(RouteConformance):
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd):  # noqa: F811
-        return RouteCase(far=gsiftp_server.url, flags=(*ssh_flags(sshd), "--unpack-via", via_url(sshd)),
-                         env=gridftp_env(gsiftp_server), expect_route="via ssh://", pallet=program("pallet"))
+        return gridftp_case(gsiftp_server, sshd, "--unpack-via", via_url(sshd), expect_route="via ssh://")
 
 
 @needs_gridftp
@@ -98,10 +116,8 @@ class TestSlurmJobPush(RouteConformance):
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd, slurm):  # noqa: F811
-        flags = (*ssh_flags(sshd), *(f"--ssh-option={o}" for o in slurm.ssh_options), "--unpack-via", via_url(sshd),
-                 "--unpack-job", "slurm")
-        return RouteCase(far=gsiftp_server.url, flags=flags, env=gridftp_env(gsiftp_server),
-                         expect_route="slurm job", pallet=program("pallet"))
+        return gridftp_case(gsiftp_server, sshd, *(f"--ssh-option={o}" for o in slurm.ssh_options),
+                            "--unpack-via", via_url(sshd), "--unpack-job", "slurm", expect_route="slurm job")
 
 
 # ---------------------------------------------------------------- pull routes
@@ -111,7 +127,7 @@ class TestLocalPull(RouteConformance):
 
     @pytest.fixture
     def route_case(self):
-        return RouteCase(far=lambda path: path, env=user_env(), pallet=program("pallet"))
+        return local_case()
 
 
 class TestRemotePull(RouteConformance):
@@ -119,7 +135,7 @@ class TestRemotePull(RouteConformance):
 
     @pytest.fixture
     def route_case(self, sshd):
-        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), pallet=program("pallet"))
+        return remote_case(sshd)
 
 
 class TestPlainToolsPull(RouteConformance):
@@ -127,8 +143,7 @@ class TestPlainToolsPull(RouteConformance):
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811
-        return RouteCase(far=bare.url, flags=ssh_flags(bare, with_pallet=False), env=user_env(),
-                         expect_route="plain tools", pallet=program("pallet"))
+        return plain_case(bare)
 
 
 class TestPublishedBundlePull(RouteConformance):
@@ -136,8 +151,7 @@ class TestPublishedBundlePull(RouteConformance):
 
     @pytest.fixture
     def route_case(self, sshd):
-        return RouteCase(far=sshd.url, flags=ssh_flags(sshd), env=user_env(), source=published,
-                         pallet=program("pallet"))
+        return remote_case(sshd, source=published)
 
 
 @needs_gridftp
@@ -146,8 +160,7 @@ class TestPackViaPull(RouteConformance):
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd):  # noqa: F811
-        return RouteCase(far=gsiftp_server.url, flags=(*ssh_flags(sshd), "--pack-via", via_url(sshd)),
-                         env=gridftp_env(gsiftp_server), pallet=program("pallet"))
+        return gridftp_case(gsiftp_server, sshd, "--pack-via", via_url(sshd))
 
 
 def test_every_registered_route_has_a_conformance_run():
