@@ -5,13 +5,13 @@ import errno
 import fcntl
 import os
 import shutil
-import stat
 from contextlib import contextmanager
 from typing import Iterator
 
 from .errors import DestinationError, DestinationLocked
-from .extract import create_file, destination_error
+from .extract import destination_error
 from .reserved import STATE_DIR
+from .state_fd import remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
 
@@ -49,52 +49,29 @@ def holding_lock(dest: str, held_by_caller: bool = False, wait: bool = False) ->
 def ensure_state_dir(dest: str) -> str:
     """Create DEST/.pallet (mode 0700), or check the one there; return its path.
 
-    An existing one must be a real directory (not a symlink), owned by this
-    user and writable by nobody else: otherwise someone else could have made
-    it, or could put links in it, and pallet would write through them.
+    An existing one must be a real directory (not a symbolic link), owned by
+    this user and writable by nobody else: otherwise someone else could have
+    made it, or could put links in it, and pallet would write through them.
+    It is reached through a descriptor of DEST, never through a link.
     Raises DestinationError naming it and the fix.
     """
-    path = state_path(dest)
-    try:
-        os.mkdir(path, 0o700)
-        return path
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise DestinationError(f"cannot create pallet's state directory ({exc.strerror})", path,
-                               "check that DEST is a writable directory") from None
-    problem = _state_dir_problem(os.lstat(path))
-    if problem:
-        raise DestinationError(f"{problem}: pallet keeps its state there and will not write through it", path,
-                               f"remove it (rm -r {path}) if you did not make it, then run again")
-    return path
-
-
-def _state_dir_problem(st: os.stat_result) -> str | None:
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.geteuid():
-        return f"belongs to another user (uid {st.st_uid})"
-    if st.st_mode & 0o022:
-        return "is writable by other users"
-    return None
+    with state_dir_fd(dest):
+        return state_path(dest)
 
 
 def mark_incomplete(dest: str, text: str) -> str:
     """Create DEST/.pallet (if needed) and write ``text`` to DEST/.pallet/INCOMPLETE; return the marker's path.
 
-    The marker is created anew (a file or link already there is unlinked,
-    never written through), so it always tells the current operation.
+    The marker is created anew, relative to the state directory's descriptor
+    (a file or link already there is unlinked, never written through), so it
+    always tells the current operation.
     """
-    ensure_state_dir(dest)
     marker = state_path(dest, INCOMPLETE)
-    try:
-        with os.fdopen(create_file(os.fsencode(marker)), "w") as handle:
-            handle.write(text if text.endswith("\n") else text + "\n")
-    except OSError as exc:
-        raise destination_error(exc, os.fsencode(marker)) from None
+    with state_dir_fd(dest) as state:
+        try:
+            write_new(state, INCOMPLETE, text if text.endswith("\n") else text + "\n")
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(marker)) from None
     return marker
 
 
@@ -105,13 +82,23 @@ def is_incomplete(dest: str) -> bool:
 
 def finish(dest: str, *owned: str) -> None:
     """After a success: remove ``owned`` (paths under DEST/.pallet this operation made, files or directories)
-    and the INCOMPLETE marker, then DEST/.pallet itself if nothing else is left in it.
+    and the INCOMPLETE marker, then DEST/.pallet itself if nothing else is left in it. Entries of the state
+    directory are removed relative to its descriptor; other paths (a ``--journal`` elsewhere) by path.
 
     State of other unfinished work in the same directory (a bundle waiting
     to be unpacked, say) is left alone, and so is the directory holding it.
     """
-    for path in (*owned, state_path(dest, INCOMPLETE)):
-        remove_path(path)
+    top = os.path.abspath(state_path(dest))
+    inside = [os.path.relpath(os.path.abspath(p), top) for p in owned if os.path.dirname(os.path.abspath(p)) == top]
+    for path in owned:
+        if os.path.dirname(os.path.abspath(path)) != top:
+            remove_path(path)
+    try:
+        with state_dir_fd(dest, create=False) as state:
+            for name in (*inside, INCOMPLETE):
+                remove_entry(state, name)
+    except FileNotFoundError:
+        return
     try:
         os.rmdir(state_path(dest))
     except OSError as exc:

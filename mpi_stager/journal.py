@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from bundles.extract import destination_error
 from bundles.index import Index, content_hash
-from bundles.state import ensure_state_dir, state_path
+from bundles.reserved import STATE_DIR
+from bundles.state import state_path
+from bundles.state_fd import append_text, open_private_dir, read_text, state_dir_fd, write_new
 
 
 def bundle_id(index: Index) -> str:
@@ -40,14 +44,37 @@ class Journal:
         return cls(state_path(dest, f"stream-{stream_id}"))
 
     def create(self, dest: str) -> None:
-        """Make the journal's directories (checking DEST/.pallet first when the journal lives there);
-        DestinationError naming the journal if they cannot be made."""
-        if os.path.dirname(os.path.abspath(self.root)) == os.path.abspath(state_path(dest)):
-            ensure_state_dir(dest)
+        """Make the journal's directories (DEST/.pallet checked first when the journal lives there);
+        DestinationError naming the journal if they cannot be made or trusted."""
         try:
-            os.makedirs(os.path.join(self.root, "runs"), exist_ok=True)
+            with self._directories(make=True):
+                pass
         except OSError as exc:
             raise destination_error(exc, os.fsencode(self.root)) from None
+
+    @contextmanager
+    def _directories(self, make: bool = False) -> Iterator[tuple[int, int]]:
+        """The journal's directory and its ``runs`` as descriptors, for the block. They are reached without
+        following a link: from a descriptor of DEST through DEST/.pallet when the journal lives there, else
+        (``--journal DIR``) from the directory's path, whose last step is not followed either. Each must be
+        this user's and writable only by them (DestinationError). FileNotFoundError without ``make`` when
+        the journal does not exist."""
+        parent, name = os.path.split(os.path.abspath(self.root))
+        if os.path.basename(parent) == STATE_DIR:
+            with state_dir_fd(os.path.dirname(parent), create=make) as state:
+                journal = open_private_dir(name, state, self.root, make)
+        else:
+            if make:
+                os.makedirs(parent, exist_ok=True)
+            journal = open_private_dir(self.root, None, self.root, make)
+        try:
+            runs = open_private_dir("runs", journal, os.path.join(self.root, "runs"), make)
+            try:
+                yield journal, runs
+            finally:
+                os.close(runs)
+        finally:
+            os.close(journal)
 
     def finished_shards(self, index: Index) -> set[int]:
         """Shards recorded as finished with a hash that matches ``index``."""
@@ -56,50 +83,44 @@ class Journal:
 
     def recorded_shards(self) -> dict[int, bytes]:
         """Every shard recorded as finished, with the hash it was recorded with."""
+        recorded = {}
         try:
-            names = os.listdir(self.root)
+            with self._directories() as (journal, _):
+                for name in os.listdir(journal):
+                    if name.startswith("shard-") and name[6:].isdigit():
+                        try:
+                            recorded[int(name[6:])] = bytes.fromhex(read_text(journal, name))
+                        except ValueError:
+                            continue
         except FileNotFoundError:
             return {}
-        recorded = {}
-        for name in names:
-            if name.startswith("shard-") and name[6:].isdigit():
-                try:
-                    recorded[int(name[6:])] = bytes.fromhex(_read(os.path.join(self.root, name)))
-                except ValueError:
-                    continue
         return recorded
 
     def record_shard(self, index: Index, number: int, run: str, rank: int) -> None:
-        """Record shard ``number`` as finished by ``rank`` in ``run``; DestinationError naming the record if
-        the destination's file system fails."""
-        path = os.path.join(self.root, f"shard-{number:06d}")
+        """Record shard ``number`` as finished by ``rank`` in ``run``, relative to the journal's descriptor;
+        DestinationError naming the record if the destination's file system fails."""
+        name = f"shard-{number:06d}"
         try:
-            with open(path + f".tmp{rank}", "w") as handle:
-                handle.write(index.shards[number].hash.hex())
-            os.replace(path + f".tmp{rank}", path)
-            with open(os.path.join(self.root, "runs", f"{run}.rank{rank}"), "a") as handle:
-                handle.write(f"{number}\n")
+            with self._directories(make=True) as (journal, runs):
+                write_new(journal, f"{name}.tmp{rank}", index.shards[number].hash.hex())
+                os.replace(f"{name}.tmp{rank}", name, src_dir_fd=journal, dst_dir_fd=journal)
+                append_text(runs, f"{run}.rank{rank}", f"{number}\n")
         except OSError as exc:
-            raise destination_error(exc, os.fsencode(path)) from None
+            raise destination_error(exc, os.fsencode(os.path.join(self.root, name))) from None
 
     def run_log(self) -> dict[str, list[int]]:
         """Shards extracted per run (all ranks merged), for inspection and tests."""
         runs: dict[str, list[int]] = {}
-        directory = os.path.join(self.root, "runs")
-        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-            run = name.rsplit(".rank", 1)[0]
-            runs.setdefault(run, []).extend(int(line) for line in _read(os.path.join(directory, name)).split())
+        try:
+            with self._directories() as (_, directory):
+                for name in sorted(os.listdir(directory)):
+                    run = name.rsplit(".rank", 1)[0]
+                    runs.setdefault(run, []).extend(int(line) for line in read_text(directory, name).split())
+        except FileNotFoundError:
+            return {}
         return runs
 
 
 def new_run_name() -> str:
     """A sortable name for one unpack run."""
     return time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""

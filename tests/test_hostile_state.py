@@ -209,3 +209,63 @@ def test_the_gzip_reader_returns_at_most_what_is_asked_across_members(read_size)
         assert len(chunk) <= read_size
         got += chunk
     assert bytes(got) == b"".join(parts)
+
+
+# ---------------------------------------------------------------- state reached through directory descriptors
+
+def _journal(tmp_path):
+    from bundles import Bundle
+    from mpi_stager.journal import Journal
+    src = small_tree(tmp_path / "src")
+    run_pallet("pack", "--quiet", src, str(tmp_path / "b.tar.zst"), check=True)
+    with Bundle.open(str(tmp_path / "b.tar.zst")) as bundle:
+        index = bundle.index
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    journal = Journal.for_destination(str(dest), index)
+    journal.create(str(dest))
+    journal.record_shard(index, 0, "run1", 0)
+    return dest, journal, index
+
+
+def test_a_state_directory_swapped_for_a_link_midway_is_never_written_through(tmp_path):
+    from bundles.errors import DestinationError
+    dest, journal, index = _journal(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / os.path.basename(journal.root) / "runs").mkdir(parents=True)      # the same layout, elsewhere
+    os.rename(dest / ".pallet", dest / ".pallet-moved")         # what someone who can write DEST could do
+    os.symlink(victim, dest / ".pallet")
+    with pytest.raises(DestinationError, match="symbolic link"):
+        journal.record_shard(index, 0, "run2", 0)
+    with pytest.raises(DestinationError, match="symbolic link"):
+        journal.recorded_shards()
+    assert [p for p in victim.rglob("*") if not p.is_dir()] == []
+
+
+def test_a_link_planted_in_the_journal_is_refused_not_followed(tmp_path):
+    from bundles.errors import DestinationError
+    dest, journal, index = _journal(tmp_path)
+    target = tmp_path / "target.txt"
+    target.write_text("untouched\n")
+    runs = Path(journal.root) / "runs"
+    os.symlink(target, runs / "run3.rank0")
+    with pytest.raises(DestinationError):
+        journal.record_shard(index, 0, "run3", 0)
+    os.symlink(target, Path(journal.root) / "shard-000001.tmp0")     # a stale temporary name: replaced, not written
+    journal.record_shard(index, 1 % len(index.shards), "run4", 0)
+    assert target.read_text() == "untouched\n"
+    assert journal.recorded_shards()[0] == index.shards[0].hash
+
+
+def test_a_journal_directory_given_as_a_link_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    os.symlink(elsewhere, tmp_path / "journal-link")
+    bundle = tmp_path / "b.tar.zst"
+    run_pallet("pack", "--quiet", small_tree(tmp_path / "src"), str(bundle), check=True)
+    done = subprocess.run([*python_module("mpi_stager"), "unpack", "--journal", str(tmp_path / "journal-link"),
+                           str(bundle), str(tmp_path / "dest")], capture_output=True, text=True, env=user_env(),
+                          stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode != 0 and "journal-link" in done.stderr and "symbolic link" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and os.listdir(elsewhere) == []

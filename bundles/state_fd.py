@@ -1,0 +1,126 @@
+"""State files reached only through directory descriptors: DEST/.pallet and what is under it, never through a link."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import DestinationError
+from .extract import destination_error
+from .reserved import STATE_DIR
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def state_dir_problem(st: os.stat_result) -> str | None:
+    """Why a directory pallet keeps state in cannot be trusted (None: it can): a link, not a directory, another
+    user's, or writable by others (who could then plant links in it)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return "is writable by other users"
+    return None
+
+
+def open_private_dir(name: str, parent_fd: int | None, shown: str, create: bool = True) -> int:
+    """Open the directory ``name`` relative to ``parent_fd`` (a path when it is None), made first (mode 0700)
+    with ``create``, and return its descriptor. A link there is never followed, and the directory must be
+    this user's and writable by nobody else. DestinationError naming ``shown`` otherwise; FileNotFoundError
+    when it is missing and ``create`` is False."""
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(shown)) from None
+    try:
+        fd = os.open(name, _DIRECTORY, dir_fd=parent_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _untrusted(shown, "is a symbolic link or not a directory") from None
+        raise destination_error(exc, os.fsencode(shown)) from None
+    problem = state_dir_problem(os.fstat(fd))
+    if problem:
+        os.close(fd)
+        raise _untrusted(shown, problem)
+    return fd
+
+
+def _untrusted(shown: str, problem: str) -> DestinationError:
+    return DestinationError(f"{problem}: pallet keeps its state there and will not write through it", shown,
+                            f"remove it (rm -r {shown}) if you did not make it, then run again")
+
+
+@contextmanager
+def state_dir_fd(dest: str, create: bool = True) -> Iterator[int]:
+    """DEST/.pallet (made with ``create``) as a descriptor, reached from a descriptor of DEST, for the block.
+    DestinationError when DEST cannot be opened or the state directory cannot be trusted."""
+    shown = os.path.join(dest, STATE_DIR)
+    try:
+        dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)    # DEST itself is the user's word
+    except FileNotFoundError:
+        if not create:
+            raise
+        raise DestinationError("does not exist", dest, "check the destination") from None
+    except OSError as exc:
+        raise destination_error(exc, os.fsencode(dest)) from None
+    try:
+        fd = open_private_dir(STATE_DIR, dest_fd, shown, create)
+    finally:
+        os.close(dest_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_new(dir_fd: int, name: str, text: str) -> None:
+    """Write ``text`` to a new file ``name`` in ``dir_fd``; whatever had that name is unlinked first, never
+    written through."""
+    try:
+        fd = os.open(name, _NEW_FILE, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        os.unlink(name, dir_fd=dir_fd)
+        fd = os.open(name, _NEW_FILE, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def append_text(dir_fd: int, name: str, text: str) -> None:
+    """Append ``text`` to the file ``name`` in ``dir_fd`` (made if missing; a link there is refused: ELOOP)."""
+    with os.fdopen(os.open(name, _APPEND, 0o600, dir_fd=dir_fd), "a") as handle:
+        handle.write(text)
+
+
+def read_text(dir_fd: int, name: str) -> str:
+    """The text of the file ``name`` in ``dir_fd``, stripped; "" when it is missing, a link or unreadable."""
+    try:
+        with os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)) as handle:
+            return handle.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Remove the entry ``name`` of ``dir_fd``: a file or link itself, or a directory tree (shutil.rmtree,
+    relative to the descriptor); nothing there is fine."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
