@@ -33,7 +33,7 @@ def add_parser(commands) -> None:
                     "a read decompresses only the shard that holds the file and checks its hash first. "
                     "BUNDLE may be a local file or ssh://HOST/PATH (read by byte ranges). A damaged shard "
                     "gives I/O errors on its files only, and is named in the log. Unmount with "
-                    "`fusermount3 -u MOUNTPOINT` (or `fusermount -u`), or Ctrl-C with --foreground.",
+                    "`fusermount3 -u MOUNTPOINT`, or Ctrl-C with --foreground. Needs FUSE 3.",
         epilog="example: pallet mount data.tar.zst /tmp/data && python train.py /tmp/data && "
                "fusermount3 -u /tmp/data")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle made by `pallet pack`: a local path or ssh://HOST/PATH")
