@@ -135,6 +135,33 @@ class BundleView:
             raise NotADirectoryError(path)
         return [os.fsdecode(name) for name in self._children.get(key, ())]
 
+    # ------------------------------------------------------------ by inode number (FUSE's low-level API)
+
+    def by_inode(self, inode: int) -> Node | None:
+        """The node with this ``inode`` number (1 is the root), as ``lookup`` gives it; None if there is none."""
+        if inode == 1:
+            return self._root
+        return self._node(inode - 2) if 2 <= inode < len(self.index) + 2 else None
+
+    def child(self, directory: Node, name: bytes) -> Node | None:
+        """The node called ``name`` in ``directory``, or None (also for a hidden entry)."""
+        i = self._entries.get(self._path(directory) + b"/" + name if directory.entry >= 0 else name)
+        return None if i is None else self._node(i)
+
+    def children(self, directory: Node) -> list[bytes]:
+        """The names in ``directory``, in the index's order."""
+        return self._children.get(self._path(directory), [])
+
+    def _path(self, node: Node) -> bytes:
+        return _ROOT if node.entry < 0 else self.index.paths[node.entry]
+
+    def cached_shard(self, node: Node) -> tuple[int, bytes | None]:
+        """The number of the shard holding the file ``node``, and that shard decoded and verified if it is in the
+        cache now (None: not read yet, dropped, or a large file's shard, which is never held whole)."""
+        number = self.index.shard_of[node.entry]
+        with self._lock:
+            return number, self._cache.get(number)
+
     # ------------------------------------------------------------ reads
 
     def read(self, node: Node, offset: int, size: int) -> bytes:

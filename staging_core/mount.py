@@ -1,8 +1,10 @@
 """`pallet mount`: a bundle as a read-only FUSE file system, built from its index, read shard by shard."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import queue
 import stat
 import subprocess
 import sys
@@ -13,11 +15,13 @@ from bundles.errors import PalletError, SetupError, UsageError
 from bundles.tarformat import Kind
 from bundles.view import BundleView, Node
 
+from .fuse_lowlevel import FuseError
 from .remote_bytes import open_view
 
 _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
-_NO_OPEN_SUPPORT = 1 << 17    # libfuse 3: FUSE_CAP_NO_OPEN_SUPPORT
+_HEAD_START_FILES = 128      # files of a shard stored ahead of a reader before its READ is answered ...
+_HEAD_START_S = 0.005        # ... or at most this long
 _STAT_TYPE = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK}
 _FUSE_HINT = "install FUSE (Debian/Ubuntu: apt install fuse3; RHEL: dnf install fuse3) and check /dev/fuse exists"
 
@@ -29,7 +33,7 @@ def add_parser(commands) -> None:
                     "a read decompresses only the shard that holds the file and checks its hash first. "
                     "BUNDLE may be a local file or ssh://HOST/PATH (read by byte ranges). A damaged shard "
                     "gives I/O errors on its files only, and is named in the log. Unmount with "
-                    "`fusermount3 -u MOUNTPOINT` (or `fusermount -u`), or Ctrl-C with --foreground.",
+                    "`fusermount3 -u MOUNTPOINT`, or Ctrl-C with --foreground. Needs FUSE 3.",
         epilog="example: pallet mount data.tar.zst /tmp/data && python train.py /tmp/data && "
                "fusermount3 -u /tmp/data")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle made by `pallet pack`: a local path or ssh://HOST/PATH")
@@ -58,16 +62,15 @@ def run(args) -> int:
     try:
         _log(f"pallet mount: {view.name} at {args.mountpoint} ({len(view.index)} entries, "
              f"{len(view.hidden)} unsafe hidden)")
-        # One thread: a callback from libfuse's worker threads pays for a new interpreter thread state each
-        # time (3x slower for small files); the GIL serialises the callbacks anyway. The bundle does not
-        # change while mounted, so the kernel may keep attributes, names and pages (kernel_cache).
+        # One thread: the GIL serialises the requests anyway. The bundle does not change while mounted, so the
+        # kernel may keep attributes, names and pages for an hour.
+        options = f"ro,default_permissions,fsname={_fsname(view.name)},subtype=pallet"
         try:
-            fuse.FUSE(operations_for(view, fuse), args.mountpoint, foreground=True, ro=True, nothreads=True,
-                      use_ino=True, default_permissions=True, kernel_cache=True, attr_timeout=_CACHE_S,
-                      entry_timeout=_CACHE_S, negative_timeout=_CACHE_S, fsname=_fsname(view.name),
-                      subtype="pallet")
-        except RuntimeError as exc:         # mfusepy: libfuse refused the mount; it said why on stderr
-            raise PalletError(f"FUSE could not mount it here (libfuse status {exc})", args.mountpoint,
+            session = fuse.Session(BundleFileSystem(view), args.mountpoint, options, _CACHE_S)
+            session.fs.session = session
+            session.run()
+        except OSError as exc:              # libfuse refused the mount; it said why on stderr
+            raise PalletError(f"FUSE could not mount it here ({exc.strerror})", args.mountpoint,
                               "see libfuse's message above; check that the mount point is yours and empty") from None
     finally:
         view.close()
@@ -80,17 +83,18 @@ def _fsname(name: str) -> str:
 
 
 def fuse_module():
-    """The mfusepy module, or SetupError saying what to install."""
+    """The low-level FUSE binding, once libfuse 3 is found, or SetupError saying what to install."""
+    from . import fuse_lowlevel
     try:
-        import mfusepy
+        fuse_lowlevel.load()
     except ModuleNotFoundError:
         raise SetupError("the FUSE binding (mfusepy) is not installed", None,
                          "pip install 'pallet[mount]'") from None
-    except OSError as exc:                # mfusepy raises OSError when libfuse cannot be found
+    except (OSError, AttributeError) as exc:     # mfusepy raises these when libfuse cannot be found or is too old
         raise SetupError(f"FUSE is not available: {exc}", None, _FUSE_HINT) from None
     if not os.path.exists("/dev/fuse"):
         raise SetupError("FUSE is not available: /dev/fuse does not exist", None, _FUSE_HINT)
-    return mfusepy
+    return fuse_lowlevel
 
 
 def _check_mountpoint(path: str) -> None:
@@ -147,79 +151,143 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def operations_for(view: BundleView, fuse):
-    """BundleOperations joined with the binding's Operations base (imported late: libfuse may be absent)."""
-    return type("PalletOperations", (BundleOperations, fuse.Operations), {})(view, fuse)
+class BundleFileSystem:
+    """The answers of a read-only FUSE file system over a BundleView, by inode number (the view's own).
 
+    After a file's READ is answered, the other files of its shard whose names the kernel holds (listed by
+    READDIRPLUS or looked up since that shard was last read) are stored into the kernel's page cache from the
+    decoded shard, by a thread of its own: their later reads need no request at all. Only a shard just decoded and
+    verified is stored from, so a damaged shard's files still read as I/O errors; one shard is stored at a time.
+    """
 
-class BundleOperations:
-    """FUSE operations over a BundleView (read-only; every call is safe from libfuse's threads)."""
-
-    use_ns = True
-
-    def __init__(self, view: BundleView, fuse):
-        self.view, self.fuse = view, fuse
-        self.uid, self.gid = os.getuid(), os.getgid()
+    def __init__(self, view: BundleView):
+        self.view = view
+        self.session = None               # the fuse_lowlevel.Session serving this, for notify_store
+        self._pending: dict[int, set[int]] = {}     # by shard: file inodes the kernel knows, not stored yet
         self._reported: set[int] = set()
         self._lock = threading.Lock()
-        self.skip_open = False
+        self._store = True
+        self._jobs: queue.Queue = queue.Queue(maxsize=1)     # (decoded shard, [(inode, start, size)]) to store
+        self._storer: threading.Thread | None = None
 
-    def init_with_config(self, conn, config):
-        """Note whether the kernel can stop sending OPEN (libfuse 3's no_open): a bundle's files need no state
-        per open, and each OPEN is one more round trip to this process for every file read."""
-        self.skip_open = bool(conn is not None and self.fuse.fuse_version_major >= 3
-                              and conn.capable & _NO_OPEN_SUPPORT)
-
-    def _node(self, path: str) -> Node:
-        node = self.view.lookup(path)
+    def _node(self, inode: int) -> Node:
+        node = self.view.by_inode(inode)
         if node is None:
-            raise self.fuse.FuseOSError(errno.ENOENT)
+            raise FuseError(errno.ENOENT)
         return node
 
-    def getattr(self, path, fh=None):
-        node = self._node(path)
-        return {"st_mode": _STAT_TYPE[node.kind] | node.mode, "st_nlink": node.nlink, "st_size": node.size,
-                "st_uid": self.uid, "st_gid": self.gid, "st_ino": node.inode, "st_blocks": (node.size + 511) // 512,
-                "st_mtime": node.mtime_ns, "st_ctime": node.mtime_ns, "st_atime": node.mtime_ns}
+    def _attr(self, node: Node) -> tuple:
+        return node.inode, _STAT_TYPE[node.kind] | node.mode, node.nlink, node.size, node.mtime_ns
 
-    def readdir(self, path, fh):
-        # (name, attributes, 0): with use_ino the kernel drops directory entries whose inode is 0
-        try:
-            names = self.view.listdir(path)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise self.fuse.FuseOSError(errno.ENOENT if isinstance(exc, FileNotFoundError) else errno.ENOTDIR)
-        here = self._node(path)
-        prefix = path.rstrip("/") + "/"
-        return [(".", _dirent(here), 0), ("..", _dirent(here), 0),
-                *((name, _dirent(self._node(prefix + name)), 0) for name in names)]
+    def _known(self, node: Node) -> None:
+        """The kernel now holds ``node``: a file of a shard that is read later is stored into its page cache."""
+        if node.kind == Kind.FILE and node.size and self._store:
+            self._pending.setdefault(self.view.index.shard_of[node.entry], set()).add(node.inode)
 
-    def readlink(self, path):
-        node = self._node(path)
+    def lookup(self, parent: int, name: bytes):
+        node = self.view.child(self._node(parent), name)
+        if node is None:
+            return None
+        self._known(node)
+        return self._attr(node)
+
+    def getattr(self, inode: int):
+        return self._attr(self._node(inode))
+
+    def readdir(self, inode: int, offset: int):
+        """(name, attributes, offset of the next) from ``offset`` on; "." and ".." first."""
+        here = self._node(inode)
+        if here.kind != Kind.DIR:
+            raise FuseError(errno.ENOTDIR)
+        names = self.view.children(here)
+        for position in range(offset, len(names) + 2):
+            if position < 2:
+                yield (b".", b"..")[position], self._attr(here), position + 1
+            else:
+                yield names[position - 2], self._attr(self.view.child(here, names[position - 2])), position + 1
+
+    def listed(self, inode: int) -> None:
+        self._known(self._node(inode))
+
+    def readlink(self, inode: int) -> bytes:
+        node = self._node(inode)
         if node.kind != Kind.SYMLINK:
-            raise self.fuse.FuseOSError(errno.EINVAL)
-        return os.fsdecode(node.link)
+            raise FuseError(errno.EINVAL)
+        return node.link
 
-    def open(self, path, flags):
+    def open(self, inode: int, flags: int) -> None:
         if flags & os.O_ACCMODE != os.O_RDONLY:
-            raise self.fuse.FuseOSError(errno.EROFS)
-        if self._node(path).kind == Kind.DIR:
-            raise self.fuse.FuseOSError(errno.EISDIR)
-        if self.skip_open:      # ENOSYS here means "opens need no call": the kernel opens every later file itself
-            raise self.fuse.FuseOSError(errno.ENOSYS)
-        return 0
+            raise FuseError(errno.EROFS)
+        if self._node(inode).kind == Kind.DIR:
+            raise FuseError(errno.EISDIR)
 
-    def read(self, path, size, offset, fh):
-        node = self._node(path)
+    def read(self, inode: int, size: int, offset: int) -> bytes:
+        node = self._node(inode)
         try:
-            return self.view.read(node, offset, size)
+            data = self.view.read(node, offset, size)
         except (PalletError, OSError) as exc:      # a damaged shard, a dead ssh session, a failing disk
             self._report(node, exc)
-            raise self.fuse.FuseOSError(errno.EIO) from None
+            raise FuseError(errno.EIO) from None
+        if self._pending:
+            self._prefetch(node)
+        return data
 
-    def statfs(self, path):
+    def _prefetch(self, node: Node) -> None:
+        """Hand the pending files of ``node``'s shard, just read, to the storing thread (see the class), and give it
+        a head start before this READ is answered: a reader going through the shard in order then finds each next
+        file stored. Not stored here: a store waits for the page's lock, which a reader holds until its READ is
+        answered, by this thread."""
+        number, data = self.view.cached_shard(node)
+        pending = self._pending.pop(number, None)
+        if not pending or data is None:
+            return
+        pending.discard(node.inode)
+        index = self.view.index
+        files = [(other, index.data_offsets[other - 2], index.sizes[other - 2]) for other in sorted(pending)]
+        started = threading.Event()
+        if self._storer is None:
+            self._storer = threading.Thread(target=self._store_all, name="pallet-page-cache", daemon=True)
+            self._storer.start()
+        try:
+            self._jobs.put_nowait((data, files, started))
+        except queue.Full:                  # one shard at a time: these wait for the next read of their shard
+            self._pending.setdefault(number, set()).update(pending)
+            return
+        started.wait(_HEAD_START_S)         # bounded: the storer may wait for a page whose READ is queued here
+
+    def _store_all(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            data, files, started = job
+            status = self.session.notify_store(data, files[:_HEAD_START_FILES], lambda: self._store)
+            started.set()
+            if not status:
+                status = self.session.notify_store(data, files[_HEAD_START_FILES:], lambda: self._store)
+            if status in (-errno.ENODEV, -errno.ENOTCONN, -errno.EBADF):     # unmounted meanwhile
+                self._store = False
+            elif status:
+                self._store = False
+                _log(f"pallet mount: the kernel refused to cache files ahead of reads ({os.strerror(-status)});"
+                     " every file is read on request")
+
+    def destroy(self) -> None:
+        """The mount has ended: stop the storing thread before the session goes."""
+        self._store = False
+        if self._storer is not None:
+            while True:
+                with contextlib.suppress(queue.Empty):
+                    self._jobs.get_nowait()
+                with contextlib.suppress(queue.Full):
+                    self._jobs.put_nowait(None)
+                    break
+            self._storer.join()
+
+    def statfs(self) -> dict:
         size = self.view.source.size
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": (size + 4095) // 4096, "f_bfree": 0,
                 "f_bavail": 0, "f_files": len(self.view.index), "f_ffree": 0, "f_namemax": 4096}
+
+    def internal_error(self, where: str, exc: Exception) -> None:
+        _log(f"pallet mount: internal error: {where}: {type(exc).__name__}: {exc} (answered EIO)")
 
     def _report(self, node: Node, exc: Exception) -> None:
         shard = self.view.index.shard_of[node.entry]
@@ -228,7 +296,3 @@ class BundleOperations:
                 return
             self._reported.add(shard)
         _log(f"pallet mount: error: {str(exc).splitlines()[0]} (its files read as I/O errors)")
-
-
-def _dirent(node: Node) -> dict:
-    return {"st_mode": _STAT_TYPE[node.kind] | node.mode, "st_ino": node.inode}
