@@ -24,6 +24,7 @@ from .routes import (BUNDLE_SUFFIXES, bundle_name, far_pallet, far_plain, is_loc
                      runs_commands, stager_argv)
 from .scratch import scratch, scratch_dir
 from .transports.base import Direction, Endpoint, Transport
+from .transports.errors import TransportError
 
 
 class PackRoute(AbstractContextManager, ABC):
@@ -112,8 +113,11 @@ class RemoteExecPack(PackRoute):
         selection = [] if items is None else ["--files-from", "-"]
         listing = None if items is None else b"\0".join(os.fsencode(i) for i in items)
         shards = [] if self.options.shard_size is None else ["--shard-size", str(self.options.shard_size)]
-        self.transport.run(stager_argv(self.options, "pack", *comm, *selection, *shards, "--codec", codec,
-                                       self.endpoint.path, bundle), stdin=listing)
+        try:
+            self.transport.run(stager_argv(self.options, "pack", *comm, *selection, *shards, "--codec", codec,
+                                           self.endpoint.path, bundle), stdin=listing)
+        except TransportError as exc:
+            raise unselectable(exc, self.endpoint.url()) or exc
         return bundle
 
     def _make_outgoing(self) -> str:
@@ -135,6 +139,17 @@ class RemoteExecPack(PackRoute):
             self._holder = None
         if self.outgoing:
             self.transport.run(["rm", "-rf", "--", self.outgoing])
+
+
+def unselectable(error: TransportError, url: str) -> SourceError | None:
+    """The far-side packer's refusal of a selection naming missing items (``cannot select:``), as a SourceError
+    naming them, rather than the "path does not exist" the transport read into its stderr; None otherwise."""
+    said = getattr(error, "stderr", "") or ""
+    if "cannot select:" not in said:
+        return None
+    problems = [line.strip()[2:] for line in said.splitlines() if line.strip().startswith("- ")]
+    return SourceError(f"cannot select {len(problems)} item(s): {'; '.join(problems[:10])}", url,
+                       "list files that exist under the source, relative to it")
 
 
 class ViaPack(RemoteExecPack):

@@ -108,7 +108,8 @@ def test_a_missing_remote_file_fails_its_batch_naming_it(sshd, tmp_path):
             cause = failed.value
             while isinstance(cause, DependencyError):          # the app <- the batch's check <- its move
                 cause = cause.dependent_exceptions_tids[0][0]
-            assert isinstance(cause, BatchError) and "absent.txt: No such file" in str(cause)
+            assert isinstance(cause, BatchError) and "cannot select 1 item(s): absent.txt: No such file" in str(cause)
+            assert "path does not exist" not in str(cause)
 
 
 # ------------------------------------------------------------------ copy_out, the library call the apps use
