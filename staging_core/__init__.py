@@ -21,7 +21,8 @@ _PUBLIC = {
     "push_strategy": "push_strategies", "PullContext": "pull_strategies", "pull_strategy": "pull_strategies",
     "MovedBundle": "pull_phases",
     # a kept bundle read in place by copying entries out
-    "copy_out": "bundle_copy", "missing_members": "bundle_copy", "open_bundle": "bundle_copy", "CopiedOut": "bundle_copy",
+    "copy_out": "bundle_copy", "missing_members": "bundle_copy", "open_bundle": "bundle_copy",
+    "CopiedOut": "bundle_copy",
     "run_local": "routes", "unpack_summary": "routes", "scratch_space": "scratch:scratch",
     "parse_size": "display",
     # transports
