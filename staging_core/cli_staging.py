@@ -131,14 +131,13 @@ def _add_push(commands) -> None:
     p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
                    help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
                         "gsiftp://, ftp://, globus://")
-    _staging_options(p)
-    p.add_argument("--delete", action="store_true",
-                   help="remove what DEST holds that SRC lacks (local and ssh destinations); without it such "
-                        "entries are kept. A rerun always sends only what differs from SRC (type, size, mtime, "
-                        "mode, link target)")
-    p.add_argument("--dry-run", "-n", action="store_true",
-                   help="list what would be sent (and deleted with --delete); change nothing")
-    routes = p.add_argument_group("routes for destinations without remote execution (GridFTP, Globus)")
+    policy, routes = _staging_options(p)
+    policy.add_argument("--delete", action="store_true",
+                        help="remove what DEST holds that SRC lacks (local and ssh destinations); without it such "
+                             "entries are kept. A rerun always sends only what differs from SRC (type, size, mtime, "
+                             "mode, link target)")
+    policy.add_argument("--dry-run", "-n", action="store_true",
+                        help="list what would be sent (and deleted with --delete); change nothing")
     routes.add_argument("--unpack-via", metavar="SSH_URL",
                         help="ssh://[user@]host[:port] of a node that mounts the destination's file system "
                              "under the same paths; mpi_stager unpacks there")
@@ -167,56 +166,65 @@ def _add_pull(commands) -> None:
     p.add_argument("src", metavar="SRC_URL", type=local_or_url,
                    help="a remote directory (or a local path), or a bundle whose .pidx sits beside it")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
-    _staging_options(p)
-    p.add_argument("--delete", action="store_true",
-                   help="remove what DEST holds that the source lacks (ssh and local sources); without it such "
-                        "entries are kept. A rerun always fetches only what differs (type, size, mtime, mode, "
-                        "link target)")
-    p.add_argument("--dry-run", "-n", action="store_true",
-                   help="list what would be fetched (and deleted with --delete) from one listing of an ssh or "
-                        "local source; change nothing")
-    p.add_argument("--pack-via", metavar="SSH_URL",
-                   help="ssh://[user@]host[:port] of a node that mounts the source's file system under the same "
-                        "paths; mpi_stager packs there into a temporary directory beside the source")
+    policy, routes = _staging_options(p)
+    policy.add_argument("--delete", action="store_true",
+                        help="remove what DEST holds that the source lacks (ssh and local sources); without it such "
+                             "entries are kept. A rerun always fetches only what differs (type, size, mtime, mode, "
+                             "link target)")
+    policy.add_argument("--dry-run", "-n", action="store_true",
+                        help="list what would be fetched (and deleted with --delete) from one listing of an ssh or "
+                             "local source; change nothing")
+    routes.add_argument("--pack-via", metavar="SSH_URL",
+                        help="ssh://[user@]host[:port] of a node that mounts the source's file system under the "
+                             "same paths; mpi_stager packs there into a temporary directory beside the source")
 
 
-def _staging_options(p: argparse.ArgumentParser) -> None:
-    """Options push and pull share."""
-    p.add_argument("--strategy", choices=("auto", "individual", "bundle", "hybrid"), default="auto",
-                   help="override the planner (default: auto)")
-    p.add_argument("--codec", choices=("zstd", "gzip", "none"),
-                   help="bundle codec (default: the plan's for push, zstd for pull)")
-    p.add_argument("--shard-size", type=size_arg, metavar="SIZE",
-                   help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB)")
-    p.add_argument("--large-file", type=size_arg, default=LARGE_FILE_BYTES, metavar="SIZE",
-                   help="hybrid: files at least this big travel individually (default 64M)")
-    p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
-                   help="stream bundles into the far-side unpacker when the transport can (default: auto)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="local worker processes (default: one per CPU, none for small work)")
-    p.add_argument("--ranks", type=jobs_arg, default=0, metavar="N",
-                   help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
-    p.add_argument("--launcher", metavar="CMD", help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")
-    p.add_argument("--remote-python", default="python3", metavar="CMD",
-                   help="Python with pallet on an ssh far side, used as given. By default pallet is looked for: "
-                        "where `pallet remote install` put it, as python3, behind `pallet` on the login PATH or in "
-                        "~/.local/bin; without pallet there, bundles go into the far side's own tar (plain tools)")
-    p.add_argument("--reprobe", action="store_true",
-                   help="probe the ssh far side again (its findings are cached for an hour)")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
-                   help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
-    p.add_argument("--retries", type=jobs_arg, default=2, metavar="N",
-                   help="retries after network errors, each resuming (default 2)")
-    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--progress", dest="progress", action="store_true", default=None,
+def _staging_options(p: argparse.ArgumentParser) -> tuple:
+    """Options push and pull share, in the sections of StagingOptions' groups; return the policy and routing
+    sections (each command adds its own options to them)."""
+    plan = p.add_argument_group("planning: what the planner decides with, and the bundle it makes")
+    plan.add_argument("--strategy", choices=("auto", "individual", "bundle", "hybrid"), default="auto",
+                      help="override the planner (default: auto)")
+    plan.add_argument("--codec", choices=("zstd", "gzip", "none"),
+                      help="bundle codec (default: the plan's for push, zstd for pull)")
+    plan.add_argument("--shard-size", type=size_arg, metavar="SIZE",
+                      help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB)")
+    plan.add_argument("--large-file", type=size_arg, default=LARGE_FILE_BYTES, metavar="SIZE",
+                      help="hybrid: files at least this big travel individually (default 64M)")
+    plan.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
+    plan.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N",
+                      help="local worker processes (default: one per CPU, none for small work)")
+    far = p.add_argument_group("far side: how pallet runs there, and how it is reached")
+    far.add_argument("--remote-python", default="python3", metavar="CMD",
+                     help="Python with pallet on an ssh far side, used as given. By default pallet is looked for: "
+                          "where `pallet remote install` put it, as python3, behind `pallet` on the login PATH or "
+                          "in ~/.local/bin; without pallet there, bundles go into the far side's own tar (plain "
+                          "tools)")
+    far.add_argument("--ranks", type=jobs_arg, default=0, metavar="N",
+                     help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
+    far.add_argument("--launcher", metavar="CMD",
+                     help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")
+    far.add_argument("--reprobe", action="store_true",
+                     help="probe the ssh far side again (its findings are cached for an hour)")
+    far.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
+                     help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
+    policy = p.add_argument_group("policy: what is checked, retried and shown")
+    policy.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
+    policy.add_argument("--checksum", "-c", action="store_true",
+                        help="when DEST already holds files, compare those whose size, mtime and mode match by "
+                             "md5 too (both sides are read; md5sum runs at an ssh far side)")
+    policy.add_argument("--retries", type=jobs_arg, default=2, metavar="N",
+                        help="retries after network errors, each resuming (default 2)")
+    shown = policy.add_mutually_exclusive_group()
+    shown.add_argument("--progress", dest="progress", action="store_true", default=None,
                        help="always show per-stage progress (default: only on a terminal)")
-    group.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
-    p.add_argument("--json", action="store_true", help="print a summary as JSON")
-    p.add_argument("--checksum", "-c", action="store_true",
-                   help="when DEST already holds files, compare those whose size, mtime and mode match by md5 "
-                        "too (both sides are read; md5sum runs at an ssh far side)")
+    shown.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
+    policy.add_argument("--json", action="store_true", help="print a summary as JSON")
+    routes = p.add_argument_group("routing: how bundles travel, and where they are unpacked or packed")
+    routes.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                        help="stream bundles into the far-side unpacker when the transport can (default: auto)")
     p.set_defaults(run=_run_staging)
+    return policy, routes
 
 
 def staging_options(args) -> StagingOptions:

@@ -12,7 +12,10 @@ STREAM_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class StagingOptions:
-    """How to push or pull.
+    """How to push or pull: one flat record, as callers build it, whose fields fall into five groups, each
+    also a typed view (``planning``, ``routing``, ``far_side``, ``transports``, ``policy``; see
+    :data:`OPTION_GROUPS`) and each a section of ``pallet push --help``. ``from_groups`` builds one from
+    groups.
 
     strategy      'auto' asks the planner; 'individual', 'bundle', 'hybrid' override it.
     codec         bundle codec (None: the plan's choice, zstd for pulls).
@@ -66,6 +69,105 @@ class StagingOptions:
     dry_run: bool = False
     checksum: bool = False
     transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
+
+
+    @property
+    def planning(self) -> "PlanningOptions":
+        return _group(self, PlanningOptions)
+
+    @property
+    def routing(self) -> "RoutingOptions":
+        return _group(self, RoutingOptions)
+
+    @property
+    def far_side(self) -> "FarSideOptions":
+        return _group(self, FarSideOptions)
+
+    @property
+    def transports(self) -> "TransportOptions":
+        return _group(self, TransportOptions)
+
+    @property
+    def policy(self) -> "PolicyOptions":
+        return _group(self, PolicyOptions)
+
+    @classmethod
+    def from_groups(cls, *groups) -> "StagingOptions":
+        """StagingOptions made of option groups (any of PlanningOptions, RoutingOptions, FarSideOptions,
+        TransportOptions, PolicyOptions; the defaults for a group not given)."""
+        values: dict[str, Any] = {}
+        for group in groups:
+            values.update({name: getattr(group, name) for name in _names(type(group))})
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PlanningOptions:
+    """What the planner decides with, and the bundle it makes: ``strategy``, ``codec``, ``shard_size``,
+    ``large_file_bytes``, ``profile`` and the local ``jobs`` (see StagingOptions)."""
+
+    strategy: str = "auto"
+    codec: str | None = None
+    shard_size: int | None = None
+    large_file_bytes: int = LARGE_FILE_BYTES
+    profile: str | None = None
+    jobs: int = 0
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Where and how a bundle is unpacked or packed: ``stream``, ``unpack_via``, ``unpack_job``,
+    ``job_options``, ``keep_packed``, ``pack_via``; each route checks its own (staging_core.route_registry)."""
+
+    stream: str = "auto"
+    unpack_via: str | None = None
+    unpack_job: str | None = None
+    job_options: tuple[str, ...] = ()
+    keep_packed: bool = False
+    pack_via: str | None = None
+
+
+@dataclass(frozen=True)
+class FarSideOptions:
+    """How pallet runs at the far side: ``remote_python``, ``ranks``, ``launcher`` and ``reprobe``."""
+
+    remote_python: str = "python3"
+    ranks: int = 1
+    launcher: str | None = None
+    reprobe: bool = False
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """What the transports are given: ``ssh_options`` (the ssh transport's) and ``transport_options`` (per
+    scheme, as each transport declares in ``Transport.options_from``)."""
+
+    ssh_options: tuple[str, ...] = ()
+    transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What an operation guarantees and shows: ``verify``, ``retries``, ``progress``, ``delete``, ``dry_run``
+    and ``checksum``."""
+
+    verify: bool = True
+    retries: int = 2
+    progress: bool | None = None
+    delete: bool = False
+    dry_run: bool = False
+    checksum: bool = False
+
+
+OPTION_GROUPS = (PlanningOptions, RoutingOptions, FarSideOptions, TransportOptions, PolicyOptions)
+
+
+def _names(kind: type) -> list[str]:
+    return list(kind.__dataclass_fields__)
+
+
+def _group(options: StagingOptions, kind: type):
+    return kind(**{name: getattr(options, name) for name in _names(kind)})
 
 
 @dataclass(frozen=True)
