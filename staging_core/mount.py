@@ -22,6 +22,7 @@ _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
 _HEAD_START_FILES = 128      # files of a shard stored ahead of a reader before its READ is answered ...
 _HEAD_START_S = 0.005        # ... or at most this long
+_READ_AHEAD_SHARDS = 4       # then, while no READ waits, shards this far past the one read are decoded and stored
 _STAT_TYPE = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK}
 _FUSE_HINT = "install FUSE (Debian/Ubuntu: apt install fuse3; RHEL: dnf install fuse3) and check /dev/fuse exists"
 
@@ -164,6 +165,7 @@ class BundleFileSystem:
         self.view = view
         self.session = None               # the fuse_lowlevel.Session serving this, for notify_store
         self._pending: dict[int, set[int]] = {}     # by shard: file inodes the kernel knows, not stored yet
+        self._pending_lock = threading.Lock()        # the request thread and the storing thread share _pending
         self._reported: set[int] = set()
         self._lock = threading.Lock()
         self._store = True
@@ -182,7 +184,8 @@ class BundleFileSystem:
     def _known(self, node: Node) -> None:
         """The kernel now holds ``node``: a file of a shard that is read later is stored into its page cache."""
         if node.kind == Kind.FILE and node.size and self._store:
-            self._pending.setdefault(self.view.index.shard_of[node.entry], set()).add(node.inode)
+            with self._pending_lock:
+                self._pending.setdefault(self.view.index.shard_of[node.entry], set()).add(node.inode)
 
     def lookup(self, parent: int, name: bytes):
         node = self.view.child(self._node(parent), name)
@@ -238,36 +241,75 @@ class BundleFileSystem:
         file stored. Not stored here: a store waits for the page's lock, which a reader holds until its READ is
         answered, by this thread."""
         number, data = self.view.cached_shard(node)
-        pending = self._pending.pop(number, None)
+        with self._pending_lock:
+            pending = self._pending.pop(number, None)
         if not pending or data is None:
             return
         pending.discard(node.inode)
-        index = self.view.index
-        files = [(other, index.data_offsets[other - 2], index.sizes[other - 2]) for other in sorted(pending)]
+        files = self._files(pending)
         started = threading.Event()
         if self._storer is None:
             self._storer = threading.Thread(target=self._store_all, name="pallet-page-cache", daemon=True)
             self._storer.start()
         try:
-            self._jobs.put_nowait((data, files, started))
+            self._jobs.put_nowait((number, data, files, started))
         except queue.Full:                  # one shard at a time: these wait for the next read of their shard
-            self._pending.setdefault(number, set()).update(pending)
+            self._put_back(number, pending)
             return
         started.wait(_HEAD_START_S)         # bounded: the storer may wait for a page whose READ is queued here
 
+    def _files(self, inodes: set[int]) -> list[tuple[int, int, int]]:
+        index = self.view.index
+        return [(inode, index.data_offsets[inode - 2], index.sizes[inode - 2]) for inode in sorted(inodes)]
+
+    def _put_back(self, number: int, inodes: set[int]) -> None:
+        with self._pending_lock:
+            self._pending.setdefault(number, set()).update(inodes)
+
     def _store_all(self) -> None:
         while (job := self._jobs.get()) is not None:
-            data, files, started = job
+            number, data, files, started = job
             status = self.session.notify_store(data, files[:_HEAD_START_FILES], lambda: self._store)
             started.set()
             if not status:
                 status = self.session.notify_store(data, files[_HEAD_START_FILES:], lambda: self._store)
-            if status in (-errno.ENODEV, -errno.ENOTCONN, -errno.EBADF):     # unmounted meanwhile
-                self._store = False
-            elif status:
-                self._store = False
-                _log(f"pallet mount: the kernel refused to cache files ahead of reads ({os.strerror(-status)});"
-                     " every file is read on request")
+            limit = number + _READ_AHEAD_SHARDS
+            while not status and self._store and self._jobs.empty():     # no READ waits: read the next shard ahead
+                ahead = self._store_next(number, limit)
+                if ahead is None:
+                    break
+                number, status = ahead
+            self._check(status)
+
+    def _store_next(self, after: int, limit: int) -> tuple[int, int] | None:
+        """Decode (and verify) the next shard after ``after``, up to ``limit``, holding files the kernel knows,
+        and store them; return its number and the store's status. None when there is none, or when that shard
+        cannot be read: its files are then left to their own READs, which report the error."""
+        with self._pending_lock:
+            ahead = min((n for n in self._pending if after < n <= limit), default=None)
+            inodes = self._pending.pop(ahead) if ahead is not None else None
+        if not inodes:
+            return None
+        node = self.view.by_inode(min(inodes))
+        try:
+            self.view.read(node, 0, 1)
+        except (PalletError, OSError):
+            self._put_back(ahead, inodes)
+            return None
+        _, data = self.view.cached_shard(node)
+        if data is None:
+            self._put_back(ahead, inodes)
+            return None
+        return ahead, self.session.notify_store(data, self._files(inodes), lambda: self._store)
+
+    def _check(self, status: int) -> None:
+        """Stop storing after the kernel refused a store (or the mount went)."""
+        if status in (-errno.ENODEV, -errno.ENOTCONN, -errno.EBADF):     # unmounted meanwhile
+            self._store = False
+        elif status:
+            self._store = False
+            _log(f"pallet mount: the kernel refused to cache files ahead of reads ({os.strerror(-status)});"
+                 " every file is read on request")
 
     def destroy(self) -> None:
         """The mount has ended: stop the storing thread before the session goes."""
