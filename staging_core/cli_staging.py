@@ -131,13 +131,8 @@ def _add_push(commands) -> None:
     p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
                    help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
                         "gsiftp://, ftp://, globus://")
-    policy, routes = _staging_options(p)
-    policy.add_argument("--delete", action="store_true",
-                        help="remove what DEST holds that SRC lacks (local and ssh destinations); without it such "
-                             "entries are kept. A rerun always sends only what differs from SRC (type, size, mtime, "
-                             "mode, link target)")
-    policy.add_argument("--dry-run", "-n", action="store_true",
-                        help="list what would be sent (and deleted with --delete); change nothing")
+    routes = _staging_options(p, "SRC lacks (local and ssh destinations)", "sends only what differs from SRC",
+                              "sent (and deleted with --delete)")
     routes.add_argument("--unpack-via", metavar="SSH_URL",
                         help="ssh://[user@]host[:port] of a node that mounts the destination's file system "
                              "under the same paths; mpi_stager unpacks there")
@@ -166,22 +161,17 @@ def _add_pull(commands) -> None:
     p.add_argument("src", metavar="SRC_URL", type=local_or_url,
                    help="a remote directory (or a local path), or a bundle whose .pidx sits beside it")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
-    policy, routes = _staging_options(p)
-    policy.add_argument("--delete", action="store_true",
-                        help="remove what DEST holds that the source lacks (ssh and local sources); without it such "
-                             "entries are kept. A rerun always fetches only what differs (type, size, mtime, mode, "
-                             "link target)")
-    policy.add_argument("--dry-run", "-n", action="store_true",
-                        help="list what would be fetched (and deleted with --delete) from one listing of an ssh or "
-                             "local source; change nothing")
+    routes = _staging_options(p, "the source lacks (ssh and local sources)", "fetches only what differs",
+                              "fetched (and deleted with --delete) from one listing of an ssh or local source")
     routes.add_argument("--pack-via", metavar="SSH_URL",
                         help="ssh://[user@]host[:port] of a node that mounts the source's file system under the "
                              "same paths; mpi_stager packs there into a temporary directory beside the source")
 
 
-def _staging_options(p: argparse.ArgumentParser) -> tuple:
-    """Options push and pull share, in the sections of StagingOptions' groups; return the policy and routing
-    sections (each command adds its own options to them)."""
+def _staging_options(p: argparse.ArgumentParser, lacks: str, rerun: str, listed: str):
+    """Options push and pull share, in the sections of StagingOptions' groups (``lacks``, ``rerun`` and ``listed``
+    word --delete and --dry-run for the command); return the routing section, to which each command adds its
+    own routes."""
     plan = p.add_argument_group("planning: what the planner decides with, and the bundle it makes")
     plan.add_argument("--strategy", choices=("auto", "individual", "bundle", "hybrid"), default="auto",
                       help="override the planner (default: auto)")
@@ -220,11 +210,15 @@ def _staging_options(p: argparse.ArgumentParser) -> tuple:
                        help="always show per-stage progress (default: only on a terminal)")
     shown.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
     policy.add_argument("--json", action="store_true", help="print a summary as JSON")
+    policy.add_argument("--delete", action="store_true",
+                        help=f"remove what DEST holds that {lacks}; without it such entries are kept. A rerun "
+                             f"always {rerun} (type, size, mtime, mode, link target)")
+    policy.add_argument("--dry-run", "-n", action="store_true", help=f"list what would be {listed}; change nothing")
     routes = p.add_argument_group("routing: how bundles travel, and where they are unpacked or packed")
     routes.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                         help="stream bundles into the far-side unpacker when the transport can (default: auto)")
     p.set_defaults(run=_run_staging)
-    return policy, routes
+    return routes
 
 
 def staging_options(args) -> StagingOptions:

@@ -1,6 +1,7 @@
 """What push and pull are asked to do (StagingOptions) and what they did (StagingResult)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -8,6 +9,17 @@ from .planner import LARGE_FILE_BYTES, Plan
 
 STRATEGIES = ("auto", "individual", "bundle", "hybrid")
 STREAM_MODES = ("auto", "on", "off")
+
+
+class _GroupView:
+    """A read-only attribute of StagingOptions: the group named ``kind`` (a dataclass of this module) with the
+    option's values."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __get__(self, options, owner=None):
+        return self if options is None else _group(options, globals()[self.kind])
 
 
 @dataclass(frozen=True)
@@ -70,26 +82,12 @@ class StagingOptions:
     checksum: bool = False
     transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
 
-
-    @property
-    def planning(self) -> "PlanningOptions":
-        return _group(self, PlanningOptions)
-
-    @property
-    def routing(self) -> "RoutingOptions":
-        return _group(self, RoutingOptions)
-
-    @property
-    def far_side(self) -> "FarSideOptions":
-        return _group(self, FarSideOptions)
-
-    @property
-    def transports(self) -> "TransportOptions":
-        return _group(self, TransportOptions)
-
-    @property
-    def policy(self) -> "PolicyOptions":
-        return _group(self, PolicyOptions)
+    # the groups, each as its own typed record (read-only views; see OPTION_GROUPS)
+    planning = _GroupView("PlanningOptions")
+    routing = _GroupView("RoutingOptions")
+    far_side = _GroupView("FarSideOptions")
+    transports = _GroupView("TransportOptions")
+    policy = _GroupView("PolicyOptions")
 
     @classmethod
     def from_groups(cls, *groups) -> "StagingOptions":
@@ -101,64 +99,35 @@ class StagingOptions:
         return cls(**values)
 
 
-@dataclass(frozen=True)
-class PlanningOptions:
-    """What the planner decides with, and the bundle it makes: ``strategy``, ``codec``, ``shard_size``,
-    ``large_file_bytes``, ``profile`` and the local ``jobs`` (see StagingOptions)."""
-
-    strategy: str = "auto"
-    codec: str | None = None
-    shard_size: int | None = None
-    large_file_bytes: int = LARGE_FILE_BYTES
-    profile: str | None = None
-    jobs: int = 0
-
-
-@dataclass(frozen=True)
-class RoutingOptions:
-    """Where and how a bundle is unpacked or packed: ``stream``, ``unpack_via``, ``unpack_job``,
-    ``job_options``, ``keep_packed``, ``pack_via``; each route checks its own (staging_core.route_registry)."""
-
-    stream: str = "auto"
-    unpack_via: str | None = None
-    unpack_job: str | None = None
-    job_options: tuple[str, ...] = ()
-    keep_packed: bool = False
-    pack_via: str | None = None
+def _group_class(name: str, doc: str, names: tuple[str, ...]) -> type:
+    """A frozen dataclass holding the fields ``names`` of StagingOptions, with their types and defaults."""
+    declared = {f.name: f for f in dataclasses.fields(StagingOptions)}
+    spec = []
+    for option in names:
+        own = declared[option]
+        default = (dataclasses.field(default_factory=own.default_factory, hash=own.hash)
+                   if own.default is dataclasses.MISSING else dataclasses.field(default=own.default))
+        spec.append((option, own.type, default))
+    kind = dataclasses.make_dataclass(name, spec, frozen=True)
+    kind.__module__, kind.__doc__ = __name__, doc          # found by pickle (Parsl ships options to workers)
+    return kind
 
 
-@dataclass(frozen=True)
-class FarSideOptions:
-    """How pallet runs at the far side: ``remote_python``, ``ranks``, ``launcher`` and ``reprobe``."""
-
-    remote_python: str = "python3"
-    ranks: int = 1
-    launcher: str | None = None
-    reprobe: bool = False
-
-
-@dataclass(frozen=True)
-class TransportOptions:
-    """What the transports are given: ``ssh_options`` (the ssh transport's) and ``transport_options`` (per
-    scheme, as each transport declares in ``Transport.options_from``)."""
-
-    ssh_options: tuple[str, ...] = ()
-    transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    """What an operation guarantees and shows: ``verify``, ``retries``, ``progress``, ``delete``, ``dry_run``
-    and ``checksum``."""
-
-    verify: bool = True
-    retries: int = 2
-    progress: bool | None = None
-    delete: bool = False
-    dry_run: bool = False
-    checksum: bool = False
-
-
+PlanningOptions = _group_class(
+    "PlanningOptions", "What the planner decides with, and the bundle it makes (see StagingOptions).",
+    ("strategy", "codec", "shard_size", "large_file_bytes", "profile", "jobs"))
+RoutingOptions = _group_class(
+    "RoutingOptions", "Where and how a bundle is unpacked or packed; each route checks its own "
+                      "(staging_core.route_registry).",
+    ("stream", "unpack_via", "unpack_job", "job_options", "keep_packed", "pack_via"))
+FarSideOptions = _group_class(
+    "FarSideOptions", "How pallet runs at the far side.", ("remote_python", "ranks", "launcher", "reprobe"))
+TransportOptions = _group_class(
+    "TransportOptions", "What the transports are given: the ssh transport's options, and per scheme what each "
+                        "transport declares in Transport.options_from.", ("ssh_options", "transport_options"))
+PolicyOptions = _group_class(
+    "PolicyOptions", "What an operation guarantees and shows.",
+    ("verify", "retries", "progress", "delete", "dry_run", "checksum"))
 OPTION_GROUPS = (PlanningOptions, RoutingOptions, FarSideOptions, TransportOptions, PolicyOptions)
 
 

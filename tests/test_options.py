@@ -16,14 +16,9 @@ SECTIONS = {"planning": ["--strategy", "--codec", "--shard-size", "--large-file"
             "routing": ["--stream"]}
 
 
-def test_every_field_is_in_exactly_one_group_with_the_same_default():
-    fields = {f.name: f for f in dataclasses.fields(StagingOptions)}
-    grouped = [f for group in OPTION_GROUPS for f in dataclasses.fields(group)]
-    assert sorted(f.name for f in grouped) == sorted(fields)
-    defaults = StagingOptions()
-    for group in OPTION_GROUPS:
-        for name, value in dataclasses.asdict(group()).items():
-            assert value == getattr(defaults, name), (group.__name__, name)
+def test_every_field_is_in_exactly_one_group():
+    grouped = [f.name for group in OPTION_GROUPS for f in dataclasses.fields(group)]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(StagingOptions))
 
 
 def test_groups_are_views_and_build_the_same_options_back():
