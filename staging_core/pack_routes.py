@@ -20,8 +20,7 @@ from .plain import PlainRoute
 from .planner import Candidate, Plan
 from .probe import FarSide
 from .route_registry import RouteQuery, RouteSpec, open_route, register_route
-from .routes import (BUNDLE_SUFFIXES, bundle_name, far_pallet, far_plain, is_local, open_via, open_via_endpoint,
-                     runs_commands, stager_argv)
+from .routes import BUNDLE_SUFFIXES, bundle_name, endpoint_routes, open_via, open_via_endpoint, stager_argv
 from .scratch import scratch, scratch_dir
 from .transports.base import Direction, Endpoint, Transport
 from .transports.errors import TransportError
@@ -253,15 +252,7 @@ def register_pack_routes() -> None:
         RouteSpec("pack-via", Direction.PULL, 20,
                   lambda q: ViaPack(q.endpoint, q.options, open_via(q.options.pack_via, "--pack-via", q.options))
                   if q.options.pack_via else None, _check_pack_via, lambda endpoint, options: bool(options.pack_via)),
-        RouteSpec("local", Direction.PULL, 30,
-                  lambda q: LocalPack(q.endpoint, q.options) if q.endpoint.is_local else None,
-                  possible=is_local),
-        RouteSpec("remote", Direction.PULL, 40,
-                  lambda q: RemoteExecPack(q.endpoint, q.options, q.transport) if far_pallet(q) else None,
-                  possible=runs_commands),
-        RouteSpec("plain-tools", Direction.PULL, 50,
-                  lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder, pulling=True) if far_plain(q) else None,
-                  possible=runs_commands),
+        *endpoint_routes(Direction.PULL, 30, LocalPack, RemoteExecPack),
     ):
         register_route(spec)
 

@@ -301,29 +301,41 @@ def _open_via_route(query: RouteQuery, kind: type[ViaUnpack]) -> ViaUnpack:
     return kind(query.endpoint, query.options, open_via(query.options.unpack_via, "--unpack-via", query.options))
 
 
-def is_local(endpoint: Endpoint, options: StagingOptions) -> bool:
-    """A route's ``possible``: the endpoint is a local path."""
-    return endpoint.is_local
-
-
-def runs_commands(endpoint: Endpoint, options: StagingOptions | None = None) -> bool:
-    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection);
-    also a route's ``possible``."""
+def _runs_commands(endpoint: Endpoint) -> bool:
+    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection)."""
     try:
         return transport_class(endpoint.scheme).capabilities.remote_exec
     except PalletError:
         return False
 
 
-def far_pallet(query: RouteQuery) -> bool:
+def _far_pallet(query: RouteQuery) -> bool:
     """The query's transport runs commands there and pallet is there (or was not probed for)."""
     return query.transport.capabilities.remote_exec and (query.far is None or query.far.pallet_usable)
 
 
-def far_plain(query: RouteQuery) -> bool:
+def _far_plain(query: RouteQuery) -> bool:
     """The query's transport runs commands there, the probe found no usable pallet but a decoder for tar."""
     return (query.transport.capabilities.remote_exec and query.far is not None and not query.far.pallet_usable
             and bool(query.far.plain_decoder))
+
+
+def endpoint_routes(direction: Direction, order: int, local: type, remote: type) -> list[RouteSpec]:
+    """The routes of ``direction`` that no option asks for, at ``order``, ``order + 10`` and ``order + 20``: a
+    local endpoint (``local(endpoint, options)`` runs here), then one whose transport runs commands (ssh) with
+    pallet there (``remote(endpoint, options, transport)``), else with the far side's own tar (PlainRoute)."""
+    def possible(endpoint: Endpoint, options: StagingOptions) -> bool:
+        return _runs_commands(endpoint)
+    pulling = direction is Direction.PULL
+    return [
+        RouteSpec("local", direction, order, lambda q: local(q.endpoint, q.options) if q.endpoint.is_local else None,
+                  possible=lambda endpoint, options: endpoint.is_local),
+        RouteSpec("remote", direction, order + 10,
+                  lambda q: remote(q.endpoint, q.options, q.transport) if _far_pallet(q) else None, possible=possible),
+        RouteSpec("plain-tools", direction, order + 20,
+                  lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder, pulling) if _far_plain(q) else None,
+                  possible=possible),
+    ]
 
 
 def register_unpack_routes() -> None:
@@ -341,15 +353,7 @@ def register_unpack_routes() -> None:
         RouteSpec("unpack-via", Direction.PUSH, 30,
                   lambda q: _open_via_route(q, ViaUnpack) if q.options.unpack_via else None,
                   _check_unpack_via, lambda endpoint, options: bool(options.unpack_via)),
-        RouteSpec("local", Direction.PUSH, 40,
-                  lambda q: LocalUnpack(q.endpoint, q.options) if q.endpoint.is_local else None,
-                  possible=is_local),
-        RouteSpec("remote", Direction.PUSH, 50,
-                  lambda q: RemoteExecUnpack(q.endpoint, q.options, q.transport) if far_pallet(q) else None,
-                  possible=runs_commands),
-        RouteSpec("plain-tools", Direction.PUSH, 60,
-                  lambda q: PlainRoute(q.endpoint.host, q.far.plain_decoder) if far_plain(q) else None,
-                  possible=runs_commands),
+        *endpoint_routes(Direction.PUSH, 40, LocalUnpack, RemoteExecUnpack),
     ):
         register_route(spec)
 
