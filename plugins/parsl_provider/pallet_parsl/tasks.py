@@ -218,7 +218,7 @@ def _move(spec: BatchSpec, stream: bool) -> Moved:
     """The move task's work: the source opened and the batch planned (staging_core's pull phases); files
     fetched into ``local_root`` (individually, streamed, or by the plain-tools route), or a bundle of them
     packed at the source and brought into ``state_root/incoming-ID/`` for the unpack task."""
-    options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
+    options = _fetch_options(spec)
     with OpenSource(spec.remote_root, options) as source:
         strategy, sizes = _strategy(spec, source)
         streams = stream and source.options.stream != "off" and source.streams
@@ -291,9 +291,14 @@ def _done_before(spec: BatchSpec) -> Moved | None:
     return Moved(spec, "done before", 0, bundle if spec.packed else None)
 
 
+def _fetch_options(spec: BatchSpec) -> StagingOptions:
+    """The batch's options for a fetch: the provider's, without the routes a push takes (they serve its sends)."""
+    return replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
+
+
 def _move_kept(spec: BatchSpec) -> Moved:
     """A keep-packed batch's move: its items packed at the source and brought into ``state_root/packed-ID/``."""
-    options = replace(spec.options, unpack_via=None, unpack_job=None, keep_packed=False, job_options=())
+    options = _fetch_options(spec)
     with OpenSource(spec.remote_root, options) as source:
         if source.route is None or source.plain:
             raise UsageError("keep_packed needs a source that packs bundles: pallet at an ssh source, or pack_via "
