@@ -24,6 +24,7 @@ _PUBLIC = {
     "copy_out": "bundle_copy", "missing_members": "bundle_copy", "open_bundle": "bundle_copy",
     "CopiedOut": "bundle_copy",
     "run_local": "routes", "unpack_summary": "routes", "scratch_space": "scratch:scratch",
+    "private_directory": "scratch",
     "parse_size": "display",
     # transports
     "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",

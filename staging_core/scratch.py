@@ -3,9 +3,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from typing import Iterator
+
+from bundles.errors import DestinationError
+
+
+def private_directory(path: str, hint: str) -> str:
+    """Make ``path`` (and its parents) if missing, mode 0700, and return it once it is a real directory of this
+    user's that nobody else can write into: a link, or another user's directory planted there, is refused with
+    DestinationError (``hint`` says what to pass instead) and never written through."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid() or found.st_mode & 0o022:
+        raise DestinationError("is not a directory of this user's that only this user can write into", path, hint)
+    return path
 
 
 def scratch_dir(prefix: str, root: str | None = None) -> str:

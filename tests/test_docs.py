@@ -73,7 +73,7 @@ CLAIMS = (
     Claim("examples/snakemake/README.md", "snakemake -s examples/snakemake/Snakefile --executor slurm",
           not_run="snakemake-executor-plugin-slurm needs Slurm accounting (sacct, slurmdbd), which the test cluster "
                   "lacks; the same storage flags run with the cluster-generic executor in "
-                  "tests/test_snakemake_plugin.py"),
+                  "tests/test_snakemake_kept.py"),
 )
 
 

@@ -313,3 +313,18 @@ def test_parsl_keep_packed_from_a_far_side_without_pallet_says_what_it_needs(bar
         cause = cause.dependent_exceptions_tids[0][0]
     assert isinstance(cause, BatchError) and "keep_packed needs a source that packs bundles" in str(cause)
     assert "pallet remote install" in str(cause)
+
+
+def test_snakemake_keep_packed_from_a_far_side_without_pallet_says_what_it_needs(bare, tmp_path):
+    pytest.importorskip("snakemake")
+    from snakemake_interface_common.exceptions import WorkflowError
+
+    from snakemake_storage_plugin_pallet import StorageProviderSettings
+    from tests.test_snakemake_plugin import make_inputs, provider
+    data = make_inputs(tmp_path / "remote" / "data", 3)
+    settings = StorageProviderSettings(ssh_options=shlex.join(bare.ssh_options), keep_packed=True,
+                                       packed_dir=str(tmp_path / "packed"))
+    obj = provider(tmp_path, settings).object(bare.url(str(data / "s00000.csv")))
+    with pytest.raises(WorkflowError, match="(?s)keep-packed needs a source that packs bundles.*pallet remote install"):
+        obj.retrieve_object()
+    assert not obj.local_path().exists()

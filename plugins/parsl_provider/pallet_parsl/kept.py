@@ -5,14 +5,13 @@ import functools
 import os
 import posixpath
 import shutil
-import stat
 import threading
 import uuid
 import weakref
 from concurrent.futures import Future
 from typing import Callable
 
-from staging_core import DestinationError, SetupError, copy_out, open_bundle, parse_url
+from staging_core import SetupError, copy_out, open_bundle, parse_url, private_directory
 
 
 class PackedBatch:
@@ -81,10 +80,5 @@ class ReadsKeptInputs:
 def _make_private_directory(path: str) -> None:
     """Make ``path`` (new, mode 0700) below its parent, the scratch root, which must be a real directory of this
     user's: a link or another user's directory planted there is refused, never written through."""
-    scratch = os.path.dirname(path)
-    os.makedirs(scratch, mode=0o700, exist_ok=True)
-    found = os.lstat(scratch)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
-        raise DestinationError("is not a directory of this user's that only this user can write into",
-                               scratch, "give PalletStaging(scratch=...) a node-local directory of yours")
+    private_directory(os.path.dirname(path), "give PalletStaging(scratch=...) a node-local directory of yours")
     os.mkdir(path, 0o700)

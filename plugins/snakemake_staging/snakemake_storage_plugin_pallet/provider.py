@@ -13,10 +13,13 @@ from staging_core import Endpoint, UsageError, parse_url
 
 from .batching import Batcher, Limits
 from .inventory import RemoteInventory, host_key
+from .kept import KeptBundles
 from .queries import EXAMPLES, validate
 from .settings import StorageProviderSettings, check, staging_options
 from .storage_object import StorageObject
 from .transfers import BatchFailed, Request, Stager, remove_local
+
+PACKED = ".pallet-packed"       # default home of kept bundles, below the local storage prefix
 
 
 class StorageProvider(StorageProviderBase):
@@ -25,7 +28,8 @@ class StorageProvider(StorageProviderBase):
     It owns the inventory of remote listings shared by all its objects,
     and two batchers: the ``managed_retrieve`` calls of one scheduler
     round become one ``fetch`` per location, the ``managed_store`` calls
-    one ``send``, each run in a worker thread. Transports are closed when
+    one ``send``, each run in a worker thread. With keep-packed, a
+    retrieval copies objects out of kept bundles instead (see kept.py). Transports are closed when
     the provider is collected or the process exits.
     """
 
@@ -34,8 +38,10 @@ class StorageProvider(StorageProviderBase):
         check(settings)
         options = staging_options(settings)
         self.inventory = RemoteInventory(options)
+        kept = KeptBundles(os.path.abspath(settings.packed_dir or os.path.join(self.local_prefix, PACKED)),
+                           options) if settings.keep_packed else None
         self.stager = Stager(self.inventory, options, os.path.abspath(self.local_prefix), self.logger,
-                             self.wait_for_free_local_storage)
+                             self.wait_for_free_local_storage, kept)
         self.limits = Limits(settings.batch_window, settings.batch_max_files, settings.batch_max_bytes)
         self.links_on_demand = not settings.no_ondemand_links
         self.retrievals = Batcher(lambda requests: self._errors(requests, self.stager.retrieve), self.limits)

@@ -50,6 +50,13 @@ class StorageProviderSettings(StorageProviderSettingsBase):
     no_ondemand_links: bool = _setting(False, "Copy file:// inputs that Snakemake marks on-demand eligible "
                                               "(read once, sequentially, by one job) instead of linking them "
                                               "in place.", bool)
+    keep_packed: bool = _setting(False, "Fetch the remote directory a batch's objects share once, whole, as one "
+                                        "bundle kept below --storage-pallet-packed-dir, and copy each object "
+                                        "out of it (hash-checked) when it is retrieved: remote jobs on one node "
+                                        "share one fetch. Needs pallet at the source.", bool)
+    packed_dir: Optional[str] = _setting(None, "Where kept bundles live (default: .pallet-packed below the "
+                                               "local storage prefix, node-local in remote jobs); a directory "
+                                               "only you can write into.", str)
     batch_window: float = _setting(0.0, "Seconds a batch stays open for more requests of the same round "
                                         "(0: until the scheduler has handed over the whole round).", float)
     batch_max_files: int = _setting(0, "Start a new batch after this many objects (0: no limit).", int)

@@ -12,9 +12,11 @@ from dataclasses import dataclass, replace
 from itertools import groupby
 
 from staging_core import (DestinationError, Endpoint, PalletError, RemoteEntry, SourceError, StagingOptions,
-                          StagingResult, fetch, local_tree_items, scratch_space, send)
+                          StagingResult, UsageError, copy_out, fetch, local_tree_items, open_bundle, scratch_space,
+                          send)
 
 from .inventory import RemoteInventory, host_key, relative
+from .kept import KeptBundles
 
 SHOWN = 5           # objects named in one error message
 MAX_CONCURRENT = 8  # groups of one batch (different hosts or top-level directories) staged at the same time
@@ -57,16 +59,19 @@ class Stager:
     retrieval lands in a scratch directory under ``scratch_root`` and is
     renamed into each object's local path only when the whole group is
     there, carrying the remote modes and mtimes; if anything fails, the
-    group's local paths are removed. Both return ``{index: BatchFailed}``
+    group's local paths are removed. With ``kept`` (keep-packed), the
+    group's root directory is fetched whole as one kept bundle instead, at
+    most once per listing, and each object is copied out of it into its
+    local path. Both return ``{index: BatchFailed}``
     for the requests of failed groups and never raise. The groups of a
     batch run at the same time (up to MAX_CONCURRENT), and so may batches
     from other threads; operations into one destination queue on its lock.
     """
 
     def __init__(self, inventory: RemoteInventory, options: StagingOptions, scratch_root: str,
-                 logger: logging.Logger, wait_for_space: int | None = None):
+                 logger: logging.Logger, wait_for_space: int | None = None, kept: KeptBundles | None = None):
         self.inventory, self.options, self.scratch_root, self.logger = inventory, options, scratch_root, logger
-        self.wait_for_space = wait_for_space
+        self.wait_for_space, self.kept = wait_for_space, kept
 
     def retrieve(self, requests: list[Request]) -> dict[int, BatchFailed]:
         return self._each_group(requests, "retrieve", self._retrieve_group)
@@ -90,6 +95,8 @@ class Stager:
     def _retrieve_group(self, group: list[Request]) -> None:
         root = _common_root(group)
         items, sizes, directories = self._selection(group, root)
+        if self.kept is not None:
+            return self._retrieve_kept(group, root, sum(sizes))
         self._ensure_space(sum(sizes))
         source = replace(group[0].remote, path=root).url()
         self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
@@ -102,6 +109,29 @@ class Stager:
                 remove_local(request.local)
             raise
         self._report("fetched", len(group), source, result)
+
+    def _retrieve_kept(self, group: list[Request], root: str, nbytes: int) -> None:
+        """Copy each object out of the kept bundle of ``root`` (fetched whole first if no bundle of its current
+        listing is kept yet); on failure, the group's local paths are removed."""
+        if root == "/":
+            raise UsageError("--storage-pallet-keep-packed does not pack the root directory /",
+                             group[0].query, "keep the inputs of one job below one directory")
+        self._ensure_space(nbytes)
+        directory = replace(group[0].remote, path=root)
+        started = time.monotonic()
+        kept = self.kept.bundle_for(directory, self.inventory.children(directory))
+        try:
+            with open_bundle(kept.path) as view:
+                for request in group:
+                    remove_local(request.local)
+                    os.makedirs(os.path.dirname(request.local), exist_ok=True)
+                    copy_out(view, relative(request.remote.path, root), request.local)
+        except Exception:
+            for request in group:
+                remove_local(request.local)
+            raise
+        self.logger.info(f"pallet: copied {len(group)} object(s) out of the kept bundle of {directory.url()} "
+                         f"({kept.path}), {time.monotonic() - started:.2f} s")
 
     def _selection(self, group: list[Request], root: str) -> tuple[list[str], list[int], set[str]]:
         """The items to fetch, their sizes, and the remote paths of the directory objects: a file is its own
