@@ -2,7 +2,9 @@
 # pallet set-up and entry point: installs what pallet needs, then runs the demo or the tests.
 #
 #   ./bootstrap.sh demo [ARGS...]   install (if needed), then run `pallet demo`
-#   ./bootstrap.sh test [ARGS...]   install (if needed), then run the whole test suite
+#   ./bootstrap.sh test [ARGS...]   install (if needed), then run the whole test suite, one test file per
+#                                   worker in $PALLET_TEST_WORKERS (default 3) parallel workers; ARGS go to
+#                                   pytest (`-n 0` runs in this process)
 #   ./bootstrap.sh install          install only
 #
 # Idempotent: apt packages are installed only when missing, the virtualenv
@@ -92,8 +94,8 @@ main() {
         test)
             install_apt; install_python
             cd "$here"
-            exec "$venv/bin/python" -m pytest "$@" ;;
-        *) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+            exec "$venv/bin/python" -m pytest -n "${PALLET_TEST_WORKERS:-3}" --dist loadfile "$@" ;;
+        *) sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
     esac
 }
 

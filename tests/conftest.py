@@ -1,12 +1,14 @@
 """Shared fixtures; the tree helpers live in staging_core.testing, shipped with the package."""
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import shutil
 import subprocess
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -39,13 +41,58 @@ def sshd(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fresh_venv():
     """bin/ of a new virtualenv made by docs/snakemake.md's install command (`pip install '.[snakemake]'`, not
-    editable), readable by every user."""
-    root = Path(tempfile.mkdtemp(prefix="pallet-fresh-venv-", dir="/tmp"))
-    root.chmod(0o755)
+    editable), readable by every user. The suite's parallel workers share one (see :func:`shared_by_workers`)."""
+    with shared_by_workers("pallet-fresh-venv") as root:
+        bin_dir = root / "venv" / "bin"
+        if not (root / "made").exists():
+            fresh_install(root / "venv", doc_block("docs/snakemake.md", "pip install '.[snakemake]'").text)
+            (root / "made").touch()
     try:
-        yield fresh_install(root / "venv", doc_block("docs/snakemake.md", "pip install '.[snakemake]'").text)
+        yield bin_dir
     finally:
-        shutil.rmtree(root)
+        release_shared(root)
+
+
+@contextmanager
+def shared_by_workers(name: str) -> Iterator[Path]:
+    """``/tmp/NAME-RUN`` (mode 0755, readable by every user), held under its lock for the block: RUN is the
+    test run shared by all pytest-xdist workers (this process alone without xdist). Each entry counts one
+    user; :func:`release_shared` drops it and removes the directory after the last."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"
+    root = Path(f"/tmp/{name}-{run}")
+    with _holding(root) as users:
+        users.write_text(str(int(users.read_text() or 0) + 1))
+        yield root
+
+
+def release_shared(root: Path) -> None:
+    with _holding(root) as users:
+        left = int(users.read_text() or 0) - 1
+        users.write_text(str(left))
+        if left <= 0:                    # removed under the lock; a waiter finds its lock file gone and retries
+            shutil.rmtree(root)
+
+
+@contextmanager
+def _holding(root: Path) -> Iterator[Path]:
+    """The flock of ``root/lock`` held (``root`` made if missing); yields the ``users`` count file."""
+    while True:
+        root.mkdir(mode=0o755, exist_ok=True)
+        try:
+            lock = open(root / "lock", "a")
+        except FileNotFoundError:        # removed by the last user between mkdir and open
+            continue
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = os.stat(root / "lock").st_ino == os.fstat(lock.fileno()).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                users = root / "users"
+                users.touch()
+                yield users
+                return
 
 
 @pytest.fixture(params=["native", "python"])
@@ -63,15 +110,28 @@ def nasty_tree(tmp_path) -> str:
 
 @pytest.fixture
 def sweep_mpi_segments():
-    """Remove the shared-memory segments (/dev/shm/vader_segment.*) that mpirun jobs killed by the test left."""
+    """Remove the shared-memory segments (/dev/shm/vader_segment.*) that mpirun jobs killed by the test left:
+    those made during the test that no live process maps (the suite's parallel workers may run MPI jobs too)."""
     pattern = "/dev/shm/vader_segment.*"
     before = set(glob.glob(pattern))
     yield
-    for path in set(glob.glob(pattern)) - before:
+    for path in set(glob.glob(pattern)) - before - mapped_files():
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def mapped_files() -> set[str]:
+    """Every file some process on this machine has mapped (from /proc/PID/maps)."""
+    found = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as lines:
+                found.update(line.split(None, 5)[5].strip() for line in lines if line.count(" ") >= 5)
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -118,27 +118,29 @@ def test_a_symlink_to_a_directory_survives_individual_reruns(sshd, tmp_path, whe
         assert_same_tree(str(src), dest)
 
 
-def test_a_stored_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pulls_left(sshd, tmp_path):
+def test_a_stored_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pulls_left(tmp_path):
     import fcntl
     import glob
     import tempfile
     from staging_core.operations import pull
+    from tests.servers import start_sshd
+    far_tmp = tmp_path / "far-tmp"             # the far side's $TMPDIR, this test's alone (no other test's pulls)
+    far_tmp.mkdir()
+    sshd = start_sshd(tmp_path / "sshd", (f"SetEnv TMPDIR={far_tmp}",))
     src = tiny_tree(tmp_path / "remote_src", 200)
-    stale = tempfile.mkdtemp(prefix="pallet-outgoing-", dir="/tmp")            # a killed pull's bundle
-    held = tempfile.mkdtemp(prefix="pallet-outgoing-", dir="/tmp")             # a running pull's bundle
+    stale = tempfile.mkdtemp(prefix="pallet-outgoing-", dir=far_tmp)           # a killed pull's bundle
+    held = tempfile.mkdtemp(prefix="pallet-outgoing-", dir=far_tmp)            # a running pull's bundle
     for old in (stale, held):
         (Path(old) / "bundle.tar.zst").write_bytes(b"x" * 1000)
         os.utime(old, (1_600_000_000, 1_600_000_000))
     lock = os.open(held, os.O_RDONLY)
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-        before = set(glob.glob("/tmp/pallet-outgoing-*"))
         options = StagingOptions(strategy="bundle", remote_python=sys.executable, stream="off",
                                  ssh_options=tuple(sshd.ssh_options))
         pull(sshd.url(src), str(tmp_path / "here"), options)
         assert_same_tree(src, tmp_path / "here")
-        after = set(glob.glob("/tmp/pallet-outgoing-*"))
-        assert stale not in after and held in after and after <= before        # nothing of this pull is left
+        assert set(glob.glob(f"{far_tmp}/*")) == {held}          # the stale one swept; nothing of this pull left
     finally:
         os.close(lock)
-        shutil.rmtree(held, ignore_errors=True)
+        sshd.stop()
