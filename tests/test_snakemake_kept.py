@@ -13,8 +13,8 @@ from snakemake_interface_common.exceptions import WorkflowError  # noqa: E402
 
 from snakemake_storage_plugin_pallet import StorageProviderSettings  # noqa: E402
 from tests.servers import count_transfers  # noqa: E402
-from tests.test_snakemake_plugin import (T0, in_one_round, make_inputs, provider, snakemake, ssh_settings,  # noqa: E402
-                                         storage_flags)
+from tests.test_snakemake_plugin import (T0, in_one_round, make_inputs, provider, remote_jobs,  # noqa: E402
+                                         ssh_settings)
 
 
 def number(obj) -> int:
@@ -81,22 +81,10 @@ def test_a_local_source_is_kept_too_and_a_missing_object_is_named(tmp_path):
 
 
 def test_remote_jobs_on_one_node_share_one_kept_bundle(sshd, tmp_path, monkeypatch):
-    pytest.importorskip("snakemake_executor_plugin_cluster_generic")
     data = make_inputs(tmp_path / "remote" / "data", 120)
     transfers = count_transfers(tmp_path / "shim", monkeypatch)
-    logs, submit = tmp_path / "job-logs", tmp_path / "submit.sh"
-    logs.mkdir()
-    submit.write_text(f'#!/bin/sh\n# runs the job script here in the background, as a compute node would\n'
-                      f'sh "$1" >"{logs}/$(basename "$1").log" 2>&1 </dev/null &\necho "local-$!"\n')
-    submit.chmod(0o755)
+    done, logs = remote_jobs(sshd, tmp_path, data, "--storage-pallet-keep-packed")
     scratch = tmp_path / "node-scratch"
-    done = snakemake(tmp_path / "wf", *storage_flags(sshd), "--storage-pallet-keep-packed",
-                     "--config", f"data={sshd.url(str(data))}", "samples=120", "parts=2",
-                     "--executor", "cluster-generic", "--jobs", "2", "--cluster-generic-submit-cmd", str(submit),
-                     "--seconds-between-status-checks", "1", "--default-storage-provider", "pallet",
-                     "--default-storage-prefix", sshd.url(str(tmp_path / "remote" / "wf")),
-                     "--shared-fs-usage", "persistence", "software-deployment", "sources", "source-cache",
-                     "--remote-job-local-storage-prefix", str(scratch))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "remote" / "wf" / "results" / "summary.txt").read_text() == f"120 {3 * 120 * 119 // 2}\n"
     job_output = "".join(p.read_text() for p in logs.iterdir())

@@ -218,22 +218,31 @@ def test_workflow_with_2000_remote_inputs_over_ssh(sshd, tmp_path, monkeypatch):
     assert len(transfers()) == 1                                # nothing fetched again
 
 
-def test_remote_job_mode_with_cluster_generic(sshd, tmp_path):
+def remote_jobs(sshd, tmp_path: Path, data: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the example (120 inputs, 2 part jobs) with the cluster-generic executor and no shared file system:
+    each job script runs here in the background, as on a compute node, retrieves its own inputs into
+    tmp_path/node-scratch and stores its output to tmp_path/remote/wf. Returns the run and the jobs' log
+    directory."""
     pytest.importorskip("snakemake_executor_plugin_cluster_generic")
-    data = make_inputs(tmp_path / "remote" / "data", 120)
     logs, submit = tmp_path / "job-logs", tmp_path / "submit.sh"
     logs.mkdir()
     submit.write_text(f'#!/bin/sh\n# runs the job script here in the background, as a compute node would\n'
                       f'sh "$1" >"{logs}/$(basename "$1").log" 2>&1 </dev/null &\necho "local-$!"\n')
     submit.chmod(0o755)
-    scratch = tmp_path / "node-scratch"
-    done = snakemake(tmp_path / "wf", *storage_flags(sshd), "--config", f"data={sshd.url(str(data))}",
+    done = snakemake(tmp_path / "wf", *storage_flags(sshd), *flags, "--config", f"data={sshd.url(str(data))}",
                      "samples=120", "parts=2", "--executor", "cluster-generic", "--jobs", "2",
                      "--cluster-generic-submit-cmd", str(submit), "--seconds-between-status-checks", "1",
                      "--default-storage-provider", "pallet",
                      "--default-storage-prefix", sshd.url(str(tmp_path / "remote" / "wf")),
                      "--shared-fs-usage", "persistence", "software-deployment", "sources", "source-cache",
-                     "--remote-job-local-storage-prefix", str(scratch))
+                     "--remote-job-local-storage-prefix", str(tmp_path / "node-scratch"))
+    return done, logs
+
+
+def test_remote_job_mode_with_cluster_generic(sshd, tmp_path):
+    data = make_inputs(tmp_path / "remote" / "data", 120)
+    done, logs = remote_jobs(sshd, tmp_path, data)
+    scratch = tmp_path / "node-scratch"
     assert done.returncode == 0, done.stderr[-3000:]
     stored = tmp_path / "remote" / "wf" / "results"
     assert (stored / "summary.txt").read_text() == f"120 {3 * 120 * 119 // 2}\n"
