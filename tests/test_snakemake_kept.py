@@ -94,3 +94,22 @@ def test_remote_jobs_on_one_node_share_one_kept_bundle(sshd, tmp_path, monkeypat
     assert len(fetches) == 1, transfers()                       # two jobs, one node: one fetch of the data
     store = Path(copied[0]).parent
     assert store.is_relative_to(scratch) and os.stat(store).st_mode & 0o777 == 0o700
+
+
+def test_a_kept_bundle_damaged_on_disk_is_fetched_again(sshd, tmp_path, monkeypatch, caplog):
+    data = make_inputs(tmp_path / "remote" / "data", 50)
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
+    settings = ssh_settings(sshd, keep_packed=True, packed_dir=str(tmp_path / "packed"))
+    first = provider(tmp_path, settings).object(sshd.url(str(data / "s00000.csv")))
+    first.retrieve_object()
+    (kept,) = kept_dirs(tmp_path / "packed")
+    with open(kept / "bundle.tar.zst", "r+b") as bundle:               # a byte of the first shard flips
+        bundle.seek(64)
+        byte = bundle.read(1)
+        bundle.seek(64)
+        bundle.write(bytes([byte[0] ^ 0x10]))
+    later = provider(tmp_path, settings).object(sshd.url(str(data / "s00007.csv")))
+    later.retrieve_object()
+    assert later.local_path().read_text() == "7,21\n"
+    assert len(transfers()) == 2, transfers()
+    assert any("is damaged" in r.getMessage() and "fetching it again" in r.getMessage() for r in caplog.records)

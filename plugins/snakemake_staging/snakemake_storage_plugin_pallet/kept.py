@@ -5,7 +5,7 @@ import fcntl
 import hashlib
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -37,7 +37,7 @@ class KeptBundles:
     call, in this process or another (jobs on one node share a store), and
     only one of them fetches while the others wait on the directory's lock.
     When the listing changes, the next call fetches a new bundle and
-    removes the older ones of that directory. An interrupted fetch is
+    removes the older ones of that directory (finished or half fetched). An interrupted fetch is
     resumed by the next call (rsync sends only what is missing). Raises
     UsageError when the source cannot be packed (no pallet at its far
     side), SourceError when the bundle lacks an entry of the listing, and
@@ -57,6 +57,13 @@ class KeptBundles:
                 name = _finished(kept) or self._fetch(root, kept, listing)
             self._drop_older(place, key)
         return KeptBundle(os.path.join(kept, name), root)
+
+    def discard(self, kept: KeptBundle) -> None:
+        """Forget a kept bundle found damaged since it was checked: the next :meth:`bundle_for` fetches it
+        again. Readers that have it open keep reading what they opened."""
+        directory = os.path.dirname(kept.path)
+        with self._locked(os.path.basename(directory)):
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _fetch(self, root: Endpoint, kept: str, listing: list[RemoteEntry]) -> str:
         os.makedirs(kept, mode=0o700, exist_ok=True)
@@ -79,10 +86,14 @@ class KeptBundles:
 
     @contextmanager
     def _locked(self, name: str, wait: bool = True) -> Iterator[bool]:
-        """Hold the flock of ``STORE/NAME.lock``; yields False (without waiting) when ``wait`` is off and
-        another holds it."""
-        descriptor = os.open(os.path.join(self.store, name + ".lock"),
-                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Hold the flock of ``STORE/NAME.lock`` (made if missing); with ``wait`` off, yields False at once when
+        another holds it or it is gone."""
+        try:
+            descriptor = os.open(os.path.join(self.store, name + ".lock"),
+                                 os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if wait else 0), 0o600)
+        except FileNotFoundError:
+            yield False
+            return
         try:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -94,14 +105,16 @@ class KeptBundles:
             os.close(descriptor)
 
     def _drop_older(self, place: str, key: str) -> None:
-        """Remove this directory's finished bundles of other listings that nobody is fetching. A job still
-        copying out of one keeps reading it: its open files outlive the names."""
+        """Remove this directory's bundles of other listings that nobody is fetching (finished, or left half
+        fetched by a killed process). A job still copying out of one keeps reading it: its open files outlive
+        the names."""
         for name in os.listdir(self.store):
             if name.startswith(place + "-") and not name.endswith(".lock") and name != f"{place}-{key}":
                 with self._locked(name, wait=False) as held:
-                    if held and _finished(os.path.join(self.store, name)) is not None:
+                    if held:
                         shutil.rmtree(os.path.join(self.store, name), ignore_errors=True)
-                        os.unlink(os.path.join(self.store, name + ".lock"))
+                        with suppress(FileNotFoundError):        # another thread of this process was first
+                            os.unlink(os.path.join(self.store, name + ".lock"))
 
 
 def _finished(kept: str) -> str | None:

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from staging_core import (DestinationError, Endpoint, PalletError, RemoteEntry, SourceError, StagingOptions,
-                          StagingResult, UsageError, copy_out, fetch, local_tree_items, open_bundle, scratch_space,
-                          send)
+from staging_core import (CorruptBundleError, DestinationError, Endpoint, PalletError, RemoteEntry, SourceError,
+                          StagingOptions, StagingResult, UsageError, copy_out, fetch, local_tree_items, open_bundle,
+                          scratch_space, send)
 
 from .inventory import RemoteInventory, host_key, relative
 from .kept import KeptBundles
@@ -112,20 +112,23 @@ class Stager:
 
     def _retrieve_kept(self, group: list[Request], root: str, nbytes: int) -> None:
         """Copy each object out of the kept bundle of ``root`` (fetched whole first if no bundle of its current
-        listing is kept yet); on failure, the group's local paths are removed."""
+        listing is kept yet; fetched again once if the kept one turns out damaged); on failure, the group's
+        local paths are removed."""
         if root == "/":
             raise UsageError("--storage-pallet-keep-packed does not pack the root directory /",
                              group[0].query, "keep the inputs of one job below one directory")
         self._ensure_space(nbytes)
         directory = replace(group[0].remote, path=root)
-        started = time.monotonic()
-        kept = self.kept.bundle_for(directory, self.inventory.children(directory))
+        started, listing = time.monotonic(), self.inventory.children(directory)
+        kept = self.kept.bundle_for(directory, listing)
         try:
-            with open_bundle(kept.path) as view:
-                for request in group:
-                    remove_local(request.local)
-                    os.makedirs(os.path.dirname(request.local), exist_ok=True)
-                    copy_out(view, relative(request.remote.path, root), request.local)
+            try:
+                _copy_out_of(kept.path, group, root)
+            except CorruptBundleError as exc:
+                self.logger.warning(f"pallet: the kept bundle {kept.path} is damaged ({exc}); fetching it again")
+                self.kept.discard(kept)
+                kept = self.kept.bundle_for(directory, listing)
+                _copy_out_of(kept.path, group, root)
         except Exception:
             for request in group:
                 remove_local(request.local)
@@ -209,6 +212,16 @@ def _run_group(members: list[tuple[int, Request]], action: str, work) -> dict[in
         failure = BatchFailed(action, [r.query for r in group], exc)
         return {n: failure for n, _ in members}
     return {}
+
+
+def _copy_out_of(bundle: str, group: list[Request], root: str) -> None:
+    """Copy each object of ``group`` out of the local ``bundle`` of the remote directory ``root`` into its local
+    path, replacing what is there."""
+    with open_bundle(bundle) as view:
+        for request in group:
+            remove_local(request.local)
+            os.makedirs(os.path.dirname(request.local), exist_ok=True)
+            copy_out(view, relative(request.remote.path, root), request.local)
 
 
 def _leaves(entries: list[RemoteEntry]) -> list[RemoteEntry]:
