@@ -69,12 +69,14 @@ def test_a_planted_link_for_the_store_is_refused(sshd, tmp_path):
     assert not any(elsewhere.iterdir()) and not obj.local_path().exists()
 
 
-def test_a_local_source_is_kept_too_and_a_missing_object_is_named(tmp_path):
+def test_a_local_source_is_kept_too_and_a_missing_object_is_named(tmp_path, monkeypatch):
     data = make_inputs(tmp_path / "remote" / "data", 5)
-    settings = StorageProviderSettings(keep_packed=True, packed_dir=str(tmp_path / "packed"))
+    monkeypatch.setenv("KEPT_ROOT", str(tmp_path))
+    settings = StorageProviderSettings(keep_packed=True, packed_dir="$KEPT_ROOT/packed")     # expanded here
     obj = provider(tmp_path, settings).object(f"file://{data}/s00000.csv")
     obj.retrieve_object()                                        # a local source packs here
     assert obj.local_path().read_text() == "0,0\n"
+    assert len(kept_dirs(tmp_path / "packed")) == 1
     gone = provider(tmp_path, settings).object(f"file://{data}/s09999.csv")
     with pytest.raises(WorkflowError, match="s09999.csv.*do not exist"):
         gone.retrieve_object()

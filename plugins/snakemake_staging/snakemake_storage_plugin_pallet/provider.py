@@ -38,8 +38,8 @@ class StorageProvider(StorageProviderBase):
         check(settings)
         options = staging_options(settings)
         self.inventory = RemoteInventory(options)
-        kept = KeptBundles(os.path.abspath(settings.packed_dir or os.path.join(self.local_prefix, PACKED)),
-                           options) if settings.keep_packed else None
+        store = os.path.expanduser(os.path.expandvars(settings.packed_dir or os.path.join(self.local_prefix, PACKED)))
+        kept = KeptBundles(os.path.abspath(store), options) if settings.keep_packed else None
         self.stager = Stager(self.inventory, options, os.path.abspath(self.local_prefix), self.logger,
                              self.wait_for_free_local_storage, kept)
         self.limits = Limits(settings.batch_window, settings.batch_max_files, settings.batch_max_bytes)

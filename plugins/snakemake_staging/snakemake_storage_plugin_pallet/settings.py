@@ -56,7 +56,8 @@ class StorageProviderSettings(StorageProviderSettingsBase):
                                         "share one fetch. Needs pallet at the source.", bool)
     packed_dir: Optional[str] = _setting(None, "Where kept bundles live (default: .pallet-packed below the "
                                                "local storage prefix, node-local in remote jobs); a directory "
-                                               "only you can write into.", str)
+                                               "only you can write into. $VARS and ~ are expanded where the "
+                                               "inputs are retrieved (e.g. '/local/$USER/packed').", str)
     batch_window: float = _setting(0.0, "Seconds a batch stays open for more requests of the same round "
                                         "(0: until the scheduler has handed over the whole round).", float)
     batch_max_files: int = _setting(0, "Start a new batch after this many objects (0: no limit).", int)
