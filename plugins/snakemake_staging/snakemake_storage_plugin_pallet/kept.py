@@ -37,8 +37,9 @@ class KeptBundles:
     call, in this process or another (jobs on one node share a store), and
     only one of them fetches while the others wait on the directory's lock.
     When the listing changes, the next call fetches a new bundle and
-    removes the older ones of that directory (finished or half fetched). An interrupted fetch is
-    resumed by the next call (rsync sends only what is missing). Raises
+    removes the older ones of that directory (finished or half fetched).
+    An interrupted fetch is resumed by the next call (rsync sends only what
+    is missing); ``discard`` forgets a bundle found damaged. Raises
     UsageError when the source cannot be packed (no pallet at its far
     side), SourceError when the bundle lacks an entry of the listing, and
     the transfer's error otherwise.
