@@ -36,7 +36,7 @@ _PUBLIC = {
     "MissingDependencyError": "transports.errors",
 }
 _ERRORS = ("PalletError", "UsageError", "SourceError", "DestinationError", "DestinationLocked", "SetupError",
-           "StreamError", "CorruptBundleError", "SummaryError")
+           "StreamError", "BundleError", "CorruptBundleError", "SummaryError")
 
 __all__ = sorted([*_PUBLIC, *_ERRORS])
 

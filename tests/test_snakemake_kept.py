@@ -56,6 +56,23 @@ def test_a_round_is_copied_out_of_one_kept_bundle_fetched_once(sshd, tmp_path, m
     assert len(transfers()) == 2, transfers()
     assert len(kept_dirs(store)) == 1 and kept_dirs(store) != [kept]          # the older bundle is removed
 
+    (data / "s00002.csv").chmod(0o600)                           # a mode is part of the listing too
+    moded = provider(tmp_path, settings).object(sshd.url(str(data / "s00002.csv")))
+    moded.retrieve_object()
+    assert moded.local_path().stat().st_mode & 0o777 == 0o600 and len(transfers()) == 3
+
+
+def test_a_fetch_killed_before_its_marker_is_finished_by_the_next_retrieval(sshd, tmp_path, monkeypatch):
+    data = make_inputs(tmp_path / "remote" / "data", 20)
+    settings = ssh_settings(sshd, keep_packed=True, packed_dir=str(tmp_path / "packed"))
+    provider(tmp_path, settings).object(sshd.url(str(data / "s00000.csv"))).retrieve_object()
+    (kept,) = kept_dirs(tmp_path / "packed")
+    (kept / "complete").rename(kept / "complete.part")            # as if killed between writing and renaming it
+    obj = provider(tmp_path, settings).object(sshd.url(str(data / "s00003.csv")))
+    obj.retrieve_object()
+    assert obj.local_path().read_text() == "3,9\n"
+    assert sorted(p.name for p in kept.iterdir()) == ["bundle.tar.zst", "bundle.tar.zst.pidx", "complete"]
+
 
 def test_a_planted_link_for_the_store_is_refused(sshd, tmp_path):
     data = make_inputs(tmp_path / "remote" / "data", 5)
@@ -114,4 +131,4 @@ def test_a_kept_bundle_damaged_on_disk_is_fetched_again(sshd, tmp_path, monkeypa
     later.retrieve_object()
     assert later.local_path().read_text() == "7,21\n"
     assert len(transfers()) == 2, transfers()
-    assert any("is damaged" in r.getMessage() and "fetching it again" in r.getMessage() for r in caplog.records)
+    assert any("cannot be read" in r.getMessage() and "fetching it again" in r.getMessage() for r in caplog.records)

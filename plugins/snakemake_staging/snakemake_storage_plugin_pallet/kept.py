@@ -24,6 +24,11 @@ class KeptBundle:
 
     path: str
     root: Endpoint
+    inode: int = 0          # of the bundle file when it was found: discard() removes only that one
+
+
+class ListingChanged(SourceError):
+    """The remote directory changed between its listing and its packing: list it again."""
 
 
 class KeptBundles:
@@ -48,23 +53,39 @@ class KeptBundles:
     def __init__(self, store: str, options: StagingOptions):
         self.store, self.options = store, options
 
-    def bundle_for(self, root: Endpoint, listing: list[RemoteEntry]) -> KeptBundle:
+    def find(self, root: Endpoint, listing: list[RemoteEntry]) -> KeptBundle | None:
+        """The kept bundle of ``root`` as ``listing`` shows it, if one is kept already (nothing is fetched)."""
         private_directory(self.store, HINT)
+        kept = os.path.join(self.store, "-".join(_keys(root, listing)))
+        name = _finished(kept)
+        try:
+            return None if name is None else _found(os.path.join(kept, name), root)
+        except FileNotFoundError:           # removed since (a damaged one discarded): fetch it again
+            return None
+
+    def bundle_for(self, root: Endpoint, listing: list[RemoteEntry]) -> KeptBundle:
+        found = self.find(root, listing)
+        if found is not None:
+            return found
         place, key = _keys(root, listing)
         kept = os.path.join(self.store, f"{place}-{key}")
-        name = _finished(kept)
-        if name is None:
-            with self._locked(f"{place}-{key}"):
-                name = _finished(kept) or self._fetch(root, kept, listing)
-            self._drop_older(place, key)
-        return KeptBundle(os.path.join(kept, name), root)
+        with self._locked(f"{place}-{key}"):
+            name = _finished(kept) or self._fetch(root, kept, listing)
+        self._drop_older(place, key)
+        return _found(os.path.join(kept, name), root)
 
     def discard(self, kept: KeptBundle) -> None:
-        """Forget a kept bundle found damaged since it was checked: the next :meth:`bundle_for` fetches it
-        again. Readers that have it open keep reading what they opened."""
+        """Forget a kept bundle found damaged or cut short: the next :meth:`bundle_for` fetches it again. Only
+        the very file ``kept`` named is removed (not one another process has fetched since), and readers that
+        have it open keep reading what they opened."""
         directory = os.path.dirname(kept.path)
         with self._locked(os.path.basename(directory)):
-            shutil.rmtree(directory, ignore_errors=True)
+            try:
+                same = os.stat(kept.path).st_ino == kept.inode
+            except FileNotFoundError:
+                same = True
+            if same:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _fetch(self, root: Endpoint, kept: str, listing: list[RemoteEntry]) -> str:
         os.makedirs(kept, mode=0o700, exist_ok=True)
@@ -76,10 +97,12 @@ class KeptBundles:
             moved = move_packed(source, kept)
         missing = missing_members(moved.path, [e.path for e in listing if e.kind != "d"])
         if missing:
-            raise SourceError(f"{len(missing)} listed file(s) are not in the kept bundle, e.g. {missing[0]}",
-                              root.url(), "the directory changed while it was packed; run the workflow again")
+            raise ListingChanged(f"{len(missing)} listed file(s) are not in the kept bundle, e.g. {missing[0]}",
+                                 root.url(), "the directory changed while it was packed; run the workflow again")
         name = os.path.basename(moved.path)
         partial = os.path.join(kept, MARKER + ".part")
+        with suppress(FileNotFoundError):        # left by a process killed here
+            os.unlink(partial)
         with open(partial, "x") as out:
             out.write(name)
         os.replace(partial, os.path.join(kept, MARKER))
@@ -89,21 +112,12 @@ class KeptBundles:
     def _locked(self, name: str, wait: bool = True) -> Iterator[bool]:
         """Hold the flock of ``STORE/NAME.lock`` (made if missing); with ``wait`` off, yields False at once when
         another holds it or it is gone."""
+        descriptor = _lock(os.path.join(self.store, name + ".lock"), wait)
         try:
-            descriptor = os.open(os.path.join(self.store, name + ".lock"),
-                                 os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if wait else 0), 0o600)
-        except FileNotFoundError:
-            yield False
-            return
-        try:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            yield True
+            yield descriptor is not None
         finally:
-            os.close(descriptor)
+            if descriptor is not None:
+                os.close(descriptor)
 
     def _drop_older(self, place: str, key: str) -> None:
         """Remove this directory's bundles of other listings that nobody is fetching (finished, or left half
@@ -118,6 +132,31 @@ class KeptBundles:
                             os.unlink(os.path.join(self.store, name + ".lock"))
 
 
+def _lock(path: str, wait: bool) -> int | None:
+    """A descriptor of the lock file ``path`` holding its flock, or None (``wait`` off: held elsewhere, or no
+    such file). A lock file removed while we waited for it (by :meth:`KeptBundles._drop_older`) is not the
+    lock any more: lock the one now at ``path`` instead."""
+    while True:
+        try:
+            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if wait else 0)
+            descriptor = os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            if os.fstat(descriptor).st_ino == os.stat(path).st_ino:
+                return descriptor
+        except (BlockingIOError, FileNotFoundError):
+            if not wait:
+                os.close(descriptor)
+                return None
+        os.close(descriptor)
+
+
+def _found(bundle: str, root: Endpoint) -> KeptBundle:
+    return KeptBundle(bundle, root, os.stat(bundle).st_ino)
+
+
 def _finished(kept: str) -> str | None:
     """The bundle's file name if the kept directory ``kept`` holds a checked bundle, else None."""
     try:
@@ -129,9 +168,11 @@ def _finished(kept: str) -> str | None:
 
 
 def _keys(root: Endpoint, listing: list[RemoteEntry]) -> tuple[str, str]:
-    """Short hashes of the remote directory (host and path) and of its listing (paths, types, sizes, mtimes)."""
+    """Short hashes of the remote directory (host and path) and of its listing (paths, types, modes, sizes,
+    mtimes, link targets)."""
     place = hashlib.sha256(repr((host_key(root), root.path)).encode()).hexdigest()[:16]
     digest = hashlib.sha256()
     for entry in sorted(listing, key=lambda e: e.path):
-        digest.update(f"{entry.path}\0{entry.kind}\0{entry.size}\0{entry.mtime_ns}\0{entry.link}\n".encode())
+        digest.update(f"{entry.path}\0{entry.kind}\0{entry.mode}\0{entry.size}\0{entry.mtime_ns}\0{entry.link}\n"
+                      .encode())
     return place, digest.hexdigest()[:16]

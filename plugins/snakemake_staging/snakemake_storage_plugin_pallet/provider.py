@@ -39,6 +39,8 @@ class StorageProvider(StorageProviderBase):
         options = staging_options(settings)
         self.inventory = RemoteInventory(options)
         store = os.path.expanduser(os.path.expandvars(settings.packed_dir or os.path.join(self.local_prefix, PACKED)))
+        if settings.keep_packed and "$" in store:
+            raise WorkflowError(f"--storage-pallet-packed-dir {store}: a variable in it is not set here")
         kept = KeptBundles(os.path.abspath(store), options) if settings.keep_packed else None
         self.stager = Stager(self.inventory, options, os.path.abspath(self.local_prefix), self.logger,
                              self.wait_for_free_local_storage, kept)

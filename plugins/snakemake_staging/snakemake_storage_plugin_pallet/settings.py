@@ -55,7 +55,8 @@ class StorageProviderSettings(StorageProviderSettingsBase):
                                         "out of it (hash-checked) when it is retrieved: remote jobs on one node "
                                         "share one fetch. Needs pallet at the source.", bool)
     packed_dir: Optional[str] = _setting(None, "Where kept bundles live (default: .pallet-packed below the "
-                                               "local storage prefix, node-local in remote jobs); a directory "
+                                               "local storage prefix; in remote jobs, node-local when "
+                                               "--remote-job-local-storage-prefix is); a directory "
                                                "only you can write into. $VARS and ~ are expanded where the "
                                                "inputs are retrieved (e.g. '/local/$USER/packed').", str)
     batch_window: float = _setting(0.0, "Seconds a batch stays open for more requests of the same round "

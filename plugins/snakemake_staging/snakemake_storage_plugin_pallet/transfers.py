@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from staging_core import (CorruptBundleError, DestinationError, Endpoint, PalletError, RemoteEntry, SourceError,
+from staging_core import (BundleError, DestinationError, Endpoint, PalletError, RemoteEntry, SourceError,
                           StagingOptions, StagingResult, UsageError, copy_out, fetch, local_tree_items, open_bundle,
                           scratch_space, send)
 
 from .inventory import RemoteInventory, host_key, relative
-from .kept import KeptBundles
+from .kept import KeptBundle, KeptBundles, ListingChanged
 
 SHOWN = 5           # objects named in one error message
 MAX_CONCURRENT = 8  # groups of one batch (different hosts or top-level directories) staged at the same time
@@ -97,7 +97,7 @@ class Stager:
         items, sizes, directories = self._selection(group, root)
         if self.kept is not None:
             return self._retrieve_kept(group, root, sum(sizes))
-        self._ensure_space(sum(sizes))
+        self._ensure_space(sum(sizes), self.scratch_root)
         source = replace(group[0].remote, path=root).url()
         self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
         try:
@@ -111,30 +111,48 @@ class Stager:
         self._report("fetched", len(group), source, result)
 
     def _retrieve_kept(self, group: list[Request], root: str, nbytes: int) -> None:
-        """Copy each object out of the kept bundle of ``root`` (fetched whole first if no bundle of its current
-        listing is kept yet; fetched again once if the kept one turns out damaged); on failure, the group's
-        local paths are removed."""
+        """Copy each object out of the kept bundle of ``root``; on failure, the group's local paths are
+        removed."""
         if root == "/":
             raise UsageError("--storage-pallet-keep-packed does not pack the root directory /",
                              group[0].query, "keep the inputs of one job below one directory")
-        self._ensure_space(nbytes)
+        self._ensure_space(nbytes, self.scratch_root)
         directory = replace(group[0].remote, path=root)
-        started, listing = time.monotonic(), self.inventory.children(directory)
-        kept = self.kept.bundle_for(directory, listing)
+        started = time.monotonic()
         try:
-            try:
-                _copy_out_of(kept.path, group, root)
-            except CorruptBundleError as exc:
-                self.logger.warning(f"pallet: the kept bundle {kept.path} is damaged ({exc}); fetching it again")
-                self.kept.discard(kept)
-                kept = self.kept.bundle_for(directory, listing)
-                _copy_out_of(kept.path, group, root)
+            kept = self._copy_out_of_kept(group, directory)
         except Exception:
             for request in group:
                 remove_local(request.local)
             raise
         self.logger.info(f"pallet: copied {len(group)} object(s) out of the kept bundle of {directory.url()} "
                          f"({kept.path}), {time.monotonic() - started:.2f} s")
+
+    def _copy_out_of_kept(self, group: list[Request], directory: Endpoint) -> KeptBundle:
+        """Copy the group's objects out of the kept bundle of ``directory``: found, or fetched whole first. One
+        more try with a fresh listing when the directory changed while it was packed, and with a new fetch when
+        the kept bundle turns out damaged, cut short or gone."""
+        tries = 2
+        while True:
+            tries -= 1
+            listing, kept = self.inventory.children(directory), None
+            try:
+                kept = self.kept.find(directory, listing)
+                if kept is None:
+                    self._ensure_space(sum(e.size for e in listing), self.kept.store)
+                    kept = self.kept.bundle_for(directory, listing)
+                _copy_objects_out(kept.path, group, directory.path, self.scratch_root)
+                return kept
+            except ListingChanged:
+                if not tries:
+                    raise
+                self.inventory.forget(directory)
+            except BundleError as exc:
+                if not tries or kept is None:
+                    raise
+                self.logger.warning(f"pallet: the kept bundle {kept.path} cannot be read ({exc}); fetching it "
+                                    "again")
+                self.kept.discard(kept)
 
     def _selection(self, group: list[Request], root: str) -> tuple[list[str], list[int], set[str]]:
         """The items to fetch, their sizes, and the remote paths of the directory objects: a file is its own
@@ -160,16 +178,16 @@ class Stager:
                               hint="check the URL, and that the rule making it has run")
         return items, sizes, directories
 
-    def _ensure_space(self, nbytes: int) -> None:
+    def _ensure_space(self, nbytes: int, where: str) -> None:
         """Wait up to ``wait_for_space`` seconds (Snakemake's --wait-for-free-local-storage) for ``nbytes`` to
-        fit below the local prefix; DestinationError if they do not."""
+        fit below ``where``; DestinationError if they do not."""
         deadline = time.monotonic() + (self.wait_for_space or 0)
-        while (free := shutil.disk_usage(self.scratch_root).free) < nbytes:
+        while (free := shutil.disk_usage(where).free) < nbytes:
             if time.monotonic() >= deadline:
-                raise DestinationError(f"{nbytes} bytes to fetch, {free} bytes free", self.scratch_root,
+                raise DestinationError(f"{nbytes} bytes to fetch, {free} bytes free", where,
                                        "free space, wait for it with --wait-for-free-local-storage SECONDS, or cap "
                                        "batches with --storage-pallet-batch-max-bytes")
-            self.logger.info(f"pallet: waiting for {nbytes} bytes of free space below {self.scratch_root}")
+            self.logger.info(f"pallet: waiting for {nbytes} bytes of free space below {where}")
             time.sleep(60 if (self.wait_for_space or 0) > 60 else 1)
 
     # ------------------------------------------------------------ stores
@@ -214,14 +232,15 @@ def _run_group(members: list[tuple[int, Request]], action: str, work) -> dict[in
     return {}
 
 
-def _copy_out_of(bundle: str, group: list[Request], root: str) -> None:
-    """Copy each object of ``group`` out of the local ``bundle`` of the remote directory ``root`` into its local
-    path, replacing what is there."""
-    with open_bundle(bundle) as view:
-        for request in group:
-            remove_local(request.local)
-            os.makedirs(os.path.dirname(request.local), exist_ok=True)
-            copy_out(view, relative(request.remote.path, root), request.local)
+def _copy_objects_out(bundle: str, group: list[Request], root: str, scratch_root: str) -> None:
+    """Copy each object of ``group`` out of the local ``bundle`` of the remote directory ``root`` into a scratch
+    directory below ``scratch_root``, then rename it over its local path: a local path holds its old content
+    or the whole new one, never a part (a killed run's scratch is swept by the next)."""
+    with scratch_space(".pallet-copy-", scratch_root) as landing, open_bundle(bundle) as view:
+        for number, request in enumerate(group):
+            landed = os.path.join(landing, str(number))
+            copy_out(view, relative(request.remote.path, root), landed)
+            _move(landed, request.local)
 
 
 def _leaves(entries: list[RemoteEntry]) -> list[RemoteEntry]:
