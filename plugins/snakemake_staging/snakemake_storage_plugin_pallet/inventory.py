@@ -165,8 +165,13 @@ class RemoteInventory:
     # ------------------------------------------------------------ internals (host lock held)
 
     def _lock(self, key: HostKey) -> threading.RLock:
-        with self._guard:
-            return self._locks.setdefault(key, threading.RLock())
+        """The host's lock: read without the guard once it exists (one dict read; thousands of lookups of a
+        round ask for it), made under the guard the first time."""
+        lock = self._locks.get(key)
+        if lock is None:
+            with self._guard:
+                lock = self._locks.setdefault(key, threading.RLock())
+        return lock
 
     def _transport(self, endpoint: Endpoint) -> Transport:
         key = host_key(endpoint)
