@@ -116,7 +116,7 @@ def run_workflow(work: Path, name: str, provider: str, prefix: str, files: int, 
     workdir.mkdir(parents=True)
     (workdir / "Snakefile").write_text(SNAKEFILE)
     (workdir / "driver.py").write_text(DRIVER)
-    env = _without_pythonpath()          # the plugin is found as installed, as users find it
+    env = without_pythonpath()          # the plugin is found as installed, as users find it
     argv = [sys.executable, "driver.py", "stage-in.json", "--cores", "4", "--config", f"provider={provider}",
             f"prefix={prefix}", f"files={files}", "parts=4", *extra]
     started = time.perf_counter()
@@ -153,7 +153,7 @@ def hand_stream(sshd, inputs: Path, dest: Path) -> float:
     return seconds
 
 
-def _without_pythonpath() -> dict[str, str]:
+def without_pythonpath() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
 
 
@@ -166,7 +166,7 @@ def run_outputs(work: Path, name: str, provider: str, prefix: str, jobs: int, ex
             f"prefix={prefix}", f"jobs={jobs}", *extra]
     started = time.perf_counter()
     with open(workdir / "snakemake.log", "w") as log:
-        done = subprocess.run(argv, cwd=workdir, env=_without_pythonpath(), stdout=log, stderr=subprocess.STDOUT,
+        done = subprocess.run(argv, cwd=workdir, env=without_pythonpath(), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL)
     total = time.perf_counter() - started
     text = (workdir / "snakemake.log").read_text()

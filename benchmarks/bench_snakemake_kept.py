@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench_snakemake import _without_pythonpath, make_inputs  # noqa: E402
+from bench_snakemake import without_pythonpath, make_inputs  # noqa: E402
 from tests.servers import start_sshd  # noqa: E402
 
 SNAKEFILE = ROOT / "examples" / "snakemake" / "Snakefile"
@@ -43,7 +43,7 @@ def run_once(work: Path, sshd, data: Path, files: int, jobs: int, flags: list[st
             "--shared-fs-usage", "persistence", "software-deployment", "sources", "source-cache",
             "--remote-job-local-storage-prefix", str(scratch)]
     started = time.perf_counter()
-    done = subprocess.run(argv, cwd=work, env=_without_pythonpath(), capture_output=True, text=True,
+    done = subprocess.run(argv, cwd=work, env=without_pythonpath(), capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=1800)
     seconds = time.perf_counter() - started
     if done.returncode != 0:

@@ -24,7 +24,7 @@ class KeptBundle:
 
     path: str
     root: Endpoint
-    inode: int = 0          # of the bundle file when it was found: discard() removes only that one
+    inode: int              # of the bundle file when it was found: discard() removes only that one
 
 
 class ListingChanged(SourceError):
