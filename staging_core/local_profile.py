@@ -10,7 +10,7 @@ from dataclasses import replace
 from bundles import native
 from bundles.errors import PalletError, UsageError
 from bundles.scan import scan
-from bundles.state import ensure_state_dir
+from bundles.state import ensure_state_dir, prune
 
 from .planner import LOCAL_PROFILE_PREFIX, LinkProfile
 from .profiles import load_profile, save_profile
@@ -41,8 +41,7 @@ def local_profile(dest: str, measure_now: bool = True) -> LinkProfile:
         if not measure_now:
             return LinkProfile()
     try:
-        # inside an existing DEST, in its state place (removed after success, cleared by the next run)
-        profile = measure(ensure_state_dir(parent) if parent == os.path.abspath(dest) else parent, name)
+        profile = _measure_beside(parent, parent == os.path.abspath(dest), name)
         save_profile(profile)
     except (OSError, PalletError):      # no room or no right to measure here: plan with the generic figures
         return LinkProfile()
@@ -62,6 +61,19 @@ def measure(directory: str, name: str) -> LinkProfile:
         shutil.rmtree(scratch, ignore_errors=True)
     return replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=bandwidth, per_file_s=per_file,
                    create_rate=float("inf"), concurrency=1, is_default=False)
+
+
+def _measure_beside(directory: str, is_dest: bool, name: str) -> LinkProfile:
+    """:func:`measure` in ``directory``; inside an existing DEST, in its state place, which is removed again
+    when the measurement leaves it empty (a selection's push does not clear it, and DEST must hold nothing of
+    pallet's after success)."""
+    if not is_dest:
+        return measure(directory, name)
+    state = ensure_state_dir(directory)
+    try:
+        return measure(state, name)
+    finally:
+        prune(directory, state)
 
 
 def observe(dest: str, files: int, nbytes: int, seconds: float) -> None:

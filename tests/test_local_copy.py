@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
 from bundles import native
+from staging_core import StagingOptions, send
 from staging_core.transports.base import Direction
 from staging_core.transports.local import LocalTransport
 from staging_core.transports.registry import parse_url
@@ -104,3 +106,16 @@ def test_a_finished_local_copy_corrects_a_profile_measured_at_a_bad_moment(tmp_p
     pushed = json.loads(run_pallet("push", "--json", src, str(tmp_path / "dest"), check=True).stdout)
     corrected = float(next(l for l in saved[0].read_text().splitlines() if l.startswith("per_file_s")).split("=")[1])
     assert 0.5 < corrected < 0.5 + pushed["seconds"] / 1200
+
+
+def test_measuring_the_local_route_in_an_existing_destination_leaves_nothing_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))      # no saved profile: it is measured now
+    if native.module() is None:
+        pytest.skip("the local route is measured only with the native engine")
+    src = make_files(tmp_path / "src", 3, 1, lambda n: b"%d\n" % n)
+    (tmp_path / "dest").mkdir()
+    run_pallet("plan", "--json", src, str(tmp_path / "dest"), check=True)
+    assert list((tmp_path / "dest").iterdir()) == []
+    shutil.rmtree(tmp_path / "config")
+    send(src, ["d0/f00001"], f"file://{tmp_path / 'dest'}", StagingOptions(progress=False))      # a selection
+    assert sorted(str(p.relative_to(tmp_path / "dest")) for p in (tmp_path / "dest").rglob("*")) == ["d0", "d0/f00001"]
