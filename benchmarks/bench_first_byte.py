@@ -1,5 +1,6 @@
 """Time to the first shard byte of `pallet push` on an emulated WAN: from pallet's start until the far side reads a
-shard frame (first_frame_probe.py stands in for its Python and notes the moment), against 0.3 s + one round trip."""
+shard frame (first_frame_probe.py stands in for its Python and notes the moment), against 0.3 s + one round trip
+and against the hand-made stream's first byte at the far side, measured in the same run."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench_bundle import pallet_cmd
-from push_methods import check_destination, manifest, start_rig
+from push_methods import check_destination, manifest, start_rig, stream_peer
 from push_report import Target, print_targets
 from wan import NS_IP, LinkSpec, ping_rtt_ms
 from workloads import KIB, Workload, ensure_workload, wan_w1_args, wan_w1_parser
@@ -40,6 +41,13 @@ def first_byte(rig, src: Path, dest: Path, log: Path) -> tuple[float, float, dic
     return float(log.read_text()) - started, total, json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def peer_first_byte(rig, src: Path, dest: Path, log: Path) -> tuple[float, float]:
+    """One hand-made stream of ``src``: seconds to the far side's first byte, and seconds in all."""
+    started = time.time()
+    total = stream_peer(rig, [sys.executable, str(PROBE), "--bytes", str(log)])(src, dest).seconds
+    return float(log.read_text()) - started, total
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # so that the link is torn down
@@ -48,30 +56,40 @@ def main(argv: list[str] | None = None) -> int:
     expected, work = manifest(src), args.workdir / f"first-byte-{os.getpid()}"
     work.mkdir()
     firsts: list[float] = []
+    peers: list[float] = []
     try:
         with ExitStack() as stack:
             _, rig = start_rig(stack, work, LinkSpec(args.rtt_ms, args.rate), args.dest_root, sys.executable,
                                gridftp=False)
             rtt_s = ping_rtt_ms(NS_IP) / 1000
             for rep in range(args.repeat):
-                dest = rig.fresh_dest("first")
-                first, total, summary = first_byte(rig, src, dest, work / f"first-{rep}")
-                if problem := check_destination(expected, dest):
-                    raise SystemExit(problem)
-                firsts.append(first)
-                print(f"    [{rep + 1}/{args.repeat}] first shard frame at the far side {first:6.2f} s, push "
-                      f"{total:6.2f} s ({summary['route']})", flush=True)
+                for which in (("pallet", "peer") if rep % 2 == 0 else ("peer", "pallet")):
+                    dest = rig.fresh_dest(f"first-{which}")
+                    if which == "pallet":
+                        first, total, summary = first_byte(rig, src, dest, work / f"first-{rep}")
+                        firsts.append(first)
+                        what = f"first shard frame at the far side {first:6.2f} s, push {total:6.2f} s " \
+                               f"({summary['route']})"
+                    else:
+                        first, total = peer_first_byte(rig, src, dest, work / f"peer-{rep}")
+                        peers.append(first)
+                        what = f"hand-made stream's first byte there {first:6.2f} s, stream {total:6.2f} s"
+                    if problem := check_destination(expected, dest):
+                        raise SystemExit(problem)
+                    print(f"    [{rep + 1}/{args.repeat}] {what}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    median = statistics.median(firsts)
+    median, peer = statistics.median(firsts), statistics.median(peers)
     print(f"\nW1 {args.files:,} x 1 KiB, {args.rtt_ms:g} ms (ping {rtt_s * 1000:.1f} ms), {args.rate}: time to the "
-          f"first shard frame, median of {args.repeat}: {median:.2f} s")
+          f"first shard frame, median of {args.repeat}: {median:.2f} s; the hand-made stream's first byte "
+          f"{peer:.2f} s (pallet/stream {median / peer:.2f})")
     target = Target(f"time to first shard byte, s (bound {BUDGET_S} s + one round trip)", median,
                     round(BUDGET_S + rtt_s, 3))
     print_targets([target])
     if args.json:
         Path(args.json).write_text(json.dumps({"files": args.files, "rtt_ms": args.rtt_ms, "ping_ms": rtt_s * 1000,
-                                               "first_frame_s": firsts, "target": target.to_json()}, indent=2))
+                                               "first_frame_s": firsts, "peer_first_byte_s": peers,
+                                               "target": target.to_json()}, indent=2))
     return 0 if median <= BUDGET_S + rtt_s else 1
 
 

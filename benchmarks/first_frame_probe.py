@@ -6,6 +6,9 @@ when the first SHARD, DATA or SKIP frame header of a bundle stream has come
 through (after the session's ``receive`` line, or at once for ``receive``)
 writes the wall-clock time to LOG. Only the standard library is imported, so
 that it adds little to the far side's start.
+
+``python first_frame_probe.py --bytes LOG`` is the same probe for the hand-made
+stream: it copies stdin to stdout and writes the time its first byte came.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ SHARD_KINDS = (2, 3, 4)             # SHARD, DATA, SKIP
 
 
 def main() -> int:
+    if sys.argv[1] == "--bytes":
+        return first_byte(sys.argv[2])
     log, python, *args = sys.argv[1:]
     child = subprocess.Popen([python, *args], stdin=subprocess.PIPE)
     inp, out = sys.stdin.buffer, child.stdin
@@ -36,8 +41,7 @@ def main() -> int:
                 break
             kind, _, length = FRAME.unpack(head)
             if kind in SHARD_KINDS:
-                with open(log, "w") as handle:
-                    handle.write(f"{time.time():.6f}\n")
+                _note(log)
                 break
             _pass(inp, out, length)
         while data := inp.read1(1 << 16):
@@ -51,6 +55,23 @@ def main() -> int:
         except BrokenPipeError:
             pass
     return child.wait()
+
+
+def first_byte(log: str) -> int:
+    """Copy stdin to stdout; write the time the first byte came to ``log``."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    data = inp.read1(1 << 16)
+    _note(log)
+    while data:
+        out.write(data)
+        data = inp.read1(1 << 16)
+    out.flush()
+    return 0
+
+
+def _note(log: str) -> None:
+    with open(log, "w") as handle:
+        handle.write(f"{time.time():.6f}\n")
 
 
 def _pass(inp, out, size: int) -> bytes:

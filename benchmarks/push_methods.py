@@ -250,11 +250,12 @@ def _last_json(stdout: str) -> dict:
 
 # ---------------------------------------------------------------- peers
 
-def stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
-    """`tar -cf - | zstd -T0 | ssh HOST 'mkdir -p DEST && zstd -dc | tar -xf - -C DEST'`."""
+def stream_peer(rig: Rig, tap: list[str] | None = None) -> Callable[[Path, Path], Outcome]:
+    """`tar -cf - | zstd -T0 | ssh HOST 'mkdir -p DEST && zstd -dc | tar -xf - -C DEST'`; ``tap``: a far-side
+    command that the compressed stream passes through first (a probe)."""
     def run(src: Path, dest: Path) -> Outcome:
-        remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | "
-                  f"{shlex.join(['tar', '-xf', '-', '-C', str(dest)])}")
+        remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && {shlex.join(tap) + ' | ' if tap else ''}"
+                  f"zstd -dcq | {shlex.join(['tar', '-xf', '-', '-C', str(dest)])}")
         return _timed_pipeline([["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
                                 [*rig.sshd.ssh_argv(), rig.sshd.login, remote]], "tar | zstd | ssh")
     return run

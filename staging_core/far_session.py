@@ -48,6 +48,7 @@ class FarSession:
         self._listing: bytes | None = None
         self._far = self._start(listing)
         self._broken = False
+        self._streams = 0
 
     def entries(self) -> dict[bytes, FarEntry] | None:
         """DEST's entries as the session listed them (DEST/.pallet left out); None when DEST is marked
@@ -64,7 +65,9 @@ class FarSession:
             self._far = self._start(False)          # a retry: the last stream ended that session
         self._broken = True                         # until the stream's summary has come back
         self._send(SessionRequest("receive", verify))
-        return SessionStream(self)
+        self._streams += 1
+        unmarked = self._listing is not None and self._listing != NOT_COMPARABLE
+        return SessionStream(self, holds_no_shards=self._streams == 1 and unmarked)
 
     def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None:
         """Give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
@@ -128,19 +131,32 @@ class FarSession:
 
 class SessionStream:
     """The stream side of a :class:`FarSession` as :func:`staging_core.streaming.stream_push` uses a
-    FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors."""
+    FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors.
 
-    def __init__(self, session: FarSession):
+    ``holds_no_shards``: the session listed DEST unmarked, so no interrupted stream left shards there (one
+    that did leaves DEST marked INCOMPLETE). The sender then need not wait for the receiver's resume answer
+    before its first shard: :meth:`handshake` answers "none" at once, and the answer that comes is read and
+    checked before the summary. Were it to name shards anyway, they are only received again.
+    """
+
+    def __init__(self, session: FarSession, holds_no_shards: bool = False):
         self.session, self.far = session, session._far
         self.process = self.far.process
+        self.holds_no_shards = holds_no_shards
+        self._unread_answer: str | None = None
 
     def handshake(self, stream_id: str) -> dict[int, bytes]:
+        if self.holds_no_shards:
+            self._unread_answer = stream_id
+            return {}
         return self.far.handshake(stream_id)
 
     def summary(self) -> ReceiveSummary:
         """The receiver's summary line; the session is then ready for its next request. No line: the far side's
         error; a line that is no receive summary: SummaryError (the session then ends)."""
         self.process.stdin.flush()
+        if self._unread_answer is not None:
+            self.far.read_answer(self._unread_answer)
         line = self.process.stdout.readline()
         if not line.strip():
             raise self.failure()

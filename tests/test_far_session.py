@@ -186,3 +186,27 @@ def test_a_launcher_stores_and_forwards_and_refuses_stream_on(sshd, tmp_path):
     refused = run_pallet("push", "--quiet", "--strategy", "bundle", "--stream", "on", "--launcher", str(launcher),
                          "--remote-python", sys.executable, *ssh_flags(sshd), src, sshd.url(str(tmp_path / "d2")))
     assert refused.returncode == 2 and "no --launcher" in refused.stderr and "Traceback" not in refused.stderr
+
+
+ANSWER_GATE = Path(__file__).with_name("answer_gate.py")
+STREAM_GATE = Path(__file__).with_name("stream_gate.py")
+
+
+def test_into_a_fresh_destination_the_first_shard_does_not_wait_for_the_resume_answer(sshd, tmp_path):
+    src, dest, log = make_nasty_tree(str(tmp_path / "src")), tmp_path / "dest", tmp_path / "gate.log"
+    gated = f"{sys.executable} {ANSWER_GATE} {log} {sys.executable}"
+    summary = pushed(sshd, src, dest, "--strategy", "bundle", "--shard-size", "16K", remote_python=gated)
+    assert summary["route"] == "stream" and log.read_text() == "shard first"
+    assert_same_tree(src, dest)
+
+
+def test_into_an_interrupted_destination_the_sender_waits_for_the_resume_answer(sshd, tmp_path):
+    src, dest, log = make_nasty_tree(str(tmp_path / "src")), tmp_path / "dest", tmp_path / "gate.log"
+    killing = f"{sys.executable} {STREAM_GATE} kill {dest}"
+    done = run_pallet("push", "--json", "--quiet", "--remote-python", killing, *ssh_flags(sshd), "--strategy", "bundle",
+                      "--shard-size", "16K", "--retries", "0", src, sshd.url(str(dest)))
+    assert done.returncode != 0 and (dest / ".pallet" / "INCOMPLETE").exists(), done.stderr
+    gated = f"{sys.executable} {ANSWER_GATE} {log} {sys.executable}"
+    summary = pushed(sshd, src, dest, "--strategy", "bundle", "--shard-size", "16K", remote_python=gated)
+    assert log.read_text() == "held out" and summary["skipped_shards"] >= 1, summary
+    assert_same_tree(src, dest)
