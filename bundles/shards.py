@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import zlib
 from array import array
 from dataclasses import dataclass
 from stat import S_ISREG
@@ -18,6 +19,7 @@ from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 
 MIN_AUTO_SHARD = 4 << 20
 MAX_AUTO_SHARD = 64 << 20
+_CUTS_PER_TARGET = 4               # content-defined cut points per target shard size (see cuts_after)
 _READ_CHUNK = 8 << 20
 _ZERO_HASH = bytes(HASH_SIZE)
 _ZERO_BLOCK = bytes(BLOCK)
@@ -55,9 +57,13 @@ def auto_shard_size(index: Index) -> int:
 
 
 def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
-    """Cut the entries into shards at entry boundaries; a file of ``shard_size`` or more stands alone."""
+    """Cut the entries into shards at entry boundaries chosen by content (docs/bundle-format.md §2), so that
+    adding or removing entries moves only the cuts near them: the other shards keep their entries, and so
+    their bytes and hashes. A file of ``shard_size`` or more stands alone; any other shard closes after an
+    entry that :func:`cuts_after` picks once the shard holds half the target, and at the latest once it holds
+    the target."""
     cuts: list[tuple[int, int, bool]] = []
-    first, filled = 0, 0
+    first, filled, half = 0, 0, max(1, shard_size // 2)
     for i, size in enumerate(index.sizes):
         if size >= shard_size:
             if i > first:
@@ -65,13 +71,21 @@ def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
             cuts.append((i, 1, True))
             first, filled = i + 1, 0
             continue
-        filled += BLOCK + size + padding(size)
-        if filled >= shard_size:
+        entry = BLOCK + size + padding(size)
+        filled += entry
+        if filled >= shard_size or (filled >= half and cuts_after(index.paths[i], entry, shard_size)):
             cuts.append((first, i + 1 - first, False))
             first, filled = i + 1, 0
     if first < len(index) or not cuts:
         cuts.append((first, len(index) - first, False))
     return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+
+
+def cuts_after(path: bytes, entry_bytes: int, shard_size: int) -> bool:
+    """Whether a shard past half its target may close after this entry: the CRC-32 of its path falls below
+    its share of ``_CUTS_PER_TARGET`` cuts per ``shard_size`` bytes, so cuts come at the same entries
+    whatever precedes them, on average every quarter target."""
+    return zlib.crc32(path) * shard_size < entry_bytes * _CUTS_PER_TARGET << 32
 
 
 def build_shard(tree: SourceTree, codec: Codec, plan: ShardPlan, threads: int, out, offset: int) -> Shard:

@@ -268,6 +268,15 @@ def _stream_id(blob) -> str:
     return content_hash(blob).hex()[:24]
 
 
+def shard_key(index: Index, plan: ShardPlan) -> bytes:
+    """What shard ``plan`` of a stream holds, as a hash: its entries' skeleton columns, codec, level and place
+    (big, last). Two streams' shards with one key hold the same entries with the same metadata, so a shard
+    that one stream finished at a DEST can answer for the other's (the sender still compares the bytes'
+    hashes before it skips one)."""
+    head = json.dumps([index.codec, index.level, plan.big, plan.last]).encode()
+    return content_hash(b"".join([head, *index.slice(plan.first, plan.count).column_parts(SKELETON_COLUMNS)]))
+
+
 def _decompress(payload: bytes, source: str | None) -> bytes:
     try:
         declared = zstandard.frame_content_size(payload)

@@ -210,5 +210,25 @@ def _run_pack(comm, args) -> int:
     return 0
 
 
+def end_process(status: int) -> None:
+    """Flush stdout and stderr, then end the process with ``status`` without finalizing the interpreter.
+
+    `receive` and `session` read stdin on a read-ahead thread. When they
+    stop on an error, that thread may still be blocked in a read of stdin;
+    finalization would then abort the process (exit 134), as CPython cannot
+    take stdin's buffer lock from a daemon thread. Nothing else is pending:
+    their workers are joined and their files closed before they return.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if sys.argv[1:2] in (["receive"], ["session"]):
+        end_process(status)
+    sys.exit(status)

@@ -11,7 +11,7 @@ from bundles.extract import destination_error
 from bundles.index import Index, content_hash
 from bundles.reserved import STATE_DIR
 from bundles.state import state_path
-from bundles.state_fd import append_text, open_private_dir, read_text, state_dir_fd, write_new
+from bundles.state_fd import append_text, open_private_dir, read_text, remove_entry, state_dir_fd, write_new
 
 
 def bundle_id(index: Index) -> str:
@@ -25,7 +25,8 @@ class Journal:
     stream) recording progress of one bundle into one DEST.
 
     ``shard-NNNNNN`` exists once shard N is completely written (its content
-    is the shard's hash, so a record from another bundle never counts);
+    is the shard's hash, so a record from another bundle never counts, and
+    for a stream the shard's key, see bundles.stream.shard_key);
     ``runs/RUN.rankR`` lists the shards rank R extracted in run RUN. The
     unpack removes the journal when it succeeds (see bundles.state.finish):
     it only ever serves a rerun after a failure.
@@ -42,6 +43,27 @@ class Journal:
         """The journal of a bundle stream (see bundles.stream): keyed by its stream id, since the shard
         hashes are not known before the shards arrive."""
         return cls(state_path(dest, f"stream-{stream_id}"))
+
+    @classmethod
+    def other_streams(cls, dest: str, stream_id: str) -> list["Journal"]:
+        """The journals DEST/.pallet holds of streams other than ``stream_id`` (interrupted earlier runs)."""
+        try:
+            with state_dir_fd(dest, create=False) as state:
+                names = os.listdir(state)
+        except FileNotFoundError:
+            return []
+        return [cls.for_stream(dest, name[7:]) for name in sorted(names)
+                if name.startswith("stream-") and name != f"stream-{stream_id}"]
+
+    def remove(self, dest: str) -> None:
+        """Remove this journal of a stream into ``dest`` (relative to DEST/.pallet's descriptor)."""
+        try:
+            with state_dir_fd(dest, create=False) as state:
+                remove_entry(state, os.path.basename(self.root))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(self.root)) from None
 
     def create(self, dest: str) -> None:
         """Make the journal's directories (DEST/.pallet checked first when the journal lives there);
@@ -83,26 +105,55 @@ class Journal:
 
     def recorded_shards(self) -> dict[int, bytes]:
         """Every shard recorded as finished, with the hash it was recorded with."""
-        recorded = {}
+        return {number: digest for number, (digest, _) in self.records().items()}
+
+    def recorded_keys(self) -> dict[bytes, bytes]:
+        """The keys of the shards recorded with one (a stream's), each with the hash it was recorded with."""
+        return {key: digest for digest, key in self.records().values() if key}
+
+    def records(self) -> dict[int, tuple[bytes, bytes]]:
+        """Every record: shard number -> (hash, key; empty for a record without one)."""
+        records = {}
         try:
             with self._directories() as (journal, _):
                 for name in os.listdir(journal):
                     if name.startswith("shard-") and name[6:].isdigit():
                         try:
-                            recorded[int(name[6:])] = bytes.fromhex(read_text(journal, name))
+                            digest, _, key = read_text(journal, name).partition(" ")
+                            records[int(name[6:])] = bytes.fromhex(digest), bytes.fromhex(key)
                         except ValueError:
                             continue
         except FileNotFoundError:
             return {}
-        return recorded
+        return records
 
-    def record_shard(self, index: Index, number: int, run: str, rank: int) -> None:
-        """Record shard ``number`` as finished by ``rank`` in ``run``, relative to the journal's descriptor;
-        DestinationError naming the record if the destination's file system fails."""
+    def record_shard(self, index: Index, number: int, run: str, rank: int, key: bytes = b"") -> None:
+        """Record shard ``number`` as finished by ``rank`` in ``run`` (with a stream's shard ``key``), relative
+        to the journal's descriptor; DestinationError naming the record if the destination's file system fails."""
+        self._write_record(number, index.shards[number].hash, key, run, rank)
+
+    def adopt(self, records: dict[int, tuple[bytes, bytes]], run: str) -> None:
+        """Record the shards of ``records`` (number -> hash, key) as finished here: another journal's records
+        of shards that hold the same entries (the caller matched their keys)."""
+        for number, (digest, key) in records.items():
+            self._write_record(number, digest, key, run, 0)
+
+    def forget_shard(self, number: int) -> None:
+        """Remove shard ``number``'s record (it is about to be written again)."""
+        try:
+            with self._directories() as (journal, _):
+                os.unlink(f"shard-{number:06d}", dir_fd=journal)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(os.path.join(self.root, f"shard-{number:06d}"))) from None
+
+    def _write_record(self, number: int, digest: bytes, key: bytes, run: str, rank: int) -> None:
         name = f"shard-{number:06d}"
+        text = f"{digest.hex()} {key.hex()}" if key else digest.hex()
         try:
             with self._directories(make=True) as (journal, runs):
-                write_new(journal, f"{name}.tmp{rank}", index.shards[number].hash.hex())
+                write_new(journal, f"{name}.tmp{rank}", text)
                 os.replace(f"{name}.tmp{rank}", name, src_dir_fd=journal, dst_dir_fd=journal)
                 append_text(runs, f"{run}.rank{rank}", f"{number}\n")
         except OSError as exc:

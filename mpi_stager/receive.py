@@ -20,7 +20,7 @@ from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
-                            decode_skeleton, encode_resume_reply, frame_limit)
+                            decode_skeleton, encode_resume_reply, frame_limit, shard_key)
 from bundles.tarformat import Kind
 from bundles.state import finish, holding_lock, mark_incomplete
 
@@ -82,7 +82,9 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
                           "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
     journal.create(dest)
-    receiver = _Receiver(skeleton, dest, verify, journal, source, progress)
+    run = new_run_name()
+    adopt_other_streams(dest, skeleton, journal, run)
+    receiver = _Receiver(skeleton, dest, verify, journal, source, progress, run)
     _reply(out, skeleton, receiver.recorded)
     make_directories(skeleton.index, dest)
     reader.shard_limit = frame_limit(skeleton)
@@ -100,6 +102,21 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
     summary = receiver.summary(reader.bytes_read, time.monotonic() - started)
     finish(dest, journal.root)
     return summary
+
+
+def adopt_other_streams(dest: str, skeleton: Skeleton, journal: Journal, run: str) -> None:
+    """Take over what an interrupted stream of other content (the source changed since) finished at DEST: its
+    records of shards that hold the same entries as shards of this stream (same key) become records of this
+    stream's ``journal``, so the sender skips those whose bytes are still the same. Then the other journals
+    go. Only a single other journal is trusted (each stream adopts and removes its predecessor's); with more,
+    none is."""
+    others = Journal.other_streams(dest, skeleton.stream_id)
+    if len(others) == 1 and (by_key := others[0].recorded_keys()):
+        own = journal.recorded_shards()
+        keys = ((plan.number, shard_key(skeleton.index, plan)) for plan in skeleton.plans if plan.number not in own)
+        journal.adopt({number: (by_key[key], key) for number, key in keys if key in by_key}, run)
+    for other in others:
+        other.remove(dest)
 
 
 def _read_skeleton(reader: FrameReader, source: str) -> Skeleton:
@@ -129,12 +146,12 @@ class _Receiver:
     """
 
     def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str,
-                 progress: Progress):
+                 progress: Progress, run: str):
         self.index, self.dest, self.verify, self.journal, self.source = skeleton.index, dest, verify, journal, source
-        self.progress = progress
+        self.progress, self.plans = progress, skeleton.plans
         self.stream_id, self.shards_total = skeleton.stream_id, len(skeleton.plans)
         self.recorded = journal.recorded_shards()
-        self.run = new_run_name()
+        self.run = run
         self.offset = self.received = self.skipped = self.files = self.file_bytes = self.data_bytes = 0
         self.threads = max(1, min(default_jobs(), len(skeleton.plans)))
         self.pool: ThreadPoolExecutor | None = None
@@ -150,7 +167,10 @@ class _Receiver:
                               f"{frame.number}", self.source, _HINT)
         if frame.kind == FrameKind.SKIP:
             self._skip(plan, decode_shard_record(frame.payload, self.index, plan, False, self.source))
-        elif plan.big:
+            return
+        if self.recorded.pop(plan.number, None) is not None:
+            self.journal.forget_shard(plan.number)      # written again: its record no longer holds meanwhile
+        if plan.big:
             self._take_big(plan, frame, frames)
         else:
             self._take_small(plan, decode_shard_record(frame.payload, self.index, plan, True, self.source))
@@ -181,7 +201,8 @@ class _Receiver:
 
     def _journal(self, shard: Shard) -> None:
         with self.journal_lock:
-            self.journal.record_shard(self.index, shard.number, self.run, 0)
+            self.journal.record_shard(self.index, shard.number, self.run, 0,
+                                      shard_key(self.index, self.plans[shard.number]))
 
     def _complete_oldest(self) -> None:
         shard, length, future = self.pending.popleft()

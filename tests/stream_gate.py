@@ -4,7 +4,8 @@ Usage (as --remote-python): ``python stream_gate.py MODE DEST`` followed by
 the receiver's own arguments (``-m mpi_stager receive ...``, or ``session``,
 whose command line it passes on before the stream). The gate
 forwards the skeleton and the frames of shard 0 and waits until DEST's
-stream journal records a shard. Then in mode ``hold`` it stops reading, so
+stream journal records a shard; with MODE ``kill:N``, the frames of N
+shards, until it records N. Then in mode ``hold`` it stops reading, so
 the sender stalls mid-stream, until the file ``DEST.release`` appears; it
 then swallows the rest of its input and, when that ends, closes the
 receiver's. In mode ``kill`` it kills the receiver with SIGKILL and exits
@@ -34,14 +35,16 @@ class _Tee:
         return data
 
 
-def _wait_for(pattern: str) -> None:
+def _wait_for(pattern: str, count: int = 1) -> None:
     deadline = time.monotonic() + 120
-    while not glob.glob(pattern) and time.monotonic() < deadline:
+    while len(glob.glob(pattern)) < count and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 def main() -> int:
     mode, dest, *receiver_args = sys.argv[1:]
+    mode, _, shards = mode.partition(":")
+    count = int(shards or 1)
     receiver = subprocess.Popen([sys.executable, *receiver_args], stdin=subprocess.PIPE)
     if "session" in receiver_args:          # its hello and listing go out directly; its command comes first
         receiver.stdin.write(sys.stdin.buffer.readline())
@@ -49,10 +52,10 @@ def main() -> int:
     reader = FrameReader(_Tee(sys.stdin.buffer, receiver.stdin), "gate")
     reader.shard_limit = 1 << 40
     reader.prelude()
-    frame = reader.next()
-    while frame is not None and frame.kind not in (FrameKind.SHARD, FrameKind.SKIP):
+    frame, seen = reader.next(), 0
+    while frame is not None and (seen := seen + (frame.kind in (FrameKind.SHARD, FrameKind.SKIP))) < count:
         frame = reader.next()
-    _wait_for(os.path.join(dest, ".pallet", "stream-*", "shard-*"))
+    _wait_for(os.path.join(dest, ".pallet", "stream-*", "shard-*"), count)
     if mode == "kill":
         receiver.kill()
     else:

@@ -47,11 +47,11 @@ def test_unpack_and_verify_fit_in_the_formula(mixed_bundle, tmp_path):
 
 
 def test_the_limit_binds_below_the_formula(tmp_path):
-    """A control: with shards of 48 MiB, a limit that leaves out their term is too small, so the check above
-    is a real bound, not a limit that nothing reaches."""
+    """A control: with one shard of 48 MiB (a target above twice the tree's size), a limit that leaves out
+    the shard term is too small, so the check above is a real bound, not a limit that nothing reaches."""
     src = make_files(tmp_path / "src", 12, 1, lambda n: os.urandom(1 << 20) * 4)
     bundle = tmp_path / "big-shards.tar.zst"
-    run_pallet("pack", "--quiet", "--shard-size", "48M", src, str(bundle), check=True)
+    run_pallet("pack", "--quiet", "--shard-size", "128M", src, str(bundle), check=True)
     with Bundle.open(bundle) as opened:
         assert max(s.raw_size for s in opened.index.shards) >= 40 << 20
         enough = peak_bytes(opened.index, 1)

@@ -235,3 +235,24 @@ def stop_control_masters(control: str, sshd) -> None:
         subprocess.run(["ssh", "-p", str(sshd.port), "-o", f"ControlPath={socket}", *sshd.ssh_options, "-O", "exit",
                         f"{sshd.user}@127.0.0.1"], capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
     shutil.rmtree(control, ignore_errors=True)
+
+
+def test_a_rerun_after_the_source_changed_skips_the_shards_still_in_place(sshd, tmp_path):
+    """A stream cut short, then files added and rewritten at the start of the source's order: the rerun is
+    another stream (its skeleton differs), yet the shards the first one finished that hold the same entries
+    are skipped, since the cuts stayed where they were."""
+    src, dest = Path(tiny_tree(tmp_path / "src", 600, size=2000)), tmp_path / "dest"
+    endpoint = parse_url(sshd.url(str(dest)))
+    gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill:30 {dest}", shard_size=16 << 10)
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
+        with pytest.raises(FarStagerError):
+            stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
+    assert len(glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*"))) >= 30
+    for n in range(3):
+        (src / "d00" / f"new{n}.txt").write_bytes(os.urandom(700))
+    (src / "d00" / "f00030.txt").write_bytes(b"rewritten")
+    again = streamed(sshd, str(src), dest, shard_size=16 << 10)
+    assert again.skipped_shards >= 20, again
+    assert again.bytes_sent < len(encoded(str(src), 16 << 10)) * 0.95
+    assert glob.glob(str(dest / ".pallet")) == []
+    same_tree(str(src), dest)

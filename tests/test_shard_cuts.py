@@ -1,0 +1,50 @@
+"""Shards are cut at entries chosen by content: adding or removing entries moves only the cuts near them."""
+from __future__ import annotations
+
+from array import array
+
+from bundles.index import Index
+from bundles.shards import plan_shards
+from bundles.tarformat import BLOCK, padding
+
+TARGET = 64 << 10
+
+
+def index_of(names: list[bytes], size: int = 1000) -> Index:
+    """An index of regular files ``names``, each of ``size`` bytes (only paths and sizes matter to the cuts)."""
+    return Index("zstd", 3, TARGET, paths=list(names), kinds=array("B", [0] * len(names)),
+                 sizes=array("Q", [size] * len(names)))
+
+
+def shards_of(index: Index) -> list[tuple[bytes, ...]]:
+    return [tuple(index.paths[p.first:p.first + p.count]) for p in plan_shards(index, TARGET)]
+
+
+def names(numbers) -> list[bytes]:
+    return [b"d%02d/f%05d.dat" % (n % 40, n) for n in numbers]
+
+
+def test_shards_away_from_additions_and_removals_keep_their_entries():
+    before = names(range(20_000))
+    after = before[:1000] + names(range(50_000, 50_005)) + before[1000:3000] + before[3010:]
+    old, new = shards_of(index_of(before)), set(shards_of(index_of(after)))
+    kept = sum(shard in new for shard in old)
+    assert len(old) > 100 and kept >= len(old) - 6, (kept, len(old))
+
+
+def test_every_shard_holds_between_a_half_and_twice_the_target_but_the_last():
+    index = index_of(names(range(20_000)))
+    entry = BLOCK + 1000 + padding(1000)
+    plans = plan_shards(index, TARGET)
+    sizes = [p.count * entry for p in plans]
+    assert all(TARGET // 2 <= size < 2 * TARGET for size in sizes[:-1]), sizes
+    assert sum(p.count for p in plans) == len(index)
+    assert [p.first for p in plans] == [sum(q.count for q in plans[:n]) for n in range(len(plans))]
+
+
+def test_a_file_of_the_target_size_or_more_stands_alone():
+    index = index_of(names(range(10)))
+    index.sizes[4] = TARGET
+    plans = plan_shards(index, TARGET)
+    big = [p for p in plans if p.big]
+    assert [(p.first, p.count) for p in big] == [(4, 1)]
