@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -12,7 +13,6 @@ from bundles import native
 from bundles.plain import iter_members
 from bundles.reader import read_embedded_index
 
-from . import cli_staging, demo, mount, remote_install
 from .remote_bytes import RemoteRanges, is_remote_bundle
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
@@ -25,7 +25,16 @@ A bundle is a standard .tar.zst/.tar.gz/.tar: `tar -xf BUNDLE` extracts it too.
 See docs/bundle-format.md for the format and docs/cli.md for examples."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands defined in other modules, each loaded only when its command runs or the whole list is shown:
+# command -> (module below staging_core, its function that adds the command's parser).
+_ELSEWHERE = {"demo": ("demo", "add_parser"),
+              **{name: ("cli_staging", "add_parsers") for name in ("plan", "push", "pull", "calibrate")},
+              "remote": ("remote_install", "add_parser"), "mount": ("mount", "add_parser")}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `pallet` parser: with every sub-command, or only with ``command`` when that names one (so that a
+    command loads only its own modules)."""
     parser = argparse.ArgumentParser(
         prog="pallet", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
         description="Stage datasets made of many tiny files: pack them into an indexed, sharded bundle "
@@ -33,16 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version_text(),
                         help="show pallet's version and which engine (native or python) runs the per-file loops")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_pack(commands)
-    _add_unpack(commands)
-    _add_ls(commands)
-    _add_verify(commands)
-    _add_login(commands)
-    demo.add_parser(commands)
-    cli_staging.add_parsers(commands)
-    remote_install.add_parser(commands)         # pallet remote install|status
-    mount.add_parser(commands)
+    here = {"pack": _add_pack, "unpack": _add_unpack, "ls": _add_ls, "verify": _add_verify, "login": _add_login}
+    adders = list(here.values()) + [_adder(*place) for place in dict.fromkeys(_ELSEWHERE.values())]
+    if command in here:
+        adders = [here[command]]
+    elif command in _ELSEWHERE:
+        adders = [_adder(*_ELSEWHERE[command])]
+    for add in adders:
+        add(commands)
     return parser
+
+
+def _adder(module: str, function: str):
+    return lambda commands: getattr(importlib.import_module(f"{__package__}.{module}"), function)(commands)
 
 
 def _version_text() -> str:
@@ -231,7 +243,8 @@ def _run_verify(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
