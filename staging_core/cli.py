@@ -46,6 +46,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     adders = list(here.values()) + [_adder(*place) for place in dict.fromkeys(_ELSEWHERE.values())]
     if command in here:
         adders = [here[command]]
+    elif command == "--version":
+        adders = []
     elif command in _ELSEWHERE:
         adders = [_adder(*_ELSEWHERE[command])]
     for add in adders:
