@@ -16,6 +16,7 @@ from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _STREAM_CHUNK = 8 << 20
+HOLD_LIMIT = 256 << 20            # a shard's compressed plus decoded bytes that unpack and verify hold at most
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
     mismatch raises CorruptBundleError naming the files. Rerunning a shard
     rewrites the same files, so it is idempotent.
     """
-    if is_streamed(index, shard):
+    if not held_whole(index, shard):
         return _extract_streamed(bundle, index, shard, dest, verify)
     compressed = bundle.read_shard(shard)
     if verify and content_hash(compressed) != shard.hash:
@@ -167,22 +168,41 @@ def is_streamed(index: Index, shard: Shard) -> bool:
         index.sizes[shard.first_entry] >= index.shard_size
 
 
+def held_whole(index: Index, shard: Shard) -> bool:
+    """True when unpack and verify hold ``shard`` in memory (compressed and decoded, at most HOLD_LIMIT bytes
+    together); any other shard, a one-file shard or one cut at a large ``--shard-size``, is read as a stream."""
+    return not is_streamed(index, shard) and shard.length + shard.raw_size <= HOLD_LIMIT
+
+
 def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
-    i = shard.first_entry
+    """extract_shard for a shard not held whole: hashed first, then decoded once, member by member, each file
+    written in chunks and hashed as written; a file whose hash does not match is removed again."""
     if verify and hash_range(bundle.fd, shard) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
-    header = read_up_to(reader, index.data_offsets[i])
-    if verify and (index.offsets[i] != 0 or header != entry_header_bytes(index, i)):
-        raise _members_differ(bundle.path, index, shard, i)
-    digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
-    if verify and digest != index.hashes[i * 16:i * 16 + 16]:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH,
-                                 [os.fsdecode(index.paths[i])])
-    if verify and not _only_end_zeros(read_up_to(reader, padding(index.sizes[i]) + len(END_OF_ARCHIVE) + 1),
-                                      padding(index.sizes[i])):
-        raise _members_differ(bundle.path, index, shard, i)
-    return ShardOutcome(shard.number, 1, index.sizes[i])
+    position, files, nbytes, bad = 0, 0, 0, []
+    for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
+        header = read_up_to(reader, index.data_offsets[i] - position)
+        if verify and (index.offsets[i] != position or header != entry_header_bytes(index, i)):
+            raise _members_differ(bundle.path, index, shard, i)
+        position = index.data_offsets[i]
+        if index.kinds[i] != Kind.FILE:
+            continue
+        size, pad = index.sizes[i], padding(index.sizes[i])
+        digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
+        if verify and digest != index.hashes[i * 16:i * 16 + 16]:
+            remove_stale(os.path.join(os.fsencode(dest), index.paths[i]))
+            bad.append(os.fsdecode(index.paths[i]))
+        else:
+            files, nbytes = files + 1, nbytes + size
+        if verify and any(read_up_to(reader, pad)):
+            raise _members_differ(bundle.path, index, shard, i)
+        position += size + pad
+    if verify and read_up_to(reader, len(END_OF_ARCHIVE) + 1) not in (b"", END_OF_ARCHIVE):
+        raise _members_differ(bundle.path, index, shard, shard.first_entry + shard.entry_count - 1)
+    if bad:
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH, bad)
+    return ShardOutcome(shard.number, files, nbytes)
 
 
 def check_members(data: memoryview, index: Index, shard: Shard, source: str | None) -> None:

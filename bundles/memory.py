@@ -1,7 +1,7 @@
 """The peak memory of unpack and verify as a formula of the bundle's index (stated in docs/bundle-format.md)."""
 from __future__ import annotations
 
-from .extract import is_streamed
+from .extract import held_whole
 from .index import Index, Shard
 
 BASE_BYTES = 64 << 20             # the interpreter, its libraries and the native engine
@@ -12,8 +12,9 @@ STREAM_BUFFER_BYTES = 16 << 20    # a large file's shard: read, decode and write
 
 
 def shard_bytes(index: Index, shard: Shard) -> int:
-    """Memory one worker holds for ``shard``: its compressed and decoded bytes, or fixed buffers if streamed."""
-    return STREAM_BUFFER_BYTES if is_streamed(index, shard) else shard.length + shard.raw_size
+    """Memory one worker holds for ``shard``: its compressed and decoded bytes when it is held whole, else
+    fixed buffers (bundles.extract.held_whole)."""
+    return shard.length + shard.raw_size if held_whole(index, shard) else STREAM_BUFFER_BYTES
 
 
 def peak_bytes(index: Index, workers: int) -> int:
@@ -22,8 +23,9 @@ def peak_bytes(index: Index, workers: int) -> int:
         BASE + entries x PER_ENTRY + bytes of all names and link targets
              + workers x (STACK + ARENA + largest shard)
 
-    where a shard counts its compressed plus decoded size, and a streamed one (a file too large to share a
-    shard) STREAM_BUFFER. ARENA is address space glibc reserves per thread, not memory used: the resident
+    where a shard counts its compressed plus decoded size when that is at most HOLD_LIMIT (bundles.extract),
+    and STREAM_BUFFER otherwise: such a shard (one file too large to share a shard, or a shard cut at a large
+    ``--shard-size``) is read as a stream. ARENA is address space glibc reserves per thread, not memory used: the resident
     peak is lower by up to that much per worker. The input's size does not appear: files are never held whole.
     """
     names = sum(map(len, index.paths)) + sum(map(len, index.links))

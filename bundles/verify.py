@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from . import container, native
 from .errors import BundleError, CorruptBundleError
-from .extract import RangeReader, check_members, hash_range, is_streamed
+from .extract import RangeReader, check_members, hash_range, held_whole
 from .index import Index, Shard, content_hash, new_hasher
 from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
@@ -85,7 +85,7 @@ def _check_job(job: ShardJob) -> list[str]:
 
 def check_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[str]:
     """Return the problems of one shard (the ``last`` one ends the archive): hash, decompression, headers, files."""
-    if is_streamed(index, shard):
+    if not held_whole(index, shard):
         return _check_streamed_shard(bundle, index, shard, last)
     try:
         compressed = bundle.read_shard(shard)
@@ -117,33 +117,55 @@ def _tail_matches(index: Index, shard: Shard, data: bytes) -> bool:
 
 
 def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[str]:
-    """Check a one-file shard without holding it in memory."""
-    entry = index.entry(shard.first_entry)
-    reader = RangeReader(bundle.fd, shard.offset, shard.length)
-    hasher, problems, remaining = new_hasher(), [], entry.size
+    """Check a shard not held whole (see bundles.extract.held_whole) as a stream, member by member."""
+    problems: list[str] = []
     try:
-        stream = bundle.codec.open_stream(reader)
-        header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
-        if stream.read(len(header)) != header or entry.data_offset != len(header):
-            problems.append(f"{entry.name}: tar header does not match the index")
-        while remaining:
-            chunk = stream.read(min(remaining, 8 << 20))
-            if not chunk:
-                problems.append(f"{entry.name}: data ends early")
+        stream = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
+        position = 0
+        for i in _entry_range(shard):
+            position = _check_streamed_member(stream, index, i, position, problems)
+            if position < 0:
                 break
-            hasher.update(chunk)
-            remaining -= len(chunk)
-        stream.read(-entry.size % 512)
-        rest = stream.read(1 << 30) if last else b""
-        if rest != (END_OF_ARCHIVE if last else b""):
+        if position >= 0 and _rest_of(stream) != (END_OF_ARCHIVE if last else b""):
             problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
-        problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); it holds: {entry.name}")
+        problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); {_holds(index, shard)}")
     if hash_range(bundle.fd, shard) != shard.hash:
         problems.insert(0, f"shard {shard.number}: its bytes do not match the index hash; {_holds(index, shard)}")
-    if not remaining and hasher.digest() != entry.hash:      # all of the content was read: check it
-        problems.append(f"{entry.name}: content does not match its hash")
     return problems
+
+
+def _rest_of(stream) -> bytes:
+    """What is left in ``stream``: up to one byte more than the end-of-archive blocks, and a zero byte added
+    when more follows. It is read to its end (so that a codec checks its trailer), in bounded chunks."""
+    rest, more = stream.read(len(END_OF_ARCHIVE) + 1), False
+    while stream.read(1 << 20):
+        more = True
+    return rest + b"\0" if more else rest
+
+
+def _check_streamed_member(stream, index: Index, i: int, position: int, problems: list[str]) -> int:
+    """Read entry ``i`` (header, data, padding, by the index's sizes) from ``stream``, which stands at
+    ``position`` of the shard's tar bytes; note its problems; return the position after it, or -1 when the
+    data ends early."""
+    entry = index.entry(i)
+    header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
+    if stream.read(len(header)) != header or entry.offset != position or entry.data_offset != position + len(header):
+        problems.append(f"{entry.name}: tar header does not match the index")
+    if entry.kind != Kind.FILE:
+        return position + len(header)
+    hasher, remaining = new_hasher(), entry.size
+    while remaining:
+        chunk = stream.read(min(remaining, 8 << 20))
+        if not chunk:
+            problems.append(f"{entry.name}: data ends early")
+            return -1
+        hasher.update(chunk)
+        remaining -= len(chunk)
+    if hasher.digest() != entry.hash:
+        problems.append(f"{entry.name}: content does not match its hash")
+    stream.read(-entry.size % 512)          # padding: its bytes are the shard hash's to catch, as when held whole
+    return position + len(header) + entry.size + -entry.size % 512
 
 
 def _holds(index: Index, shard: Shard) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from bundles import Bundle
 from bundles.memory import BASE_BYTES, peak_bytes
-from tests.conftest import make_files, run_pallet
+from tests.conftest import assert_same_tree, make_files, run_pallet
 from tests.programs import program, user_env
 
 pytestmark = [pytest.mark.skipif(shutil.which("prlimit") is None, reason="util-linux prlimit is not installed"),
@@ -57,3 +57,27 @@ def test_the_limit_binds_below_the_formula(tmp_path):
         enough = peak_bytes(opened.index, 1)
     assert _limited(enough, "verify", "--jobs", "1", str(bundle)).returncode == 0
     assert _limited(BASE_BYTES, "verify", "--jobs", "1", str(bundle)).returncode != 0
+
+
+@pytest.fixture(scope="module")
+def one_large_shard(tmp_path_factory) -> tuple[str, str]:
+    """1,280 files of 256 KiB (zeros) cut as one shard of 320 MiB by a large --shard-size: the tree and bundle."""
+    root = tmp_path_factory.mktemp("one-shard")
+    src = make_files(root / "src", 1280, 16, lambda n: bytes(256 << 10))
+    run_pallet("pack", "--quiet", "--shard-size", "1G", src, str(root / "one-shard.tar.zst"), check=True)
+    return src, str(root / "one-shard.tar.zst")
+
+
+def test_a_shard_cut_at_a_large_shard_size_is_unpacked_and_verified_as_a_stream(one_large_shard, tmp_path):
+    """Held whole, the shard alone would need its 320 MiB decoded; the formula counts it as stream buffers,
+    and unpack and verify fit in it."""
+    src, bundle = one_large_shard
+    with Bundle.open(bundle) as opened:
+        assert len(opened.index.shards) == 1 and opened.index.shards[0].raw_size >= 320 << 20
+        limit = peak_bytes(opened.index, 1)
+    assert limit < 300 << 20
+    unpacked = _limited(limit, "unpack", "--quiet", "--jobs", "1", bundle, str(tmp_path / "dest"))
+    assert unpacked.returncode == 0, unpacked.stderr
+    assert_same_tree(src, tmp_path / "dest")
+    verified = _limited(limit, "verify", "--jobs", "1", bundle, str(tmp_path / "dest"))
+    assert verified.returncode == 0, verified.stderr
