@@ -14,21 +14,9 @@ import sys
 import threading
 
 from bundles.stream import FrameKind, FrameReader
+from stream_gate import Tee          # a sibling script: this one runs as a file too
 
 HOLD_S = 3.0
-
-
-class _Tee:
-    """A reader that passes on what it reads to ``copy`` at once."""
-
-    def __init__(self, source, copy):
-        self.source, self.copy = source, copy
-
-    def read(self, size: int) -> bytes:
-        data = self.source.read(size)
-        self.copy.write(data)
-        self.copy.flush()
-        return data
 
 
 class _Gate:
@@ -62,7 +50,7 @@ def main() -> int:
         session.stdin.flush()
     gate.receiving.set()
     session.stdin.write(request)
-    reader = FrameReader(_Tee(sys.stdin.buffer, session.stdin), "gate")
+    reader = FrameReader(Tee(sys.stdin.buffer, session.stdin), "gate")
     reader.shard_limit = 1 << 40
     reader.prelude()
     frame = reader.next()

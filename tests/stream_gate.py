@@ -22,7 +22,7 @@ import time
 from bundles.stream import FrameKind, FrameReader
 
 
-class _Tee:
+class Tee:
     """A reader that passes on what it reads to ``copy`` at once."""
 
     def __init__(self, source, copy):
@@ -49,7 +49,7 @@ def main() -> int:
     if "session" in receiver_args:          # its hello and listing go out directly; its command comes first
         receiver.stdin.write(sys.stdin.buffer.readline())
         receiver.stdin.flush()
-    reader = FrameReader(_Tee(sys.stdin.buffer, receiver.stdin), "gate")
+    reader = FrameReader(Tee(sys.stdin.buffer, receiver.stdin), "gate")
     reader.shard_limit = 1 << 40
     reader.prelude()
     frame, seen = reader.next(), 0
