@@ -44,16 +44,20 @@ class Journal:
         hashes are not known before the shards arrive."""
         return cls(state_path(dest, f"stream-{stream_id}"))
 
-    @classmethod
-    def other_streams(cls, dest: str, stream_id: str) -> list["Journal"]:
-        """The journals DEST/.pallet holds of streams other than ``stream_id`` (interrupted earlier runs)."""
+    def others(self, dest: str) -> list["Journal"]:
+        """The other journals of its kind (streams' or bundles') DEST/.pallet holds: interrupted earlier runs.
+        None for a journal kept elsewhere (``--journal DIR``)."""
+        parent, name = os.path.split(os.path.abspath(self.root))
+        if parent != os.path.abspath(state_path(dest)):
+            return []
+        kind = name.split("-", 1)[0] + "-"
         try:
             with state_dir_fd(dest, create=False) as state:
                 names = os.listdir(state)
         except FileNotFoundError:
             return []
-        return [cls.for_stream(dest, name[7:]) for name in sorted(names)
-                if name.startswith("stream-") and name != f"stream-{stream_id}"]
+        return [Journal(os.path.join(parent, other)) for other in sorted(names)
+                if other.startswith(kind) and other != name]
 
     def remove(self, dest: str) -> None:
         """Remove this journal of a stream into ``dest`` (relative to DEST/.pallet's descriptor)."""

@@ -110,7 +110,7 @@ def adopt_other_streams(dest: str, skeleton: Skeleton, journal: Journal, run: st
     stream's ``journal``, so the sender skips those whose bytes are still the same. Then the other journals
     go. Only a single other journal is trusted (each stream adopts and removes its predecessor's); with more,
     none is."""
-    others = Journal.other_streams(dest, skeleton.stream_id)
+    others = journal.others(dest)
     if len(others) == 1 and (by_key := others[0].recorded_keys()):
         own = journal.recorded_shards()
         keys = ((plan.number, shard_key(skeleton.index, plan)) for plan in skeleton.plans if plan.number not in own)

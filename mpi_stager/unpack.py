@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from bundles.errors import CorruptBundleError, PalletError
 from bundles.extract import check_index, extract_shard, finish_tree, make_directories, prepare_destination
+from bundles.index import Index
 from bundles.jobs import ShardJob, shard_jobs
 from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
@@ -115,11 +116,28 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal, lock: ExitStack, lock_
         lock.enter_context(holding_lock(dest, lock_held))
         mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish")
         journal.create(dest)
+        run = new_run_name()
+        adopt_other_bundles(dest, bundle.index, journal, run)
         done = journal.finished_shards(bundle.index)
         make_directories(bundle.index, dest)
-        return done, new_run_name()
+        return done, run
     except PalletError as exc:
         return exc
+
+
+def adopt_other_bundles(dest: str, index: Index, journal: Journal, run: str) -> None:
+    """Take over what an interrupted unpack of another bundle (the source changed since) finished at DEST:
+    its records of shards whose hash is that of a shard of this bundle (the same bytes, so the same entries)
+    become this journal's records of that shard. Then the other journals go. Only a single other journal is
+    trusted (each unpack adopts and removes its predecessor's); with more, none is."""
+    others = journal.others(dest)
+    if len(others) == 1:
+        recorded = set(others[0].recorded_shards().values())
+        own = journal.recorded_shards()
+        journal.adopt({s.number: (s.hash, b"") for s in index.shards if s.hash in recorded and s.number not in own},
+                      run)
+    for other in others:
+        other.remove(dest)
 
 
 def _extract_assigned(comm, bundle, dest, journal, pending, run, options) -> RankReport:

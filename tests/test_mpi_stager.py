@@ -246,3 +246,25 @@ def test_parallel_pack_of_a_missing_source_fails_once_and_cleanly(tmp_path):
     assert done.returncode == 1
     assert done.stderr.count("does not exist") == 1 and "Traceback" not in done.stderr
     assert os.listdir(tmp_path) == []
+
+
+@needs_mpi
+def test_an_unpack_of_a_changed_bundle_skips_the_shards_an_earlier_one_finished(tmp_path, sweep_mpi_segments):
+    """A bundle unpacked with --keep-journal (as a cut-short unpack leaves it), then files added and rewritten
+    at the start of the source's order and the source packed again: the new bundle's unpack takes over the
+    records of the shards with the same bytes (content-defined cuts keep them) and extracts only the rest."""
+    src = make_tiny_files(tmp_path / "src", 3000, per_dir=50)
+    first, second, dest = tmp_path / "first.tar.zst", tmp_path / "second.tar.zst", tmp_path / "dest"
+    pack(src, first, PackOptions(shard_size=16 * 1024, jobs=2))
+    kept = stager(0, "--keep-journal", str(first), str(dest))
+    assert kept.returncode == 0 and (dest / ".pallet" / "INCOMPLETE").exists(), kept.stderr
+    for n in range(3):
+        (tmp_path / "src" / "d0000" / f"g{n}.csv").write_text(f"new {n}\n")
+    (tmp_path / "src" / "d0000" / "f000001.csv").write_text("rewritten, longer than before\n")
+    shards = len(pack(src, second, PackOptions(shard_size=16 * 1024, jobs=2)).index.shards)
+    again = stager(2, "--json", str(second), str(dest))
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert shards > 20 and summary["shards_skipped"] >= shards - 4, (summary, shards)
+    assert summary["shards_skipped"] + summary["shards_done"] == shards
+    assert_same_tree(src, dest)
