@@ -14,6 +14,7 @@ from .reserved import STATE_DIR
 from .state_fd import remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
+JOURNAL_KINDS = ("journal-", "stream-")     # journals in STATE_DIR: a bundle's unpack, a stream's receive
 
 
 def state_path(dest: str, *parts: str) -> str:
@@ -59,25 +60,41 @@ def ensure_state_dir(dest: str) -> str:
         return state_path(dest)
 
 
-def mark_incomplete(dest: str, text: str) -> str:
+def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
     """Create DEST/.pallet (if needed) and write ``text`` to DEST/.pallet/INCOMPLETE; return the marker's path.
 
-    The marker is created anew, relative to the state directory's descriptor
-    (a file or link already there is unlinked, never written through), so it
-    always tells the current operation.
+    First the journals this writer cannot trust are removed (see
+    :func:`untrusted_journals`; ``journal``: the name in DEST/.pallet of the
+    writer's own journal, None when it keeps none there). The marker is
+    created anew, relative to the state directory's descriptor (a file or
+    link already there is unlinked, never written through), so it always
+    tells the current operation.
     """
     marker = state_path(dest, INCOMPLETE)
     with state_dir_fd(dest) as state:
         try:
+            for name in untrusted_journals(state, journal):
+                remove_entry(state, name)
             write_new(state, INCOMPLETE, text if text.endswith("\n") else text + "\n")
         except OSError as exc:
             raise destination_error(exc, os.fsencode(marker)) from None
     return marker
 
 
-def is_incomplete(dest: str) -> bool:
-    """True while DEST carries pallet's state directory (an operation there has not finished)."""
-    return os.path.lexists(state_path(dest))
+def untrusted_journals(state: int, journal: str | None) -> list[str]:
+    """The journals (``journal-ID``, ``stream-ID``) in the state directory ``state`` that a writer about to
+    write into DEST must not trust. A journal vouches for the files it lists only until another operation
+    writes into DEST. With no INCOMPLETE marker, one has finished since: all are stale. A writer that keeps
+    no journal there, or journals of two kinds, mean that some writer's files may differ from what another's
+    journal says: all go. Otherwise the writer's kind stay: its own, to resume, and an interrupted run's,
+    which it may adopt (mpi_stager.journal)."""
+    names = sorted(n for n in os.listdir(state) if n.startswith(JOURNAL_KINDS))
+    kind = journal.split("-", 1)[0] + "-" if journal else None
+    try:
+        os.stat(INCOMPLETE, dir_fd=state, follow_symlinks=False)
+    except FileNotFoundError:
+        return names
+    return [] if kind and all(n.startswith(kind) for n in names) else names
 
 
 def finish(dest: str, *owned: str) -> None:

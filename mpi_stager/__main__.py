@@ -145,13 +145,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run_receive(args) -> int:
     try:
         summary = receive(sys.stdin.buffer, sys.stdout.buffer, args.dest, args.verify, args.locked_by_caller)
+        print(encode(summary) if args.json else
+              f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
+              f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
+              f"{summary.shards_skipped} already done", flush=True)
     except PalletError as exc:
         print(f"mpi_stager receive: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(encode(summary) if args.json else
-          f"received {summary.files} files ({summary.file_bytes} bytes) into {summary.dest} in "
-          f"{summary.seconds:.2f} s: {summary.shards_received} shard(s) received, "
-          f"{summary.shards_skipped} already done")
+    except BrokenPipeError:
+        return RECEIVER_GONE        # the sender went away before the summary; it reports what happened
     return 0
 
 

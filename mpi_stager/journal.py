@@ -44,13 +44,18 @@ class Journal:
         hashes are not known before the shards arrive."""
         return cls(state_path(dest, f"stream-{stream_id}"))
 
+    def name_in(self, dest: str) -> str | None:
+        """This journal's name in DEST/.pallet; None when it is kept elsewhere (``--journal DIR``)."""
+        parent, name = os.path.split(os.path.abspath(self.root))
+        return name if parent == os.path.abspath(state_path(dest)) else None
+
     def others(self, dest: str) -> list["Journal"]:
         """The other journals of its kind (streams' or bundles') DEST/.pallet holds: interrupted earlier runs.
         None for a journal kept elsewhere (``--journal DIR``)."""
-        parent, name = os.path.split(os.path.abspath(self.root))
-        if parent != os.path.abspath(state_path(dest)):
+        name = self.name_in(dest)
+        if name is None:
             return []
-        kind = name.split("-", 1)[0] + "-"
+        parent, kind = os.path.dirname(os.path.abspath(self.root)), name.split("-", 1)[0] + "-"
         try:
             with state_dir_fd(dest, create=False) as state:
                 names = os.listdir(state)

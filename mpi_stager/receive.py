@@ -78,9 +78,9 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
 
 def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skeleton, verify: bool, source: str,
                   started: float, progress: Progress, ends_at_index: bool) -> ReceiveSummary:
-    mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
-                          "not finish: rerun it")
     journal = Journal.for_stream(dest, skeleton.stream_id)
+    mark_incomplete(dest, "pallet is receiving a bundle stream here; if this file remains, the transfer did "
+                          "not finish: rerun it", journal.name_in(dest))
     journal.create(dest)
     run = new_run_name()
     adopt_other_streams(dest, skeleton, journal, run)

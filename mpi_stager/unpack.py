@@ -114,7 +114,8 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal, lock: ExitStack, lock_
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
         lock.enter_context(holding_lock(dest, lock_held))
-        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish")
+        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish",
+                        journal.name_in(dest))
         journal.create(dest)
         run = new_run_name()
         adopt_other_bundles(dest, bundle.index, journal, run)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -133,30 +134,43 @@ class SessionStream:
     """The stream side of a :class:`FarSession` as :func:`staging_core.streaming.stream_push` uses a
     FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors.
 
-    ``holds_no_shards``: the session listed DEST unmarked, so no interrupted stream left shards there (one
-    that did leaves DEST marked INCOMPLETE). The sender then need not wait for the receiver's resume answer
-    before its first shard: :meth:`handshake` answers "none" at once, and the answer that comes is read and
-    checked before the summary. Were it to name shards anyway, they are only received again.
+    ``holds_no_shards``: the session listed DEST unmarked, so no interrupted stream left shards there (a
+    receiver that finds no INCOMPLETE marker drops every journal, see bundles.state.untrusted_journals). The
+    sender then need not wait for the receiver's resume answer before its first shard: :meth:`handshake`
+    answers "none" at once, and a thread reads the answer as it comes (so that a long one never blocks the
+    receiver while the sender writes), which is checked before the summary. Were it to name shards anyway,
+    they are only received again.
     """
 
     def __init__(self, session: FarSession, holds_no_shards: bool = False):
         self.session, self.far = session, session._far
         self.process = self.far.process
         self.holds_no_shards = holds_no_shards
-        self._unread_answer: str | None = None
+        self._answer: threading.Thread | None = None
+        self._answer_error: PalletError | None = None
 
     def handshake(self, stream_id: str) -> dict[int, bytes]:
-        if self.holds_no_shards:
-            self._unread_answer = stream_id
-            return {}
-        return self.far.handshake(stream_id)
+        if not self.holds_no_shards:
+            return self.far.handshake(stream_id)
+        self._answer = threading.Thread(target=self._read_answer, args=(stream_id,), name="pallet-resume-answer",
+                                        daemon=True)
+        self._answer.start()
+        return {}
+
+    def _read_answer(self, stream_id: str) -> None:
+        try:
+            self.far.read_answer(stream_id)
+        except PalletError as exc:
+            self._answer_error = exc
 
     def summary(self) -> ReceiveSummary:
         """The receiver's summary line; the session is then ready for its next request. No line: the far side's
         error; a line that is no receive summary: SummaryError (the session then ends)."""
         self.process.stdin.flush()
-        if self._unread_answer is not None:
-            self.far.read_answer(self._unread_answer)
+        if self._answer is not None:
+            self._answer.join()
+            if self._answer_error is not None:
+                raise self._answer_error
         line = self.process.stdout.readline()
         if not line.strip():
             raise self.failure()

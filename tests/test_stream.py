@@ -26,7 +26,7 @@ from mpi_stager.send import prepare_source, send_stream
 from staging_core.streaming import FarStagerError, stream_push
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
-from tests.conftest import assert_same_tree, make_nasty_tree
+from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import program, python_module, user_env
 
 GATE = Path(__file__).with_name("stream_gate.py")
@@ -255,4 +255,46 @@ def test_a_rerun_after_the_source_changed_skips_the_shards_still_in_place(sshd, 
     assert again.skipped_shards >= 20, again
     assert again.bytes_sent < len(encoded(str(src), 16 << 10)) * 0.95
     assert glob.glob(str(dest / ".pallet")) == []
+    same_tree(str(src), dest)
+
+
+def interrupted_stream(sshd, src: Path, dest: Path, shards: int) -> None:
+    """Push ``src`` as a stream whose receiver is killed once it has recorded ``shards`` shards."""
+    endpoint = parse_url(sshd.url(str(dest)))
+    gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill:{shards} {dest}", shard_size=16 << 10)
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
+        with pytest.raises(FarStagerError):
+            stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
+    assert len(glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*"))) >= shards
+
+
+def test_a_journal_another_operation_wrote_over_is_not_trusted(sshd, tmp_path):
+    """A stream cut short, then `pallet unpack` of a bundle holding the same paths with other bytes into DEST,
+    then the stream again after a change at the source: nothing is skipped on the cut-short stream's word, and
+    DEST ends equal to the source."""
+    src, dest = Path(tiny_tree(tmp_path / "src", 300, size=2000)), tmp_path / "dest"
+    interrupted_stream(sshd, src, dest, 10)
+    other = Path(tiny_tree(tmp_path / "other", 300, size=2000))
+    run_pallet("pack", "--quiet", str(other), str(tmp_path / "other.tar.zst"), check=True)
+    run_pallet("unpack", "--quiet", str(tmp_path / "other.tar.zst"), str(dest), check=True)
+    assert not glob.glob(str(dest / ".pallet" / "stream-*"))         # the unpack dropped the journal
+    with open(src / "d05" / "f00005.txt", "ab") as handle:
+        handle.write(b"more")
+    again = streamed(sshd, str(src), dest, shard_size=16 << 10)
+    assert again.skipped_shards == 0, again
+    same_tree(str(src), dest)
+
+
+def test_a_journal_left_without_the_incomplete_marker_is_dropped(sshd, tmp_path):
+    """A stream journal in a DEST with no INCOMPLETE marker: an operation finished there since (as an older
+    pallet's unpack left it), so its word is stale. Here a file of a recorded shard was rewritten meanwhile;
+    the rerun of the same stream drops the journal, skips nothing and restores the file."""
+    src, dest = Path(tiny_tree(tmp_path / "src", 300, size=2000)), tmp_path / "dest"
+    interrupted_stream(sshd, src, dest, 10)
+    (dest / ".pallet" / "INCOMPLETE").unlink()
+    landed = sorted(p for p in dest.rglob("f*.txt"))
+    assert landed
+    landed[0].write_bytes(b"written by another operation")
+    again = streamed(sshd, str(src), dest, shard_size=16 << 10)
+    assert again.skipped_shards == 0, again
     same_tree(str(src), dest)
