@@ -9,6 +9,7 @@ from typing import Iterator
 import zstandard
 
 from bundles.errors import DestinationLocked, PalletError, StreamError
+from bundles.stream import decode_resume_reply
 from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
 from mpi_stager.summaries import ReceiveSummary, decode
 
@@ -147,21 +148,23 @@ class SessionStream:
         self.process = self.far.process
         self.holds_no_shards = holds_no_shards
         self._answer: threading.Thread | None = None
-        self._answer_error: PalletError | None = None
+        self._answer_line = b""
+        self._stream_id = ""
 
     def handshake(self, stream_id: str) -> dict[int, bytes]:
         if not self.holds_no_shards:
             return self.far.handshake(stream_id)
-        self._answer = threading.Thread(target=self._read_answer, args=(stream_id,), name="pallet-resume-answer",
-                                        daemon=True)
+        self._stream_id = stream_id
+        self._answer = threading.Thread(target=self._read_answer, name="pallet-resume-answer", daemon=True)
         self._answer.start()
         return {}
 
-    def _read_answer(self, stream_id: str) -> None:
+    def _read_answer(self) -> None:
+        """On the answer's thread: read its line, nothing else (the pipes and errors are the caller's)."""
         try:
-            self.far.read_answer(stream_id)
-        except PalletError as exc:
-            self._answer_error = exc
+            self._answer_line = self.process.stdout.readline()
+        except (OSError, ValueError):        # the caller closed the pipe after a failure it reports
+            self._answer_line = b""
 
     def summary(self) -> ReceiveSummary:
         """The receiver's summary line; the session is then ready for its next request. No line: the far side's
@@ -169,8 +172,9 @@ class SessionStream:
         self.process.stdin.flush()
         if self._answer is not None:
             self._answer.join()
-            if self._answer_error is not None:
-                raise self._answer_error
+            if not self._answer_line:
+                raise self.failure()
+            decode_resume_reply(self._answer_line, self._stream_id, self.far.url)
         line = self.process.stdout.readline()
         if not line.strip():
             raise self.failure()

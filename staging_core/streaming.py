@@ -200,10 +200,6 @@ class FarStager:
     def handshake(self, stream_id: str) -> dict[int, bytes]:
         """Read the receiver's first line: the shards (number -> hash) it already holds for ``stream_id``."""
         self.process.stdin.flush()
-        return self.read_answer(stream_id)
-
-    def read_answer(self, stream_id: str) -> dict[int, bytes]:
-        """Read the receiver's resume answer for ``stream_id`` (its stdin already flushed)."""
         line = self.process.stdout.readline()
         if not line:
             raise self.failure()
