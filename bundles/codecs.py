@@ -65,7 +65,8 @@ class Codec:
                 declared = zstandard.frame_content_size(data)      # -1: the header does not say
                 if declared not in (-1, raw_size):
                     raise self.damaged(f"shard frame declares {declared} bytes, index says {raw_size}")
-                result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size) \
+                result = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size,
+                                                                 allow_extra_data=False) \
                     if declared == raw_size <= _ONE_STEP_LIMIT else _unzstd_bounded(data, raw_size)
             elif self.name == "gzip":
                 result = _gunzip_bounded(data, raw_size)
@@ -80,10 +81,13 @@ class Codec:
             raise self.damaged(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
         return result
 
-    def open_stream(self, raw: BinaryIO) -> BinaryIO:
-        """Return a reader of the decompressed bytes of the frames in ``raw``."""
+    def open_stream(self, raw: BinaryIO, max_window: int = 0) -> BinaryIO:
+        """Return a reader of the decompressed bytes of the frames in ``raw``; a zstd frame that needs a window
+        larger than ``max_window`` bytes (0: zstd's own limit) cannot be read (its memory would not be bounded
+        by the buffers)."""
         if self.name == "zstd":
-            return _ZstdReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), self)
+            decompressor = zstandard.ZstdDecompressor(max_window_size=max_window)
+            return _ZstdReader(decompressor.stream_reader(raw, read_across_frames=True), self)
         if self.name == "gzip":
             return _GzipReader(raw, self)
         return raw

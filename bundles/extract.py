@@ -17,6 +17,7 @@ from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _STREAM_CHUNK = 8 << 20
 HOLD_LIMIT = 256 << 20            # a shard's compressed plus decoded bytes that unpack and verify hold at most
+SHARD_WINDOW = 8 << 20            # the largest zstd window a shard streamed from a bundle may need (level 19's)
 
 
 @dataclass(frozen=True)
@@ -179,11 +180,12 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, ver
     written in chunks and hashed as written; a file whose hash does not match is removed again."""
     if verify and hash_range(bundle.fd, shard) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
-    reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
+    reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length), SHARD_WINDOW)
     position, files, nbytes, bad = 0, 0, 0, []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
-        header = read_up_to(reader, index.data_offsets[i] - position)
-        if verify and (index.offsets[i] != position or header != entry_header_bytes(index, i)):
+        header = entry_header_bytes(index, i)       # its size, not the index's offsets, says how much to read
+        if index.offsets[i] != position or index.data_offsets[i] != position + len(header) or \
+                (read_up_to(reader, len(header)) != header and verify):
             raise _members_differ(bundle.path, index, shard, i)
         position = index.data_offsets[i]
         if index.kinds[i] != Kind.FILE:
@@ -195,8 +197,7 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, ver
             bad.append(os.fsdecode(index.paths[i]))
         else:
             files, nbytes = files + 1, nbytes + size
-        if verify and any(read_up_to(reader, pad)):
-            raise _members_differ(bundle.path, index, shard, i)
+        read_up_to(reader, pad)                     # as when held whole, padding bytes are the shard hash's
         position += size + pad
     if verify and read_up_to(reader, len(END_OF_ARCHIVE) + 1) not in (b"", END_OF_ARCHIVE):
         raise _members_differ(bundle.path, index, shard, shard.first_entry + shard.entry_count - 1)

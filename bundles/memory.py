@@ -8,7 +8,7 @@ BASE_BYTES = 64 << 20             # the interpreter, its libraries and the nativ
 PER_ENTRY_BYTES = 160             # the index's columns and objects per entry, names aside
 WORKER_STACK_BYTES = 8 << 20      # each worker thread's stack
 WORKER_ARENA_BYTES = 64 << 20     # the malloc arena glibc may reserve for each thread (address space, mostly unused)
-STREAM_BUFFER_BYTES = 16 << 20    # a large file's shard: read, decode and write buffers (8 MiB chunks)
+STREAM_BUFFER_BYTES = 16 << 20    # a streamed shard: its 8 MiB chunks, and a zstd window of at most 8 MiB
 
 
 def shard_bytes(index: Index, shard: Shard) -> int:

@@ -14,6 +14,7 @@ from .reserved import STATE_DIR
 from .state_fd import remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
+_NEW_MARKER = INCOMPLETE + ".new"
 JOURNAL_KINDS = ("journal-", "stream-")     # journals in STATE_DIR: a bundle's unpack, a stream's receive
 
 
@@ -66,19 +67,30 @@ def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
     First the journals this writer cannot trust are removed (see
     :func:`untrusted_journals`; ``journal``: the name in DEST/.pallet of the
     writer's own journal, None when it keeps none there). The marker is
-    created anew, relative to the state directory's descriptor (a file or
-    link already there is unlinked, never written through), so it always
-    tells the current operation.
+    created anew under another name and renamed over the old one, relative to
+    the state directory's descriptor (a file or link already there is
+    replaced, never written through), so DEST is never unmarked meanwhile
+    and the marker always tells the current operation.
     """
     marker = state_path(dest, INCOMPLETE)
     with state_dir_fd(dest) as state:
         try:
             for name in untrusted_journals(state, journal):
                 remove_entry(state, name)
-            write_new(state, INCOMPLETE, text if text.endswith("\n") else text + "\n")
+            try:
+                write_new(state, _NEW_MARKER, text if text.endswith("\n") else text + "\n")
+            finally:        # even a marker the disk had no room to fill marks DEST
+                _rename_if_there(state, _NEW_MARKER, INCOMPLETE)
         except OSError as exc:
             raise destination_error(exc, os.fsencode(marker)) from None
     return marker
+
+
+def _rename_if_there(state: int, name: str, new_name: str) -> None:
+    try:
+        os.replace(name, new_name, src_dir_fd=state, dst_dir_fd=state)
+    except FileNotFoundError:
+        pass
 
 
 def untrusted_journals(state: int, journal: str | None) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from . import container, native
 from .errors import BundleError, CorruptBundleError
-from .extract import RangeReader, check_members, hash_range, held_whole
+from .extract import SHARD_WINDOW, RangeReader, check_members, hash_range, held_whole, read_up_to
 from .index import Index, Shard, content_hash, new_hasher
 from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
@@ -120,13 +120,16 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool
     """Check a shard not held whole (see bundles.extract.held_whole) as a stream, member by member."""
     problems: list[str] = []
     try:
-        stream = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length))
+        stream = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length), SHARD_WINDOW)
         position = 0
         for i in _entry_range(shard):
             position = _check_streamed_member(stream, index, i, position, problems)
             if position < 0:
                 break
-        if position >= 0 and _rest_of(stream) != (END_OF_ARCHIVE if last else b""):
+        rest = _rest_of(stream, shard.raw_size - position) if position >= 0 else b""
+        if rest is None:
+            problems.append(f"shard {shard.number}: decodes to more than the {shard.raw_size} bytes the index says")
+        elif position >= 0 and rest != (END_OF_ARCHIVE if last else b""):
             problems.append(f"shard {shard.number}: the end-of-archive blocks do not match")
     except Exception as exc:  # any decoder failure means damaged bytes; report, do not crash
         problems.append(f"shard {shard.number}: cannot be decompressed ({exc}); {_holds(index, shard)}")
@@ -135,13 +138,13 @@ def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool
     return problems
 
 
-def _rest_of(stream) -> bytes:
-    """What is left in ``stream``: up to one byte more than the end-of-archive blocks, and a zero byte added
-    when more follows. It is read to its end (so that a codec checks its trailer), in bounded chunks."""
-    rest, more = stream.read(len(END_OF_ARCHIVE) + 1), False
-    while stream.read(1 << 20):
-        more = True
-    return rest + b"\0" if more else rest
+def _rest_of(stream, left: int) -> bytes | None:
+    """What is left in ``stream``, where the index says ``left`` bytes remain (at most the end-of-archive
+    blocks in a shard that matches): read to its end, so that a codec checks its trailer, or None when it
+    holds more than that (nothing past one byte more is decoded)."""
+    most = min(max(0, left), len(END_OF_ARCHIVE))
+    rest = read_up_to(stream, most + 1)
+    return None if len(rest) > most else rest
 
 
 def _check_streamed_member(stream, index: Index, i: int, position: int, problems: list[str]) -> int:

@@ -1,6 +1,7 @@
 """Any single flipped byte in a bundle, its index or its sidecar is found and named; damaged DESTs too."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from bundles import Bundle, PackOptions, PalletError, pack, unpack, verify_bundle, verify_tree
-from bundles.tarformat import END_OF_ARCHIVE, member_header
+import bundles.extract
+from bundles import Bundle, PackOptions, PalletError, UnpackOptions, container, pack, unpack, verify_bundle, verify_tree
+from bundles.index import content_hash
+from bundles.tarformat import END_OF_ARCHIVE, Kind, member_header
 from tests.conftest import run_pallet
 
 # the shared tests of both engines (see tests/test_native_parity.py)
@@ -302,3 +305,35 @@ def test_a_tree_check_names_an_entry_type_the_index_cannot_hold(tmp_path):
     index.kinds[index.paths.index(b"a")] = 7
     report = verify_tree(index, str(tmp_path / "dest"))
     assert report.problems == ["a: unknown entry type 7 in the index"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["held", "streamed"])
+def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, monkeypatch, streamed):
+    """`zstd -dc | tar -x` reads every frame of a shard: a second frame holding a member the index omits
+    (shard hash and index rewritten to match) fails verify and unpack, whether the shard is held or streamed."""
+    if streamed:
+        monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(10):
+        (src / f"f{n:02}").write_bytes(os.urandom(3000))
+    pack(src, tmp_path / "good.tar.zst", PackOptions(jobs=1, shard_size=4096))
+    with Bundle.open(tmp_path / "good.tar.zst") as good:
+        index = good.index
+        raws = [good.codec.decompress(good.read_shard(s), s.raw_size) for s in index.shards]
+    smuggled = member_header(b"SMUGGLED", Kind.FILE, 0o644, 0, 5, b"") + b"evil!" + bytes(507)
+    data, shards = b"", []
+    for shard, raw in zip(index.shards, raws):
+        frames = zstandard.ZstdCompressor().compress(raw)
+        if shard.number == 0:
+            frames += zstandard.ZstdCompressor().compress(smuggled)
+        shards.append(dataclasses.replace(shard, offset=len(data), length=len(frames), hash=content_hash(frames)))
+        data += frames
+    index.shards = shards
+    bad = tmp_path / "bad.tar.zst"
+    bad.write_bytes(data + container.index_section(index.codec, index.to_bytes(), len(data)))
+    with Bundle.open(bad) as opened:
+        assert any(p.startswith("shard 0: ") for p in verify_bundle(opened, jobs=1).problems)
+    with pytest.raises(PalletError, match="shard 0|zstd shard"):
+        unpack(bad, tmp_path / "dest", UnpackOptions(jobs=1))
+    assert not (tmp_path / "dest" / "SMUGGLED").exists()
