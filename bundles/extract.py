@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -11,6 +12,7 @@ from . import native
 from .byte_source import ByteSource, pread_from
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
+from .reserved import STATE_DIR, WRITING_DIR
 from .safety import index_problems, safe_mode
 from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 
@@ -177,10 +179,18 @@ def held_whole(index: Index, shard: Shard) -> bool:
 
 def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
     """extract_shard for a shard not held whole: hashed first, then decoded once, member by member, each file
-    written in chunks and hashed as written; a file whose hash does not match is removed again."""
+    written in chunks into DEST/.pallet/writing and hashed as written, then renamed into place only when its
+    hash matches (a user's file is never replaced by bytes that did not check)."""
     if verify and hash_range(bundle.fd, shard) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length), SHARD_WINDOW)
+    with writing_directory(dest) as writing:
+        return _extract_members(reader, bundle, index, shard, dest, writing, verify)
+
+
+def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
+                     verify: bool) -> ShardOutcome:
+    """The members of ``shard`` from the stream ``reader``, for :func:`_extract_streamed`."""
     position, files, nbytes, bad = 0, 0, 0, []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
         header = entry_header_bytes(index, i)       # its size, not the index's offsets, says how much to read
@@ -191,11 +201,12 @@ def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, ver
         if index.kinds[i] != Kind.FILE:
             continue
         size, pad = index.sizes[i], padding(index.sizes[i])
-        digest = write_streamed_file(reader, index, i, dest, shard.number, bundle.path)
-        if verify and digest != index.hashes[i * 16:i * 16 + 16]:
-            remove_stale(os.path.join(os.fsencode(dest), index.paths[i]))
+        written = write_streamed_file(reader, index, i, dest, writing, shard.number, bundle.path)
+        if verify and written.digest != index.hashes[i * 16:i * 16 + 16]:
+            written.discard()
             bad.append(os.fsdecode(index.paths[i]))
         else:
+            written.commit()
             files, nbytes = files + 1, nbytes + size
         read_up_to(reader, pad)                     # as when held whole, padding bytes are the shard hash's
         position += size + pad
@@ -249,18 +260,60 @@ def _members_differ(source: str | None, index: Index, shard: Shard, i: int) -> C
                               _REFETCH, [os.fsdecode(index.paths[i])])
 
 
-def write_streamed_file(reader, index: Index, i: int, dest: str, shard_number: int, source: str | None) -> bytes:
-    """Write file entry ``i`` under ``dest`` from ``reader`` and return the content hash of what was written.
+@dataclass(frozen=True)
+class StreamedFile:
+    """A file written from a stream into DEST/.pallet/writing (``writing``: that directory's descriptor) under
+    ``temp``, with its mode and mtime, and not yet in place: ``digest`` is its content hash. :meth:`commit`
+    renames it to ``path``, replacing what is there (never writing through it); :meth:`discard` removes it."""
+
+    writing: int
+    temp: str
+    path: bytes
+    digest: bytes
+
+    def commit(self) -> None:
+        try:
+            os.replace(self.temp, self.path, src_dir_fd=self.writing)
+        except IsADirectoryError:
+            raise DestinationError("is a directory in the destination, but a file in the bundle",
+                                   os.fsdecode(self.path), "remove it or unpack into an empty destination") from None
+        except OSError as exc:
+            raise destination_error(exc, self.path) from None
+
+    def discard(self) -> None:
+        try:
+            os.unlink(self.temp, dir_fd=self.writing)
+        except FileNotFoundError:
+            pass
+
+
+@contextmanager
+def writing_directory(dest: str) -> Iterator[int]:
+    """DEST/.pallet/writing as a descriptor, for the block (made if needed, reached without following links)."""
+    from .state_fd import open_private_dir, state_dir_fd      # state_fd imports this module
+    with state_dir_fd(dest) as state:
+        writing = open_private_dir(WRITING_DIR, state, os.path.join(dest, STATE_DIR, WRITING_DIR))
+    try:
+        yield writing
+    finally:
+        os.close(writing)
+
+
+def write_streamed_file(reader, index: Index, i: int, dest: str, writing: int, shard_number: int,
+                        source: str | None) -> StreamedFile:
+    """Write file entry ``i`` from ``reader`` into the ``writing`` directory (see :func:`writing_directory`)
+    and return it, hashed, with its mode and mtime, for the caller to check and then commit or discard.
 
     ``reader`` yields decompressed tar bytes and must stand at the entry's
     data; exactly its size is read, in chunks of at most 8 MiB, so a file of
-    any size passes through bounded memory. Mode and mtime are applied. Raises
-    CorruptBundleError naming ``source`` and shard ``shard_number`` if the
-    data ends early; checking the returned hash is the caller's business.
+    any size passes through bounded memory. Raises CorruptBundleError naming
+    ``source`` and shard ``shard_number`` if the data ends early (nothing is
+    left in place of the user's file then).
     """
+    temp = f"shard-{shard_number}-entry-{i}"
     path, size = os.path.join(os.fsencode(dest), index.paths[i]), index.sizes[i]
     hasher = new_hasher()
-    fd = create_file(path)
+    fd = _create_in(writing, temp, path)
     try:
         remaining = size
         while remaining:
@@ -273,9 +326,24 @@ def write_streamed_file(reader, index: Index, i: int, dest: str, shard_number: i
             remaining -= len(chunk)
         os.fchmod(fd, safe_mode(index.modes[i]))
         os.utime(fd, ns=(index.mtimes[i], index.mtimes[i]))
-    finally:
+    except BaseException:
         os.close(fd)
-    return hasher.digest()
+        StreamedFile(writing, temp, path, b"").discard()
+        raise
+    os.close(fd)
+    return StreamedFile(writing, temp, path, hasher.digest())
+
+
+def _create_in(directory: int, name: str, shown: bytes) -> int:
+    """A new, empty file ``name`` in ``directory`` (a stale one of an earlier run is replaced)."""
+    try:
+        try:
+            return os.open(name, _OPEN_FLAGS, 0o600, dir_fd=directory)
+        except FileExistsError:
+            os.unlink(name, dir_fd=directory)
+            return os.open(name, _OPEN_FLAGS, 0o600, dir_fd=directory)
+    except OSError as exc:
+        raise destination_error(exc, shown) from None
 
 
 def finish_tree(index: Index, dest: str) -> None:

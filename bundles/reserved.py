@@ -3,6 +3,7 @@ from __future__ import annotations
 
 STATE_DIR = ".pallet"
 PARTIAL_DIR = ".pallet-partial"  # in any directory: rsync keeps an interrupted file there until a rerun completes it
+WRITING_DIR = "writing"          # in STATE_DIR: files written from a stream, renamed into place once checked
 
 
 def reserved_problem(path: bytes) -> str | None:

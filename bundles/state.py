@@ -10,7 +10,7 @@ from typing import Iterator
 
 from .errors import DestinationError, DestinationLocked
 from .extract import destination_error
-from .reserved import STATE_DIR
+from .reserved import STATE_DIR, WRITING_DIR
 from .state_fd import remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
@@ -124,7 +124,7 @@ def finish(dest: str, *owned: str) -> None:
             remove_path(path)
     try:
         with state_dir_fd(dest, create=False) as state:
-            for name in (*inside, INCOMPLETE):
+            for name in (*inside, WRITING_DIR, INCOMPLETE):      # files a killed stream left half written too
                 remove_entry(state, name)
     except FileNotFoundError:
         return

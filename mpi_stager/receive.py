@@ -14,7 +14,8 @@ from typing import BinaryIO
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, PalletError, StreamError
 from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
-                             make_directories, prepare_destination, write_streamed_file)
+                             make_directories, prepare_destination, write_streamed_file,
+                             writing_directory)
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
@@ -220,19 +221,31 @@ class _Receiver:
         header = entry_header(self.index, i)
         if read_up_to(content, len(header)) != header:
             raise StreamError(f"{where}: its tar header does not match the skeleton", self.source, _HINT)
-        digest = write_streamed_file(content, self.index, i, self.dest, plan.number, self.source)
+        with writing_directory(self.dest) as writing:
+            written = write_streamed_file(content, self.index, i, self.dest, writing, plan.number, self.source)
+            try:
+                shard = self._check_big(plan, raw, len(header), written.digest)
+            except BaseException:
+                written.discard()
+                raise
+            written.commit()
+        self._journal(shard)
+        self._count(shard.length, 1, self.index.sizes[i])
+
+    def _check_big(self, plan: ShardPlan, raw: "_DataReader", header_size: int, digest: bytes) -> Shard:
+        """The rest of a big shard's frames, its record and hashes checked (the file's ``digest`` too)."""
+        where = f"shard {plan.number}"
         raw.drain()
         record = decode_shard_record(raw.end.payload, self.index, plan, False, self.source)
-        if (record.length, record.built.offsets[0], record.built.data_offsets[0]) != (raw.length, 0, len(header)):
+        if (record.length, record.built.offsets[0], record.built.data_offsets[0]) != (raw.length, 0, header_size):
             raise StreamError(f"{where}: its sizes disagree with its data", self.source, _HINT)
         shard = self._record(plan, record)
         if self.verify and raw.digest() != record.hash:
             raise damaged_shard(self.source, self.index, shard)
         if self.verify and digest != record.built.hashes:
             raise CorruptBundleError(f"{where}: content hash mismatch", self.source, _HINT,
-                                     [os.fsdecode(self.index.paths[i])])
-        self._journal(shard)
-        self._count(record.length, 1, self.index.sizes[i])
+                                     [os.fsdecode(self.index.paths[plan.first])])
+        return shard
 
     def _codec(self, plan: ShardPlan) -> Codec:
         """The stream's codec, naming the shard in its decoding errors."""

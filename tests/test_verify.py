@@ -337,3 +337,32 @@ def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, mon
     with pytest.raises(PalletError, match="shard 0|zstd shard"):
         unpack(bad, tmp_path / "dest", UnpackOptions(jobs=1))
     assert not (tmp_path / "dest" / "SMUGGLED").exists()
+
+
+def test_a_streamed_file_whose_hash_does_not_match_leaves_the_users_file_alone(tmp_path, monkeypatch):
+    """A shard read as a stream (HOLD_LIMIT 0) whose file bytes were altered (shard hash rewritten to match):
+    unpack refuses the file and the user's own file of that name keeps its bytes; nothing of pallet's stays
+    beside it."""
+    monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(4):
+        (src / f"f{n}").write_bytes(b"%d" % n * 3000)
+    pack(src, tmp_path / "good.tar.zst", PackOptions(jobs=1, shard_size=1 << 20))
+    with Bundle.open(tmp_path / "good.tar.zst") as good:
+        index = good.index
+        raw = bytearray(good.codec.decompress(good.read_shard(index.shards[0]), index.shards[0].raw_size))
+    altered = next(i for i in range(len(index)) if index.paths[i] == b"f2")
+    raw[index.data_offsets[altered] + 10] ^= 1
+    frame = zstandard.ZstdCompressor().compress(bytes(raw))
+    index.shards = [dataclasses.replace(index.shards[0], length=len(frame), hash=content_hash(frame))]
+    bad = tmp_path / "bad.tar.zst"
+    bad.write_bytes(frame + container.index_section(index.codec, index.to_bytes(), len(frame)))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "f2").write_bytes(b"the user's own bytes")
+    with pytest.raises(PalletError, match="content hash mismatch"):
+        unpack(bad, dest, UnpackOptions(jobs=1))
+    assert (dest / "f2").read_bytes() == b"the user's own bytes"
+    assert sorted(os.listdir(dest / ".pallet")) == ["INCOMPLETE", "writing"]
+    assert os.listdir(dest / ".pallet" / "writing") == []
