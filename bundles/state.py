@@ -86,6 +86,16 @@ def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
     return marker
 
 
+def drop_journals(dest: str) -> None:
+    """Remove every journal in DEST/.pallet, if there is one: a writer that keeps none is about to write files
+    there (see :func:`untrusted_journals`). The marker and other state are left alone."""
+    if not os.path.lexists(state_path(dest)):
+        return
+    with state_dir_fd(dest, create=False) as state:
+        for name in untrusted_journals(state, None):
+            remove_entry(state, name)
+
+
 def _rename_if_there(state: int, name: str, new_name: str) -> None:
     try:
         os.replace(name, new_name, src_dir_fd=state, dst_dir_fd=state)

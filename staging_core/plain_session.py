@@ -40,7 +40,8 @@ while read -r command size; do
   case $command in
   H) head -c "$size" | xargs -0 -r md5sum -- > .pallet/sums 2>/dev/null; reply .pallet/sums ;;
   T) if [ -z "$checker" ]; then
-       : > .pallet/INCOMPLETE && mkfifo .pallet/queue && exec 8<>.pallet/queue || fail "cannot write in $1" 5
+       rm -rf .pallet/journal-* .pallet/stream-* && : > .pallet/INCOMPLETE && mkfifo .pallet/queue \
+         && exec 8<>.pallet/queue || fail "cannot write in $1" 5
        xargs -0 -r -n 2048 md5sum -- < .pallet/queue > .pallet/checked 2>/dev/null 8>&- &
        checker=$!
      fi

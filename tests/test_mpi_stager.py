@@ -268,3 +268,30 @@ def test_an_unpack_of_a_changed_bundle_skips_the_shards_an_earlier_one_finished(
     assert shards > 20 and summary["shards_skipped"] >= shards - 4, (summary, shards)
     assert summary["shards_skipped"] + summary["shards_done"] == shards
     assert_same_tree(src, dest)
+
+
+@needs_mpi
+def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_path, sweep_mpi_segments):
+    """An unpack of A left unfinished (its journal kept), then an individual push of B into the same DEST that
+    writes B's bytes under A's names and fails on one file: the push dropped A's journal first, so a rerun
+    of A's unpack trusts no record, and DEST ends as A's tree."""
+    src_a = make_tiny_files(tmp_path / "a", 600, per_dir=50)
+    src_b = make_tiny_files(tmp_path / "b", 600, per_dir=50)
+    for path in (tmp_path / "b").rglob("*.csv"):
+        path.write_text("other bytes, of another length\n")
+    (tmp_path / "b" / "zz").write_text("a file where DEST has a directory\n")
+    bundle, dest = tmp_path / "a.tar.zst", tmp_path / "dest"
+    pack(src_a, bundle, PackOptions(shard_size=16 * 1024, jobs=2))
+    assert stager(0, "--keep-journal", str(bundle), str(dest)).returncode == 0
+    assert list((dest / ".pallet").glob("journal-*"))
+    (dest / "zz" / "x").mkdir(parents=True)
+    pushed = subprocess.run([program("pallet"), "push", "--quiet", "--retries", "0", "--strategy", "individual",
+                             src_b, str(dest)], env=user_env(), capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)
+    assert pushed.returncode != 0 and (dest / "d0000" / "f000000.csv").read_text().startswith("other")
+    assert not list((dest / ".pallet").glob("journal-*"))
+    shutil.rmtree(dest / "zz")
+    again = stager(0, "--json", str(bundle), str(dest))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["shards_skipped"] == 0
+    assert_same_tree(src_a, dest)
