@@ -11,7 +11,7 @@ from typing import Iterator
 from .errors import DestinationError, DestinationLocked
 from .extract import destination_error
 from .reserved import STATE_DIR, WRITING_DIR
-from .state_fd import remove_entry, state_dir_fd, write_new
+from .state_fd import read_text, remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
 _NEW_MARKER = INCOMPLETE + ".new"
@@ -84,6 +84,14 @@ def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
         except OSError as exc:
             raise destination_error(exc, os.fsencode(marker)) from None
     return marker
+
+
+def marker_text(dest: str) -> str:
+    """The text of DEST's INCOMPLETE marker ("" when there is none), read without following a link."""
+    if not os.path.lexists(state_path(dest)):
+        return ""
+    with state_dir_fd(dest, create=False) as state:
+        return read_text(state, INCOMPLETE)
 
 
 def drop_journals(dest: str) -> None:

@@ -147,6 +147,19 @@ class Journal:
         for number, (digest, key) in records.items():
             self._write_record(number, digest, key, run, 0)
 
+    def forget_all(self) -> None:
+        """Remove every record of this journal (and its run logs), leaving its directories."""
+        try:
+            with self._directories() as (journal, runs):
+                for directory, names in ((journal, os.listdir(journal)), (runs, os.listdir(runs))):
+                    for name in names:
+                        if directory == runs or name.startswith("shard-"):
+                            os.unlink(name, dir_fd=directory)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise destination_error(exc, os.fsencode(self.root)) from None
+
     def forget_shard(self, number: int) -> None:
         """Remove shard ``number``'s record (it is about to be written again)."""
         try:

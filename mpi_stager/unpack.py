@@ -13,7 +13,7 @@ from bundles.index import Index
 from bundles.jobs import ShardJob, shard_jobs
 from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
-from bundles.state import INCOMPLETE, STATE_DIR, finish, holding_lock, mark_incomplete
+from bundles.state import INCOMPLETE, STATE_DIR, finish, holding_lock, mark_incomplete, marker_text
 from bundles.unpack import shard_cost
 
 from .comm import POISON, Communicator
@@ -114,8 +114,11 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal, lock: ExitStack, lock_
         check_index(bundle.index, bundle.path)
         prepare_destination(dest)
         lock.enter_context(holding_lock(dest, lock_held))
-        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish",
-                        journal.name_in(dest))
+        elsewhere = journal.name_in(dest) is None
+        if elsewhere and marker_text(dest).splitlines()[-1:] != [_journal_line(journal)]:
+            journal.forget_all()        # DEST was not left by this journal's run: its records may not hold
+        mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; rerun to finish"
+                              + ("\n" + _journal_line(journal) if elsewhere else ""), journal.name_in(dest))
         journal.create(dest)
         run = new_run_name()
         adopt_other_bundles(dest, bundle.index, journal, run)
@@ -124,6 +127,11 @@ def _prepare(bundle: Bundle, dest: str, journal: Journal, lock: ExitStack, lock_
         return done, run
     except PalletError as exc:
         return exc
+
+
+def _journal_line(journal: Journal) -> str:
+    """The marker's last line for a journal kept elsewhere (``--journal DIR``): which journal DEST's run keeps."""
+    return f"journal: {os.path.abspath(journal.root)}"
 
 
 def adopt_other_bundles(dest: str, index: Index, journal: Journal, run: str) -> None:

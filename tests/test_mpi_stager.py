@@ -295,3 +295,26 @@ def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_pa
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["shards_skipped"] == 0
     assert_same_tree(src_a, dest)
+
+
+@needs_mpi
+def test_a_journal_kept_elsewhere_is_not_trusted_after_another_unpack(tmp_path, sweep_mpi_segments):
+    """`--journal DIR` keeps the journal outside DEST, where other writers cannot drop it. An unpack of A left
+    unfinished with it, then `pallet unpack` of B (other bytes under A's names) finishes in DEST: the rerun of
+    A with that journal sees that DEST's marker is not its run's, trusts no record, and leaves A's tree."""
+    src_a = make_tiny_files(tmp_path / "a", 600, per_dir=50)
+    src_b = make_tiny_files(tmp_path / "b", 600, per_dir=50)
+    for path in (tmp_path / "b").rglob("*.csv"):
+        path.write_text("other bytes, of another length\n")
+    a, b, dest, journal = tmp_path / "a.tar.zst", tmp_path / "b.tar.zst", tmp_path / "dest", tmp_path / "journal"
+    pack(src_a, a, PackOptions(shard_size=16 * 1024, jobs=2))
+    pack(src_b, b, PackOptions(shard_size=16 * 1024, jobs=2))
+    assert stager(0, "--keep-journal", "--journal", str(journal), str(a), str(dest)).returncode == 0
+    assert list(journal.glob("shard-*"))
+    unpacked = subprocess.run([program("pallet"), "unpack", "--quiet", str(b), str(dest)], env=user_env(),
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert unpacked.returncode == 0, unpacked.stderr
+    again = stager(0, "--json", "--journal", str(journal), str(a), str(dest))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["shards_skipped"] == 0
+    assert_same_tree(src_a, dest)
