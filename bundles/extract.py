@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import errno
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -12,12 +11,11 @@ from . import native
 from .byte_source import ByteSource, pread_from
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
-from .reserved import STATE_DIR, WRITING_DIR
 from .safety import index_problems, safe_mode
-from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
+from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header
 
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_STREAM_CHUNK = 8 << 20
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+STREAM_CHUNK = 8 << 20
 HOLD_LIMIT = 256 << 20            # a shard's compressed plus decoded bytes that unpack and verify hold at most
 SHARD_WINDOW = 8 << 20            # the largest zstd window a shard streamed from a bundle may need (level 19's)
 
@@ -91,7 +89,8 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
     rewrites the same files, so it is idempotent.
     """
     if not held_whole(index, shard):
-        return _extract_streamed(bundle, index, shard, dest, verify)
+        from .streamed import extract_streamed      # it builds on this module
+        return extract_streamed(bundle, index, shard, dest, verify)
     compressed = bundle.read_shard(shard)
     if verify and content_hash(compressed) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
@@ -131,7 +130,7 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
         write_file(root + index.paths[i], content, index.modes[i], index.mtimes[i], umask)
         files, nbytes = files + 1, nbytes + size
     if bad:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, _REFETCH, bad)
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, REFETCH_HINT, bad)
     return ShardOutcome(shard.number, files, nbytes)
 
 
@@ -152,7 +151,7 @@ def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: byt
                                    "remove it or unpack into an empty destination") from None
         raise destination_error(OSError(number, os.strerror(number)), path) from None
     if bad:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, _REFETCH,
+        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", source, REFETCH_HINT,
                                  [os.fsdecode(part.paths[i]) for i in bad])
     return ShardOutcome(shard.number, files, nbytes)
 
@@ -162,7 +161,7 @@ def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard
     first_bad = engine.check_members(data, native.entry_columns(part), native.raw(part.offsets),
                                      native.raw(part.data_offsets))
     if first_bad is not None:       # len(part): the bytes after the last entry
-        raise _members_differ(source, index, shard, shard.first_entry + min(first_bad, len(part) - 1))
+        raise members_differ(source, index, shard, shard.first_entry + min(first_bad, len(part) - 1))
 
 
 def is_streamed(index: Index, shard: Shard) -> bool:
@@ -175,46 +174,6 @@ def held_whole(index: Index, shard: Shard) -> bool:
     """True when unpack and verify hold ``shard`` in memory (compressed and decoded, at most HOLD_LIMIT bytes
     together); any other shard, a one-file shard or one cut at a large ``--shard-size``, is read as a stream."""
     return not is_streamed(index, shard) and shard.length + shard.raw_size <= HOLD_LIMIT
-
-
-def _extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
-    """extract_shard for a shard not held whole: hashed first, then decoded once, member by member, each file
-    written in chunks into DEST/.pallet/writing and hashed as written, then renamed into place only when its
-    hash matches (a user's file is never replaced by bytes that did not check)."""
-    if verify and hash_range(bundle.fd, shard) != shard.hash:
-        raise damaged_shard(bundle.path, index, shard)
-    reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length), SHARD_WINDOW)
-    with writing_directory(dest) as writing:
-        return _extract_members(reader, bundle, index, shard, dest, writing, verify)
-
-
-def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
-                     verify: bool) -> ShardOutcome:
-    """The members of ``shard`` from the stream ``reader``, for :func:`_extract_streamed`."""
-    position, files, nbytes, bad = 0, 0, 0, []
-    for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
-        header = entry_header_bytes(index, i)       # its size, not the index's offsets, says how much to read
-        if index.offsets[i] != position or index.data_offsets[i] != position + len(header) or \
-                (read_up_to(reader, len(header)) != header and verify):
-            raise _members_differ(bundle.path, index, shard, i)
-        position = index.data_offsets[i]
-        if index.kinds[i] != Kind.FILE:
-            continue
-        size, pad = index.sizes[i], padding(index.sizes[i])
-        written = write_streamed_file(reader, index, i, dest, writing, shard.number, bundle.path)
-        if verify and written.digest != index.hashes[i * 16:i * 16 + 16]:
-            written.discard()
-            bad.append(os.fsdecode(index.paths[i]))
-        else:
-            written.commit()
-            files, nbytes = files + 1, nbytes + size
-        read_up_to(reader, pad)                     # as when held whole, padding bytes are the shard hash's
-        position += size + pad
-    if verify and read_up_to(reader, len(END_OF_ARCHIVE) + 1) not in (b"", END_OF_ARCHIVE):
-        raise _members_differ(bundle.path, index, shard, shard.first_entry + shard.entry_count - 1)
-    if bad:
-        raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, _REFETCH, bad)
-    return ShardOutcome(shard.number, files, nbytes)
 
 
 def check_members(data: memoryview, index: Index, shard: Shard, source: str | None) -> None:
@@ -234,10 +193,10 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
         start, data_start, size = offsets[i], data_offsets[i], sizes[i]
         if kinds[i] > Kind.HARDLINK or start != position or data[start:data_start] != member_header(paths[i], kinds[i], modes[i], mtimes[i],
                                                                         size, links[i]):
-            raise _members_differ(source, index, shard, i)
+            raise members_differ(source, index, shard, i)
         position = data_start + (size + -size % BLOCK if kinds[i] == Kind.FILE else 0)
     if position > len(data) or not _only_end_zeros(data[position:], 0):
-        raise _members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
+        raise members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
 
 
 def entry_header_bytes(index: Index, i: int) -> bytes:
@@ -251,99 +210,13 @@ def _only_end_zeros(rest, pad: int) -> bool:
     return len(rest) in (pad, pad + len(END_OF_ARCHIVE)) and not any(rest)
 
 
-def _members_differ(source: str | None, index: Index, shard: Shard, i: int) -> CorruptBundleError:
+def members_differ(source: str | None, index: Index, shard: Shard, i: int) -> CorruptBundleError:
     if not 0 <= i < len(index):         # a shard of no entries holds more than the end-of-archive blocks
         return CorruptBundleError(f"shard {shard.number}: holds tar members the index does not list", source,
-                                  _REFETCH)
+                                  REFETCH_HINT)
     return CorruptBundleError(f"shard {shard.number}: its tar members do not match the index at "
                               f"{os.fsdecode(index.paths[i])!r} (a member added, missing or altered)", source,
-                              _REFETCH, [os.fsdecode(index.paths[i])])
-
-
-@dataclass(frozen=True)
-class StreamedFile:
-    """A file written from a stream into DEST/.pallet/writing (``writing``: that directory's descriptor) under
-    ``temp``, with its mode and mtime, and not yet in place: ``digest`` is its content hash. :meth:`commit`
-    renames it to ``path``, replacing what is there (never writing through it); :meth:`discard` removes it."""
-
-    writing: int
-    temp: str
-    path: bytes
-    digest: bytes
-
-    def commit(self) -> None:
-        try:
-            os.replace(self.temp, self.path, src_dir_fd=self.writing)
-        except IsADirectoryError:
-            raise DestinationError("is a directory in the destination, but a file in the bundle",
-                                   os.fsdecode(self.path), "remove it or unpack into an empty destination") from None
-        except OSError as exc:
-            raise destination_error(exc, self.path) from None
-
-    def discard(self) -> None:
-        try:
-            os.unlink(self.temp, dir_fd=self.writing)
-        except FileNotFoundError:
-            pass
-
-
-@contextmanager
-def writing_directory(dest: str) -> Iterator[int]:
-    """DEST/.pallet/writing as a descriptor, for the block (made if needed, reached without following links)."""
-    from .state_fd import open_private_dir, state_dir_fd      # state_fd imports this module
-    with state_dir_fd(dest) as state:
-        writing = open_private_dir(WRITING_DIR, state, os.path.join(dest, STATE_DIR, WRITING_DIR))
-    try:
-        yield writing
-    finally:
-        os.close(writing)
-
-
-def write_streamed_file(reader, index: Index, i: int, dest: str, writing: int, shard_number: int,
-                        source: str | None) -> StreamedFile:
-    """Write file entry ``i`` from ``reader`` into the ``writing`` directory (see :func:`writing_directory`)
-    and return it, hashed, with its mode and mtime, for the caller to check and then commit or discard.
-
-    ``reader`` yields decompressed tar bytes and must stand at the entry's
-    data; exactly its size is read, in chunks of at most 8 MiB, so a file of
-    any size passes through bounded memory. Raises CorruptBundleError naming
-    ``source`` and shard ``shard_number`` if the data ends early (nothing is
-    left in place of the user's file then).
-    """
-    temp = f"shard-{shard_number}-entry-{i}"
-    path, size = os.path.join(os.fsencode(dest), index.paths[i]), index.sizes[i]
-    hasher = new_hasher()
-    fd = _create_in(writing, temp, path)
-    try:
-        remaining = size
-        while remaining:
-            chunk = reader.read(min(_STREAM_CHUNK, remaining))
-            if not chunk:
-                raise CorruptBundleError(f"shard {shard_number} ends early", source, _REFETCH,
-                                         [os.fsdecode(index.paths[i])])
-            hasher.update(chunk)
-            _write_all(fd, chunk, path)
-            remaining -= len(chunk)
-        os.fchmod(fd, safe_mode(index.modes[i]))
-        os.utime(fd, ns=(index.mtimes[i], index.mtimes[i]))
-    except BaseException:
-        os.close(fd)
-        StreamedFile(writing, temp, path, b"").discard()
-        raise
-    os.close(fd)
-    return StreamedFile(writing, temp, path, hasher.digest())
-
-
-def _create_in(directory: int, name: str, shown: bytes) -> int:
-    """A new, empty file ``name`` in ``directory`` (a stale one of an earlier run is replaced)."""
-    try:
-        try:
-            return os.open(name, _OPEN_FLAGS, 0o600, dir_fd=directory)
-        except FileExistsError:
-            os.unlink(name, dir_fd=directory)
-            return os.open(name, _OPEN_FLAGS, 0o600, dir_fd=directory)
-    except OSError as exc:
-        raise destination_error(exc, shown) from None
+                              REFETCH_HINT, [os.fsdecode(index.paths[i])])
 
 
 def finish_tree(index: Index, dest: str) -> None:
@@ -376,13 +249,13 @@ def create_file(path: bytes, mode: int = 0o600) -> int:
     may lead outside the destination) is unlinked first, never written through.
     """
     try:
-        return os.open(path, _OPEN_FLAGS, mode)
+        return os.open(path, NEW_FILE_FLAGS, mode)
     except FileExistsError:
         remove_stale(path)
     except OSError as exc:
         raise destination_error(exc, path) from None
     try:
-        return os.open(path, _OPEN_FLAGS, mode)
+        return os.open(path, NEW_FILE_FLAGS, mode)
     except OSError as exc:
         raise destination_error(exc, path) from None
 
@@ -397,7 +270,7 @@ def write_file(path: bytes, content: memoryview, mode: int, mtime_ns: int, umask
     direct = umask is not None and not wanted & umask
     fd = create_file(path, wanted if direct else 0o600)
     try:
-        _write_all(fd, content, path)
+        write_all(fd, content, path)
         if not direct:
             os.fchmod(fd, wanted)
         os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -417,7 +290,7 @@ def write_chunks(path: bytes, chunks: Iterator[bytes], mode: int, mtime_ns: int)
     written = 0
     try:
         for chunk in chunks:
-            _write_all(fd, chunk, path)
+            write_all(fd, chunk, path)
             written += len(chunk)
         os.fchmod(fd, safe_mode(mode))
         os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -438,7 +311,7 @@ def current_umask() -> int | None:
     return None
 
 
-def _write_all(fd: int, content, path: bytes) -> None:
+def write_all(fd: int, content, path: bytes) -> None:
     view = memoryview(content)
     try:
         while view:
@@ -476,7 +349,7 @@ def hash_range(source: int | ByteSource, shard: Shard) -> bytes:
     """Content hash of a shard's compressed bytes in a file descriptor or a ByteSource, read in chunks."""
     hasher, done = new_hasher(), 0
     while done < shard.length:
-        chunk = pread_from(source, min(_STREAM_CHUNK, shard.length - done), shard.offset + done)
+        chunk = pread_from(source, min(STREAM_CHUNK, shard.length - done), shard.offset + done)
         if not chunk:
             break
         hasher.update(chunk)
@@ -502,7 +375,7 @@ def damaged_shard(source: str | None, index: Index, shard: Shard) -> CorruptBund
     names = [os.fsdecode(index.paths[i]) for i in range(shard.first_entry, shard.first_entry + shard.entry_count)
              if index.kinds[i] == Kind.FILE]
     return CorruptBundleError(f"shard {shard.number} is damaged (hash of its bytes does not match the index); "
-                              f"it holds {len(names)} file(s)", source, _REFETCH, names)
+                              f"it holds {len(names)} file(s)", source, REFETCH_HINT, names)
 
 
 def destination_error(exc: OSError, path: bytes) -> DestinationError:
@@ -514,4 +387,4 @@ def destination_error(exc: OSError, path: bytes) -> DestinationError:
     return DestinationError(f"cannot write ({exc.strerror})", name, "check the destination")
 
 
-_REFETCH = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
+REFETCH_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"

@@ -14,9 +14,9 @@ from typing import BinaryIO
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, PalletError, StreamError
 from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
-                             make_directories, prepare_destination, write_streamed_file,
-                             writing_directory)
+                             make_directories, prepare_destination)
 from bundles.index import Shard, content_hash, new_hasher
+from bundles.streamed import write_streamed_file, writing_directory
 from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
