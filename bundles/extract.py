@@ -199,12 +199,6 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
         raise members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
 
 
-def entry_header_bytes(index: Index, i: int) -> bytes:
-    """The header block(s) pallet writes for entry ``i`` (pax, then ustar)."""
-    return member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i], index.sizes[i],
-                         index.links[i])
-
-
 def _only_end_zeros(rest, pad: int) -> bool:
     """True when ``rest`` is ``pad`` zero bytes, optionally followed by the end-of-archive blocks."""
     return len(rest) in (pad, pad + len(END_OF_ARCHIVE)) and not any(rest)

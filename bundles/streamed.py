@@ -8,11 +8,12 @@ from typing import Iterator
 
 from .errors import CorruptBundleError, DestinationError
 from .extract import (NEW_FILE_FLAGS, REFETCH_HINT, STREAM_CHUNK, SHARD_WINDOW, RangeReader, ShardOutcome, write_all,
-                      damaged_shard, destination_error, entry_header_bytes, hash_range, members_differ, read_up_to)
+                      damaged_shard, destination_error, hash_range, members_differ, read_up_to)
 from .index import Index, Shard, new_hasher
 from .reader import Bundle
 from .reserved import STATE_DIR, WRITING_DIR
 from .safety import safe_mode
+from .shards import entry_header
 from .tarformat import END_OF_ARCHIVE, Kind, padding
 from .state_fd import open_private_dir, state_dir_fd
 
@@ -115,10 +116,10 @@ def extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, veri
 
 def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
                      verify: bool) -> ShardOutcome:
-    """The members of ``shard`` from the stream ``reader``, for :func:`_extract_streamed`."""
+    """The members of ``shard`` from the stream ``reader``, for :func:`extract_streamed`."""
     position, files, nbytes, bad = 0, 0, 0, []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
-        header = entry_header_bytes(index, i)       # its size, not the index's offsets, says how much to read
+        header = entry_header(index, i)       # its size, not the index's offsets, says how much to read
         if index.offsets[i] != position or index.data_offsets[i] != position + len(header) or \
                 (read_up_to(reader, len(header)) != header and verify):
             raise members_differ(bundle.path, index, shard, i)

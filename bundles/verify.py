@@ -13,7 +13,8 @@ from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
 from .reader import Bundle
 from .safety import safe_mode
-from .tarformat import END_OF_ARCHIVE, Kind, member_header
+from .shards import entry_header
+from .tarformat import END_OF_ARCHIVE, Kind
 from .state import STATE_DIR
 from .unpack import shard_cost
 
@@ -151,8 +152,7 @@ def _check_streamed_member(stream, index: Index, i: int, position: int, problems
     """Read entry ``i`` (header, data, padding, by the index's sizes) from ``stream``, which stands at
     ``position`` of the shard's tar bytes; note its problems; return the position after it, or -1 when the
     data ends early."""
-    entry = index.entry(i)
-    header = member_header(entry.path, entry.kind, entry.mode, entry.mtime_ns, entry.size, entry.link)
+    entry, header = index.entry(i), entry_header(index, i)
     if stream.read(len(header)) != header or entry.offset != position or entry.data_offset != position + len(header):
         problems.append(f"{entry.name}: tar header does not match the index")
     if entry.kind != Kind.FILE:

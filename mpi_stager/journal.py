@@ -5,7 +5,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from bundles.extract import destination_error
 from bundles.index import Index, content_hash
@@ -51,7 +51,7 @@ class Journal:
 
     def others(self, dest: str) -> list["Journal"]:
         """The other journals of its kind (streams' or bundles') DEST/.pallet holds: interrupted earlier runs.
-        None for a journal kept elsewhere (``--journal DIR``)."""
+        None of them for a journal kept elsewhere (``--journal DIR``)."""
         name = self.name_in(dest)
         if name is None:
             return []
@@ -64,8 +64,21 @@ class Journal:
         return [Journal(os.path.join(parent, other)) for other in sorted(names)
                 if other.startswith(kind) and other != name]
 
+    def take_over(self, dest: str, run: str, matching: Callable[["Journal"], dict[int, tuple[bytes, bytes]]]) -> None:
+        """Take over what one interrupted run of another bundle or stream (the source changed since) finished
+        at DEST: ``matching(other)`` gives that journal's records that answer for shards of this one (number
+        -> hash, key), and those this journal lacks become its records in ``run``. Then the other journals go.
+        Only a single other journal is trusted (each run takes over and removes its predecessor's); with more,
+        none is."""
+        others = self.others(dest)
+        if len(others) == 1:
+            own = self.recorded_shards()
+            self.adopt({n: record for n, record in matching(others[0]).items() if n not in own}, run)
+        for other in others:
+            other.remove(dest)
+
     def remove(self, dest: str) -> None:
-        """Remove this journal of a stream into ``dest`` (relative to DEST/.pallet's descriptor)."""
+        """Remove this journal, kept in ``dest``'s DEST/.pallet (relative to that directory's descriptor)."""
         try:
             with state_dir_fd(dest, create=False) as state:
                 remove_entry(state, os.path.basename(self.root))

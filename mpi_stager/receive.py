@@ -106,18 +106,13 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
 
 
 def adopt_other_streams(dest: str, skeleton: Skeleton, journal: Journal, run: str) -> None:
-    """Take over what an interrupted stream of other content (the source changed since) finished at DEST: its
-    records of shards that hold the same entries as shards of this stream (same key) become records of this
-    stream's ``journal``, so the sender skips those whose bytes are still the same. Then the other journals
-    go. Only a single other journal is trusted (each stream adopts and removes its predecessor's); with more,
-    none is."""
-    others = journal.others(dest)
-    if len(others) == 1 and (by_key := others[0].recorded_keys()):
-        own = journal.recorded_shards()
-        keys = ((plan.number, shard_key(skeleton.index, plan)) for plan in skeleton.plans if plan.number not in own)
-        journal.adopt({number: (by_key[key], key) for number, key in keys if key in by_key}, run)
-    for other in others:
-        other.remove(dest)
+    """Take over an interrupted stream's records (Journal.take_over) for the shards of this stream with the
+    same key (the same entries), so the sender skips those whose bytes are still the same."""
+    def matching(other: Journal) -> dict[int, tuple[bytes, bytes]]:
+        by_key = other.recorded_keys()
+        keys = ((plan.number, shard_key(skeleton.index, plan)) for plan in skeleton.plans) if by_key else ()
+        return {number: (by_key[key], key) for number, key in keys if key in by_key}
+    journal.take_over(dest, run, matching)
 
 
 def _read_skeleton(reader: FrameReader, source: str) -> Skeleton:

@@ -135,18 +135,12 @@ def _journal_line(journal: Journal) -> str:
 
 
 def adopt_other_bundles(dest: str, index: Index, journal: Journal, run: str) -> None:
-    """Take over what an interrupted unpack of another bundle (the source changed since) finished at DEST:
-    its records of shards whose hash is that of a shard of this bundle (the same bytes, so the same entries)
-    become this journal's records of that shard. Then the other journals go. Only a single other journal is
-    trusted (each unpack adopts and removes its predecessor's); with more, none is."""
-    others = journal.others(dest)
-    if len(others) == 1:
-        recorded = set(others[0].recorded_shards().values())
-        own = journal.recorded_shards()
-        journal.adopt({s.number: (s.hash, b"") for s in index.shards if s.hash in recorded and s.number not in own},
-                      run)
-    for other in others:
-        other.remove(dest)
+    """Take over an interrupted unpack's records (Journal.take_over) for the shards of this bundle with the
+    same hash: the same bytes, so the same entries."""
+    def matching(other: Journal) -> dict[int, tuple[bytes, bytes]]:
+        recorded = set(other.recorded_shards().values())
+        return {s.number: (s.hash, b"") for s in index.shards if s.hash in recorded}
+    journal.take_over(dest, run, matching)
 
 
 def _extract_assigned(comm, bundle, dest, journal, pending, run, options) -> RankReport:

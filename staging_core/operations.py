@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
-from bundles.state import drop_journals, remove_state
+from bundles.state import remove_state
 
 from .dry_run import pull_dry_run, push_dry_run
 from .inventory import Inventory
@@ -86,8 +86,6 @@ def _push_locked(full: SourceTree, dest: OpenDestination, progress: Progress | N
     else:
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
-        if planned.strategy == "individual" and endpoint.scheme == "file":
-            drop_journals(endpoint.path)        # its files would make an interrupted unpack's journal lie
         session = dest.session
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
         context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,

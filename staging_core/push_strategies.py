@@ -9,7 +9,7 @@ from typing import Callable
 
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree
-from bundles.state import ensure_state_dir
+from bundles.state import drop_journals, ensure_state_dir
 from bundles.writer import PackOptions, pack
 
 from .far_session import SessionStream
@@ -60,6 +60,8 @@ class IndividualPush(Strategy[PushContext]):
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt(route="individual")
+        if ctx.transport.scheme == "file":
+            drop_journals(ctx.endpoint.path)    # the files it writes would make an unfinished unpack's journal lie
         listed = None if ctx.include is None else [os.fsdecode(p) for p in ctx.paths]
         if listed is None and ctx.transport.scheme == "file":        # the scan's names: no second walk of SRC
             listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
