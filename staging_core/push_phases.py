@@ -115,10 +115,11 @@ def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
     return PushPlan(tree, include, inventory, paths, chosen, strategy, comparison)
 
 
-def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison | None, whole: bool) -> int:
-    """After the strategy: with ``--delete`` remove DEST entries the source lacks, give directories their
-    source times again, and clear DEST/.pallet after a whole-tree push (the lock is still held); return the
-    entries deleted."""
+def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison | None, whole: bool,
+                strategy: str = "bundle") -> int:
+    """After the strategy (``strategy``: the one that ran): with ``--delete`` remove DEST entries the source
+    lacks, give directories their source times again, and clear DEST/.pallet after a whole-tree push (the lock
+    is still held; a plain-tools session has cleared it itself); return the entries deleted."""
     deleted = 0
     if whole and dest.options.delete:
         comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full) or Comparison()
@@ -127,9 +128,29 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
     if comparison is not None:
         fix_directories(dest.session or dest.transport, dest.endpoint, full,
                         dirs_to_restore(full, comparison, whole and dest.options.delete))
-    if whole and not dest.options.keep_packed and not isinstance(dest.route, PlainRoute):
-        clear_state(dest)                   # a plain-tools session clears DEST/.pallet itself
+    plain_session = isinstance(dest.route, PlainRoute) and strategy != "individual"   # it cleared DEST/.pallet
+    if whole and not dest.options.keep_packed and not plain_session:
+        clear_state(dest)
     return deleted
+
+
+# $1 DEST: remove the journals in DEST/.pallet, entered only if it is a real directory (no link followed).
+_DROP_JOURNALS = r"""
+cd -- "$1" 2>/dev/null && [ -d .pallet ] && [ ! -L .pallet ] || exit 0
+here=$(pwd -P) && cd .pallet && [ "$(pwd -P)" = "${here%/}/.pallet" ] || exit 0
+rm -rf -- journal-* stream-*
+"""
+
+
+def drop_far_journals(dest: OpenDestination) -> None:
+    """Before files are written into a remote DEST one by one, remove the journals an interrupted unpack or
+    stream left there (bundles.state.untrusted_journals: a journal vouches for its files only until another
+    writer writes into DEST). Where nothing runs there (no ssh, no --unpack-via) there is no journal either."""
+    argv = ["sh", "-c", _DROP_JOURNALS, "pallet-drop-journals", dest.endpoint.path]
+    if dest.transport.capabilities.remote_exec:
+        dest.transport.run(argv)
+    elif dest.route is not None and not isinstance(dest.route, PlainRoute):
+        dest.route.run_there(argv)
 
 
 def clear_state(dest: OpenDestination) -> None:

@@ -125,6 +125,23 @@ def test_a_streamed_push_over_ssh_does_not_follow_a_planted_state_link(sshd, tmp
         done.stderr
 
 
+def test_an_individual_push_over_ssh_drops_no_journal_through_a_planted_state_link(sshd, tmp_path):
+    """DEST/.pallet planted as a link to a directory that looks like an interrupted run's state (a marker and
+    journals): the push's journal drop there does not follow it, and the files land."""
+    dest, sentinel = tmp_path / "dest", tmp_path / "sentinel"
+    dest.mkdir()
+    sentinel.mkdir()
+    for name in ("INCOMPLETE", "journal-1", "stream-2"):
+        (sentinel / name).write_text("not pallet's\n")
+    (dest / ".pallet").symlink_to(sentinel)
+    src = small_tree(tmp_path / "src")
+    done = run_pallet("push", "--strategy", "individual", *[f"--ssh-option={o}" for o in sshd.ssh_options],
+                      src, sshd.url(str(dest)))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert sorted(os.listdir(sentinel)) == ["INCOMPLETE", "journal-1", "stream-2"]
+    assert_same_tree(src, str(dest))
+
+
 # ---------------------------------------------------------------- the destination's lock
 
 def test_unpack_mpi_stager_and_receive_stop_on_a_locked_destination(tmp_path):

@@ -271,10 +271,12 @@ def test_an_unpack_of_a_changed_bundle_skips_the_shards_an_earlier_one_finished(
 
 
 @needs_mpi
-def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_path, sweep_mpi_segments):
-    """An unpack of A left unfinished (its journal kept), then an individual push of B into the same DEST that
-    writes B's bytes under A's names and fails on one file: the push dropped A's journal first, so a rerun
-    of A's unpack trusts no record, and DEST ends as A's tree."""
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_path, sweep_mpi_segments, where,
+                                                                           request):
+    """An unpack of A left unfinished (its journal kept), then an individual push of B into the same DEST (as a
+    local path, or over ssh) that writes B's bytes under A's names and fails on one file: the push dropped
+    A's journal first, so a rerun of A's unpack trusts no record, and DEST ends as A's tree."""
     src_a = make_tiny_files(tmp_path / "a", 600, per_dir=50)
     src_b = make_tiny_files(tmp_path / "b", 600, per_dir=50)
     for path in (tmp_path / "b").rglob("*.csv"):
@@ -285,10 +287,15 @@ def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_pa
     assert stager(0, "--keep-journal", str(bundle), str(dest)).returncode == 0
     assert list((dest / ".pallet").glob("journal-*"))
     (dest / "zz" / "x").mkdir(parents=True)
+    target, ssh = str(dest), []
+    if where == "ssh":
+        sshd = request.getfixturevalue("sshd")
+        target, ssh = sshd.url(str(dest)), [f"--ssh-option={o}" for o in sshd.ssh_options]
     pushed = subprocess.run([program("pallet"), "push", "--quiet", "--retries", "0", "--strategy", "individual",
-                             src_b, str(dest)], env=user_env(), capture_output=True, text=True,
+                             *ssh, src_b, target], env=user_env(), capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
     assert pushed.returncode != 0 and (dest / "d0000" / "f000000.csv").read_text().startswith("other")
+    assert "Traceback" not in pushed.stderr and (dest / ".pallet" / "INCOMPLETE").exists()
     assert not list((dest / ".pallet").glob("journal-*"))
     shutil.rmtree(dest / "zz")
     again = stager(0, "--json", str(bundle), str(dest))
