@@ -13,12 +13,14 @@ import zstandard
 from .codecs import get_codec
 from .errors import PalletError, StreamError
 from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_size_limit, little_endian
-from .shards import BuiltShard, ShardPlan
+from .shards import MAX_AUTO_SHARD, BuiltShard, ShardPlan
 from .tarformat import BLOCK, Kind, padding
 
 STREAM_VERSION = 1
 SKELETON_COLUMNS = ["path", "kind", "mode", "mtime_ns", "size", "link", "link_group"]
 DATA_CHUNK = 4 << 20                     # largest DATA frame payload
+MAX_STREAMED_SHARD_SIZE = MAX_AUTO_SHARD  # the largest --shard-size a stream carries (beyond: store and forward)
+HELD_RAW_LIMIT = 1 << 30                 # a shard sent whole (one SHARD frame) may decode to at most this
 _PRELUDE = struct.Struct("<8sI")         # magic, version
 _MAGIC = b"PALLETST"
 _FRAME = struct.Struct("<B3xIQ")         # kind, shard number, payload length
@@ -257,11 +259,19 @@ class FrameReader:
         return data
 
 
-def frame_limit(skeleton: Skeleton) -> int:
-    """The largest SHARD or SKIP payload the skeleton's plan allows."""
-    index = skeleton.index
-    return max(_SHARD_HEAD.size + p.count * (HASH_SIZE + 16) + compressed_bound(raw_bound(index, p))
-               for p in skeleton.plans)
+def frame_limit(skeleton: Skeleton, source: str | None) -> int:
+    """The largest SHARD or SKIP payload the skeleton's plan allows. A receiver holds a shard sent whole, so
+    a plan whose shard sent whole could decode to more than HELD_RAW_LIMIT is refused (StreamError): no
+    sender with a --shard-size up to MAX_STREAMED_SHARD_SIZE makes one (docs/bundle-format.md §7)."""
+    index, largest = skeleton.index, 0
+    for plan in skeleton.plans:
+        bound = raw_bound(index, plan)
+        if bound > HELD_RAW_LIMIT and not plan.big:
+            raise StreamError(f"shard {plan.number} could decode to {bound} bytes, more than a receiver holds "
+                              f"({HELD_RAW_LIMIT >> 20} MiB)", source,
+                              f"push with --shard-size {MAX_STREAMED_SHARD_SIZE >> 20}M or less, or --stream off")
+        largest = max(largest, _SHARD_HEAD.size + plan.count * (HASH_SIZE + 16) + compressed_bound(bound))
+    return largest
 
 
 def _stream_id(blob) -> str:

@@ -47,7 +47,9 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
     """Unpack the bundle stream read from ``inp`` into ``dest`` and return a summary.
 
     The skeleton is checked against the extraction rules before anything is
-    written (UnsafeMemberError names every refused entry). Then ``dest``
+    written (UnsafeMemberError names every refused entry), and so is its
+    plan (StreamError for a shard sent whole that could decode to more than
+    HELD_RAW_LIMIT). Then ``dest``
     gets ``.pallet/INCOMPLETE``, one JSON line goes to ``out`` —
     ``{"stream": ID, "done": {"N": "HASH", ...}}``, the shards the journal
     DEST/.pallet/stream-ID lists as finished, which the sender may skip —
@@ -71,6 +73,7 @@ def receive(inp: BinaryIO, out: BinaryIO, dest: str, verify: bool = True, lock_h
     source = f"stream to {dest}"
     reader, skeleton = opened or read_skeleton(inp, source)
     check_index(skeleton.index, source)
+    reader.shard_limit = frame_limit(skeleton, source)      # a plan it would not hold is refused here too
     prepare_destination(dest)
     with holding_lock(dest, lock_held):
         return _receive_into(reader, out, dest, skeleton, verify, source, started, progress or NoProgress(),
@@ -88,7 +91,6 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
     receiver = _Receiver(skeleton, dest, verify, journal, source, progress, run)
     _reply(out, skeleton, receiver.recorded)
     make_directories(skeleton.index, dest)
-    reader.shard_limit = frame_limit(skeleton)
     progress.start("receive", sum(1 for kind in skeleton.index.kinds if kind == Kind.FILE), sum(skeleton.index.sizes))
     try:
         with _ReadAhead(reader, ends_at_index) as frames, \

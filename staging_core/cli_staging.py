@@ -178,7 +178,8 @@ def _staging_options(p: argparse.ArgumentParser, lacks: str, rerun: str, listed:
     plan.add_argument("--codec", choices=("zstd", "gzip", "none"),
                       help="bundle codec (default: the plan's for push, zstd for pull)")
     plan.add_argument("--shard-size", type=size_arg, metavar="SIZE",
-                      help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB)")
+                      help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB; "
+                           "above 64M the bundle is stored and forwarded, not streamed)")
     plan.add_argument("--large-file", type=size_arg, default=LARGE_FILE_BYTES, metavar="SIZE",
                       help="hybrid: files at least this big travel individually (default 64M)")
     plan.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")

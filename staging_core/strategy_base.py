@@ -8,6 +8,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from bundles.errors import UsageError
 from bundles.progress import Progress
+from bundles.stream import MAX_STREAMED_SHARD_SIZE
 
 from .options import StagingOptions
 from .transports.base import Direction, Endpoint, Transport, TransferResult
@@ -92,8 +93,12 @@ def resolve_strategy(chosen, options: StagingOptions, route, endpoint: Endpoint)
 
 
 def streams_where(capable: bool, options: StagingOptions, why_not: str, needs: str = "") -> bool:
-    """Whether ``options.stream`` (auto, on, off) streams where ``capable`` says it can; UsageError for 'on'
-    where it cannot."""
+    """Whether ``options.stream`` (auto, on, off) streams where ``capable`` says it can, and ``--shard-size``
+    allows (a receiver holds each shard sent whole, so shards above MAX_STREAMED_SHARD_SIZE are stored and
+    forwarded); UsageError for 'on' where it cannot."""
+    if options.shard_size and options.shard_size > MAX_STREAMED_SHARD_SIZE:
+        capable, why_not = False, f"a --shard-size above {MAX_STREAMED_SHARD_SIZE >> 20}M is not streamed"
+        needs = f", or --shard-size {MAX_STREAMED_SHARD_SIZE >> 20}M or less"
     if options.stream == "on" and not capable:
         raise UsageError(f"--stream on: {why_not}", hint=f"use --stream auto or off{needs}")
     return capable and options.stream != "off"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,40 @@ def test_a_stream_with_a_reserved_member_is_refused_before_writing(tmp_path):
                           input=out.getvalue(), env=user_env(), capture_output=True, cwd=tmp_path)
     assert done.returncode == 1 and b"reserved" in done.stderr and b"'.pallet'" in done.stderr, done.stderr
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_stream_whose_shard_sent_whole_would_exceed_the_hold_limit_is_refused_before_writing(tmp_path):
+    """A skeleton planning two 600 MiB files into one shard sent whole: the receiver would have to hold
+    1.2 GiB of it, so it refuses the plan in one line, before DEST is made, whatever bytes might follow."""
+    index = Index("zstd", 3, 4 << 30, paths=[b"a", b"b"], kinds=array("B", [Kind.FILE] * 2),
+                  modes=array("I", [0o644] * 2), mtimes=array("q", [0] * 2), sizes=array("Q", [600 << 20] * 2),
+                  links=[b""] * 2, link_groups=array("q", [-1] * 2))
+    plans = plan_shards(index, 4 << 30)
+    assert [(p.count, p.big) for p in plans] == [(2, False)]
+    out = io.BytesIO()
+    wire = FrameWriter(out)
+    wire.prelude()
+    wire.frame(FrameKind.SKELETON, 0, encode_skeleton(index, plans)[0])
+    done = subprocess.run([*python_module("mpi_stager"), "receive", "--json", str(tmp_path / "dest")],
+                          input=out.getvalue(), env=user_env(), capture_output=True, cwd=tmp_path)
+    assert done.returncode == 1 and b"more than a receiver holds" in done.stderr, done.stderr
+    assert b"Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_shard_size_above_what_a_stream_carries_is_stored_and_forwarded(sshd, tmp_path):
+    """--shard-size beyond MAX_STREAMED_SHARD_SIZE: --stream on is a usage error naming the limit, and the
+    default pushes the bundle stored and forwarded, with a strictly equal tree."""
+    src = small_tree(tmp_path / "src")
+    ssh = ["--remote-python", sys.executable, *[f"--ssh-option={o}" for o in sshd.ssh_options]]
+    refused = run_pallet("push", "--strategy", "bundle", "--shard-size", "128M", "--stream", "on", *ssh,
+                         src, sshd.url(str(tmp_path / "dest")))
+    assert refused.returncode == 2 and "--shard-size above 64M" in refused.stderr, refused.stderr
+    pushed = run_pallet("push", "--json", "--strategy", "bundle", "--shard-size", "128M", *ssh,
+                        src, sshd.url(str(tmp_path / "dest")))
+    assert pushed.returncode == 0, pushed.stderr
+    assert "stream" not in json.loads(pushed.stdout.strip().splitlines()[-1])["route"]
+    assert_same_tree(src, str(tmp_path / "dest"))
 
 
 # ---------------------------------------------------------------- a link planted at DEST/.pallet
