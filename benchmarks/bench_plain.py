@@ -28,22 +28,48 @@ def far_side_without_pallet(work: Path):
     return start_sshd(work / "sshd", (f"SetEnv HOME={home}",))
 
 
+STREAM = "tar | zstd | ssh | zstd -d | tar x"
+FLOOR = "the same, ns mtimes, md5sum -c there"
+# The verified floor: the hand-made stream with what the plain route must add that is not pallet's own work:
+# nanosecond mtimes (pax headers, as pallet's bundles carry them) and an md5sum of every file at the far side,
+# checked against a list made before the clock starts. No verified route can take less on this machine.
+POSIX_TAR = "tar --format=posix --pax-option=delete=atime,delete=ctime"
+
+
 def methods(sshd, python: str) -> dict[str, list[str] | None]:
-    """Each method's command, with DEST and SRC filled in by :func:`command`; None marks the shell pipeline."""
+    """Each method's command, with DEST and SRC filled in by :func:`command`; None marks a shell pipeline."""
     options = [f"--ssh-option={o}" for o in sshd.ssh_options]
     pallet = [str(Path(python).parent / "pallet"), "push", "--quiet", "--json", "--strategy", "bundle", *options]
-    return {"tar | zstd | ssh | zstd -d | tar x": None,
+    return {STREAM: None,
+            FLOOR: None,
             "pallet push, plain tools (verified)": pallet,
             "pallet push, pallet there": [*pallet, "--remote-python", python],
             "rsync -a over ssh": ["rsync", "-a", "-e", shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options])]}
 
 
-def run_one(name: str, argv: list[str] | None, sshd, src: Path, dest: Path) -> tuple[float, dict]:
+def md5_list(src: Path, listing: Path) -> Path:
+    """md5sum's lines for every file of ``src`` (relative ``./`` names), for the verified floor's check."""
+    names = subprocess.run(["find", ".", "-type", "f", "-print0"], cwd=src, capture_output=True, check=True).stdout
+    listing.write_bytes(subprocess.run(["xargs", "-0", "md5sum", "--"], cwd=src, input=names, capture_output=True,
+                                       check=True).stdout)
+    return listing
+
+
+def pipeline(sshd, src: Path, dest: Path, checked: Path | None) -> list[str]:
+    """The hand-made stream into ``dest`` (with ``checked``: the verified floor, checked against that list)."""
+    q = shlex.quote
+    remote = f"mkdir -p {q(str(dest))} && zstd -dcq | tar -xf - -C {q(str(dest))}"
+    if checked is not None:
+        remote += f" && cd {q(str(dest))} && md5sum --quiet --strict -c {q(str(checked))}"
+    ssh = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options, f"{sshd.user}@127.0.0.1", remote])
+    tar = "tar" if checked is None else POSIX_TAR
+    return ["bash", "-o", "pipefail", "-c", f"{tar} -cf - -C {q(str(src))} . | zstd -q -T0 -c | {ssh}"]
+
+
+def run_one(name: str, argv: list[str] | None, sshd, src: Path, dest: Path,
+            checked: Path | None = None) -> tuple[float, dict]:
     if argv is None:
-        remote = f"mkdir -p {shlex.quote(str(dest))} && zstd -dcq | tar -xf - -C {shlex.quote(str(dest))}"
-        ssh = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options, f"{sshd.user}@127.0.0.1", remote])
-        pipeline = f"tar -cf - -C {shlex.quote(str(src))} . | zstd -q -T0 -c | {ssh}"
-        argv = ["bash", "-o", "pipefail", "-c", pipeline]
+        argv = pipeline(sshd, src, dest, checked if name == FLOOR else None)
     elif argv[0] == "rsync":
         argv = [*argv, f"{src}/", f"{sshd.user}@127.0.0.1:{dest}/"]
     else:
@@ -69,14 +95,15 @@ def main() -> int:
     work = args.workdir / "plain-runs"
     shutil.rmtree(work, ignore_errors=True)
     sshd = far_side_without_pallet(work)
+    checked = md5_list(src, work / "w1.md5")
     results: dict[str, list[float]] = {}
     routes: dict[str, str] = {}
     try:
         for repeat in range(args.repeat):
             for number, (name, argv) in enumerate(methods(sshd, sys.executable).items()):
                 dest = (args.dest_root or work) / f"pallet-plain-dest-{repeat}-{number}"
-                seconds, summary = run_one(name, argv, sshd, src, dest)
-                if snapshot(dest) != expected and not name.startswith("tar"):
+                seconds, summary = run_one(name, argv, sshd, src, dest, checked)
+                if snapshot(dest) != expected and argv is not None:
                     raise SystemExit(f"{name}: the destination differs from the source")
                 results.setdefault(name, []).append(seconds)
                 routes[name] = summary.get("route", "")
@@ -86,15 +113,19 @@ def main() -> int:
     finally:
         sshd.stop()
     medians = {name: statistics.median(times) for name, times in results.items()}
-    stream = medians["tar | zstd | ssh | zstd -d | tar x"]
+    stream = medians[STREAM]
     print(f"W1 {files:,} x 1 KiB over ssh loopback, medians of {args.repeat}:")
     for name, median in medians.items():
         print(f"  {name:<40} {median:7.2f} s   {median / stream:5.2f}x the stream")
     plain_ratio = medians["pallet push, plain tools (verified)"] / stream
+    floor_ratio = medians[FLOOR] / stream
     print(f"plain tools / stream: {plain_ratio:.2f}x (target <= {TARGET}x: {'PASS' if plain_ratio <= TARGET else 'MISS'})")
+    print(f"verified floor / stream: {floor_ratio:.2f}x; plain tools / verified floor: "
+          f"{medians['pallet push, plain tools (verified)'] / medians[FLOOR]:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"files": files, "runs": results, "medians": medians,
-                                               "routes": routes, "plain_over_stream": plain_ratio}, indent=2))
+                                               "routes": routes, "plain_over_stream": plain_ratio,
+                                               "floor_over_stream": floor_ratio}, indent=2))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+from binascii import unhexlify
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -103,12 +104,14 @@ def tree_files(tree: SourceTree) -> set[bytes]:
 
 def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
     """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt."""
-    index, same = tree.index, []
+    index, same, entries = tree.index, [], far.entries
+    if not entries:
+        return same
+    kinds, mtimes, modes = index.kinds, index.mtimes, index.modes
     for i, path in enumerate(index.paths):
-        there = far.entries.get(path)
-        if index.kinds[i] in (Kind.FILE, Kind.HARDLINK) and there is not None and there.kind == "f" \
-                and (there.size, there.mtime_ns, there.mode) == (_size(index, i), index.mtimes[i],
-                                                                 index.modes[i] & 0o7777):
+        there = entries.get(path)
+        if there is not None and there.kind == "f" and kinds[i] in _FILE_KINDS \
+                and (there.size, there.mtime_ns, there.mode) == (_size(index, i), mtimes[i], modes[i] & 0o7777):
             same.append(path)
     return same
 
@@ -139,38 +142,46 @@ def parse_md5_lines(text: bytes) -> dict[bytes, bytes]:
     """Relative path -> digest, from md5sum's lines for ``./name`` arguments."""
     digests = {}
     for line in text.splitlines():
-        digest, name = _md5_line(line)
-        digests[name.removeprefix(b"./")] = digest
+        if line[32:36] == b"  ./" and not line.startswith(b"\\"):     # the usual line: DIGEST  ./NAME
+            digests[line[36:]] = unhexlify(line[:32])
+        else:
+            digest, name = _md5_line(line)
+            digests[name.removeprefix(b"./")] = digest
     return digests
 
 
 def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, checked: set[bytes]) -> list[bytes]:
     """Source entries the far tree lacks or holds otherwise (content compared for ``checked`` files only; a
     directory differs in mode or mtime)."""
-    index, wanted = tree.index, []
+    index, entries = tree.index, far.entries
+    if not entries:
+        return list(index.paths)
+    wanted, kinds, mtimes, modes = [], index.kinds, index.mtimes, index.modes
     for i, path in enumerate(index.paths):
-        there = far.entries.get(path)
-        kind = Kind(index.kinds[i])
+        there = entries.get(path)
+        kind = kinds[i]
         if there is None or there.kind != _FIND_KIND[kind]:
             wanted.append(path)
         elif kind == Kind.SYMLINK:
             if there.target != index.links[i]:
                 wanted.append(path)
         elif kind == Kind.DIR:
-            if there.mode != index.modes[i] & 0o7777 or there.mtime_ns != index.mtimes[i]:
+            if there.mode != modes[i] & 0o7777 or there.mtime_ns != mtimes[i]:
                 wanted.append(path)
-        elif (there.size != _size(index, i) or there.mtime_ns != index.mtimes[i]
-                                   or there.mode != index.modes[i] & 0o7777
-                                   or (path in checked and far.md5.get(path) != local_md5.get(path))):
+        elif (there.size != _size(index, i) or there.mtime_ns != mtimes[i] or there.mode != modes[i] & 0o7777
+              or (path in checked and far.md5.get(path) != local_md5.get(path))):
             wanted.append(path)
     return wanted
 
 
-_FIND_KIND = {Kind.FILE: "f", Kind.HARDLINK: "f", Kind.DIR: "d", Kind.SYMLINK: "l"}
+_FIND_KIND = {Kind.FILE: "f", Kind.HARDLINK: "f", Kind.DIR: "d", Kind.SYMLINK: "l"}   # by kind code (ints hash alike)
+_FILE_KINDS = frozenset((Kind.FILE, Kind.HARDLINK))
 
 
 def hash_local_files(tree: SourceTree, jobs: int, wanted: set[bytes]) -> dict[bytes, bytes]:
     """md5 of the ``wanted`` files of ``tree`` (a hard link shares its group's), hashed by ``jobs`` workers."""
+    if not wanted:
+        return {}
     index = tree.index
     first = {index.paths[i]: (index.paths[index.link_groups[i]] if index.kinds[i] == Kind.HARDLINK else index.paths[i])
              for i in range(len(index)) if index.paths[i] in wanted}
@@ -243,6 +254,8 @@ def shown_names(paths: list[bytes]) -> str:
 def with_link_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
     """``wanted`` plus every member of the hard-link groups it touches (tar links them only together)."""
     index, chosen = tree.index, set(wanted)
+    if Kind.HARDLINK not in index.kinds:
+        return chosen
     groups = {index.link_groups[i] if index.kinds[i] == Kind.HARDLINK else i
               for i, path in enumerate(index.paths) if path in chosen}
     for i in range(len(index)):

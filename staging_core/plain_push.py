@@ -108,35 +108,42 @@ def _send(session: FarSession, tree: SourceTree, route: PlainRoute, items: froze
     root = os.fsdecode(tree.root)
     selected = tree if len(items) == len(tree.index) else scan(root, route.codec, 0, include=items)
     source = prepare_source(root, route.codec, jobs, tree=selected)
-    index, sent, runs = selected.index, SentShards(), _TarBatches(session)
+    index, sent = selected.index, SentShards()
+    runs = _TarBatches(session, sum(index.sizes) + 1024 * len(index))
+    digests = _ShardDigests(index, sent.md5)
     dir_modes = _writable_dirs(index)
     progress.start("stream", len(index), sum(index.sizes))
     try:
         for plan, built in iter_shards(source.tree, source.plans, source.codec, source.jobs, runs.open_big,
                                        md5=True):
-            sent.bytes += runs.add(plan, built, _record_md5(index, plan, built, sent.md5))
+            sent.bytes += runs.add(plan, built, digests.record(plan, built))
             progress.advance(plan.count, built.file_bytes)
     finally:
         for i, mode in dir_modes.items():
             index.modes[i] = mode
         progress.finish()
     sent.bytes += _send_directories(session, index, source.codec)
-    for i in range(len(index)):
-        if index.kinds[i] == Kind.HARDLINK:
-            sent.md5[index.paths[i]] = sent.md5[index.paths[index.link_groups[i]]]
+    if Kind.HARDLINK in index.kinds:
+        paths, kinds, groups = index.paths, index.kinds, index.link_groups
+        for i in range(len(index)):
+            if kinds[i] == Kind.HARDLINK:
+                sent.md5[paths[i]] = sent.md5[paths[groups[i]]]
     return sent
 
 
 class _TarBatches:
     """Consecutive shards grouped into far-side tar runs of about :data:`TAR_RUN_BYTES`; each run's files are
-    queued for checking when it ends. A big shard's compressor output is relayed into the open run."""
+    queued for checking when it ends. Toward the end a run also ends once it holds as much as is left to send
+    (about ``total`` bytes in all), so the last runs halve and the check of the last, which nothing overlaps,
+    is short. A big shard's compressor output is relayed into the open run."""
 
-    def __init__(self, session: FarSession):
+    def __init__(self, session: FarSession, total: int):
         self.session = session
         self.frames: FrameWriter | None = None
         self.relay: RelaySink | None = None
         self.names: list[bytes] = []
         self.run_bytes = 0
+        self.left = total
 
     def open_big(self, plan) -> RelaySink:
         """iter_shards' sink for a big shard: relay the compressor's output into the open run."""
@@ -153,14 +160,15 @@ class _TarBatches:
             sent = len(built.compressed)
         self.names.extend(files)
         self.run_bytes += built.file_bytes + 1024 * plan.count
-        if self.run_bytes >= TAR_RUN_BYTES or plan.last:
+        self.left -= built.file_bytes + 1024 * plan.count
+        if self.run_bytes >= min(TAR_RUN_BYTES, self.left) or plan.last:
             self.end()
         return sent
 
     def end(self) -> None:
         """End the open run there and queue its files for checking."""
         if self.frames is not None:
-            self.session.end_shard(self.frames, b"".join(b"./" + path + b"\0" for path in self.names))
+            self.session.end_shard(self.frames, b"./" + b"\0./".join(self.names) + b"\0" if self.names else b"")
         self.frames, self.names, self.run_bytes = None, [], 0
 
     def _open(self) -> FrameWriter:
@@ -171,8 +179,8 @@ class _TarBatches:
 
 def _writable_dirs(index) -> dict[int, int]:
     """Make every directory of ``index`` owner-writable (later shards write into it); the modes it had."""
-    changed = {i: index.modes[i] for i in range(len(index))
-               if index.kinds[i] == Kind.DIR and index.modes[i] & OWNER_RWX != OWNER_RWX}
+    kinds, modes = index.kinds, index.modes
+    changed = {i: modes[i] for i in range(len(index)) if kinds[i] == Kind.DIR and modes[i] & OWNER_RWX != OWNER_RWX}
     for i in changed:
         index.modes[i] |= OWNER_RWX
     return changed
@@ -180,8 +188,9 @@ def _writable_dirs(index) -> dict[int, int]:
 
 def _send_directories(session: FarSession, index, codec) -> int:
     """One tar of ``index``'s directories alone, so the far tar sets their true modes and mtimes last."""
-    headers = b"".join(member_header(index.paths[i], Kind.DIR, index.modes[i], index.mtimes[i], 0, b"")
-                       for i in range(len(index)) if index.kinds[i] == Kind.DIR)
+    paths, kinds, modes, mtimes = index.paths, index.kinds, index.modes, index.mtimes
+    headers = b"".join(member_header(paths[i], Kind.DIR, modes[i], mtimes[i], 0, b"")
+                       for i in range(len(index)) if kinds[i] == Kind.DIR)
     if not headers:
         return 0
     compressed = codec.compress(headers + bytes(1024))
@@ -191,13 +200,24 @@ def _send_directories(session: FarSession, index, codec) -> int:
     return len(compressed)
 
 
-def _record_md5(index, plan, built, digests: dict[bytes, bytes]) -> list[bytes]:
-    """File by file, the md5 digests a built shard carries; the shard's files and hard links, to check there."""
-    shard = range(plan.first, plan.first + plan.count)
-    files = [index.paths[i] for i in shard if index.kinds[i] == Kind.FILE]
-    for number, path in enumerate(files):
-        digests[path] = built.md5s[16 * number:16 * (number + 1)]
-    return files + [index.paths[i] for i in shard if index.kinds[i] == Kind.HARDLINK]
+class _ShardDigests:
+    """Records, shard by shard in order, the md5 digests a built shard carries (one per regular file, in entry
+    order) under the files' paths; :meth:`record` returns the shard's files and hard links, to check there."""
+
+    def __init__(self, index, digests: dict[bytes, bytes]):
+        self.index, self.digests, self.taken = index, digests, 0
+        self.files = [index.paths[i] for i in range(len(index)) if index.kinds[i] == Kind.FILE]
+
+    def record(self, plan, built) -> list[bytes]:
+        md5s, count = built.md5s, len(built.md5s) // 16
+        files = self.files[self.taken:self.taken + count]
+        self.taken += count
+        self.digests.update(zip(files, [md5s[at:at + 16] for at in range(0, 16 * count, 16)]))
+        kinds = self.index.kinds
+        if Kind.HARDLINK in kinds[plan.first:plan.first + plan.count]:
+            files += [self.index.paths[i] for i in range(plan.first, plan.first + plan.count)
+                      if kinds[i] == Kind.HARDLINK]
+        return files
 
 
 def _names_input(paths: list[bytes]) -> bytes:

@@ -75,7 +75,9 @@ class FrameWriter:
 
     def flush(self) -> None:
         if self.size:
-            self.write_raw(b"%d\n" % self.size + b"".join(self.pending))
+            self.write_raw(b"%d\n" % self.size)
+            for piece in self.pending:          # one by one: gathering them would copy the frame twice
+                self.write_raw(piece)
         self.pending, self.size = [], 0
 
 
