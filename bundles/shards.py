@@ -19,6 +19,7 @@ from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header, padding
 
 MIN_AUTO_SHARD = 4 << 20
 MAX_AUTO_SHARD = 64 << 20
+HELD_RAW_LIMIT = 1 << 30           # a shard built whole (not big) decodes to at most this, whatever --shard-size says
 _CUTS_PER_TARGET = 4               # content-defined cut points per target shard size (see cuts_after)
 _READ_CHUNK = 8 << 20
 _ZERO_HASH = bytes(HASH_SIZE)
@@ -59,26 +60,40 @@ def auto_shard_size(index: Index) -> int:
 def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
     """Cut the entries into shards at entry boundaries chosen by content (docs/bundle-format.md §2), so that
     adding or removing entries moves only the cuts near them: the other shards keep their entries, and so
-    their bytes and hashes. A file of ``shard_size`` or more stands alone; any other shard closes after an
-    entry that :func:`cuts_after` picks once the shard holds half the target, and at the latest once it holds
-    the target."""
+    their bytes and hashes. A file of ``shard_size`` (or half HELD_RAW_LIMIT) or more stands alone; any other
+    shard closes after an entry that :func:`cuts_after` picks once the shard holds half the target, and at
+    the latest once it holds the target — or before an entry that could take its tar bytes (headers counted
+    at their largest, :func:`entry_bound`) past HELD_RAW_LIMIT."""
     cuts: list[tuple[int, int, bool]] = []
-    first, filled, half = 0, 0, max(1, shard_size // 2)
+    first, filled, bound, half = 0, 0, 2 * BLOCK, max(1, shard_size // 2)
+    alone = min(shard_size, HELD_RAW_LIMIT // 2)
+    paths, links = index.paths, index.links
     for i, size in enumerate(index.sizes):
-        if size >= shard_size:
+        if size >= alone:
             if i > first:
                 cuts.append((first, i - first, False))
             cuts.append((i, 1, True))
-            first, filled = i + 1, 0
+            first, filled, bound = i + 1, 0, 2 * BLOCK
             continue
         entry = BLOCK + size + padding(size)
-        filled += entry
-        if filled >= shard_size or (filled >= half and cuts_after(index.paths[i], entry, shard_size)):
+        most = entry + 3 * BLOCK + len(paths[i]) + len(links[i])
+        if i > first and bound + most > HELD_RAW_LIMIT:
+            cuts.append((first, i - first, False))
+            first, filled, bound = i, 0, 2 * BLOCK
+        filled, bound = filled + entry, bound + most
+        if filled >= shard_size or (filled >= half and cuts_after(paths[i], entry, shard_size)):
             cuts.append((first, i + 1 - first, False))
-            first, filled = i + 1, 0
+            first, filled, bound = i + 1, 0, 2 * BLOCK
     if first < len(index) or not cuts:
         cuts.append((first, len(index) - first, False))
     return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+
+
+def entry_bound(index: Index, i: int) -> int:
+    """The most tar bytes entry ``i`` takes in a shard: its header with every pax record it may need, its data
+    and padding (a regular file's; other kinds carry none)."""
+    size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
+    return 4 * BLOCK + len(index.paths[i]) + len(index.links[i]) + size + padding(size)
 
 
 def cuts_after(path: bytes, entry_bytes: int, shard_size: int) -> bool:

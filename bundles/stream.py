@@ -13,14 +13,13 @@ import zstandard
 from .codecs import get_codec
 from .errors import PalletError, StreamError
 from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_size_limit, little_endian
-from .shards import MAX_AUTO_SHARD, BuiltShard, ShardPlan
-from .tarformat import BLOCK, Kind, padding
+from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan, entry_bound
+from .tarformat import BLOCK, Kind
 
 STREAM_VERSION = 1
 SKELETON_COLUMNS = ["path", "kind", "mode", "mtime_ns", "size", "link", "link_group"]
 DATA_CHUNK = 4 << 20                     # largest DATA frame payload
 MAX_STREAMED_SHARD_SIZE = MAX_AUTO_SHARD  # the largest --shard-size a stream carries (beyond: store and forward)
-HELD_RAW_LIMIT = 1 << 30                 # a shard sent whole (one SHARD frame) may decode to at most this
 _PRELUDE = struct.Struct("<8sI")         # magic, version
 _MAGIC = b"PALLETST"
 _FRAME = struct.Struct("<B3xIQ")         # kind, shard number, payload length
@@ -141,11 +140,7 @@ def decode_shard_record(payload: bytes, index: Index, plan: ShardPlan, inline: b
 
 def raw_bound(index: Index, plan: ShardPlan) -> int:
     """An upper bound of the shard's uncompressed size: headers (with pax records), data, padding, end."""
-    total = 2 * BLOCK
-    for i in range(plan.first, plan.first + plan.count):
-        size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
-        total += 4 * BLOCK + len(index.paths[i]) + len(index.links[i]) + size + padding(size)
-    return total
+    return 2 * BLOCK + sum(entry_bound(index, i) for i in range(plan.first, plan.first + plan.count))
 
 
 def compressed_bound(raw: int) -> int:
@@ -260,17 +255,23 @@ class FrameReader:
 
 
 def frame_limit(skeleton: Skeleton, source: str | None) -> int:
-    """The largest SHARD or SKIP payload the skeleton's plan allows. A receiver holds a shard sent whole, so
-    a plan whose shard sent whole could decode to more than HELD_RAW_LIMIT is refused (StreamError): no
-    sender with a --shard-size up to MAX_STREAMED_SHARD_SIZE makes one (docs/bundle-format.md §7)."""
+    """The largest SHARD or SKIP payload the skeleton's plan allows (a big shard's SHARD frame carries its
+    columns only; its bytes come in DATA frames). A receiver holds a shard sent whole, so a plan whose shard
+    sent whole could decode to more than HELD_RAW_LIMIT is refused (StreamError): pallet's planner never
+    makes one (bundles.shards.plan_shards, docs/bundle-format.md §7)."""
     index, largest = skeleton.index, 0
     for plan in skeleton.plans:
+        columns = _SHARD_HEAD.size + plan.count * (HASH_SIZE + 16)
+        if plan.big:
+            largest = max(largest, columns)
+            continue
         bound = raw_bound(index, plan)
-        if bound > HELD_RAW_LIMIT and not plan.big:
+        if bound > HELD_RAW_LIMIT:
             raise StreamError(f"shard {plan.number} could decode to {bound} bytes, more than a receiver holds "
                               f"({HELD_RAW_LIMIT >> 20} MiB)", source,
-                              f"push with --shard-size {MAX_STREAMED_SHARD_SIZE >> 20}M or less, or --stream off")
-        largest = max(largest, _SHARD_HEAD.size + plan.count * (HASH_SIZE + 16) + compressed_bound(bound))
+                              "the sender is not a pallet that plans shards within that; use the same pallet "
+                              "version on both sides")
+        largest = max(largest, columns + compressed_bound(bound))
     return largest
 
 

@@ -23,7 +23,7 @@ from .plain import PlainRoute
 from .planner import Plan
 from .pull_phases import OpenSource, plan_pull
 from .pull_strategies import PullContext, early_stream, pull_strategy
-from .push_phases import OpenDestination, drop_far_journals, finish_push, plan_push
+from .push_phases import OpenDestination, finish_push, plan_push
 from .push_strategies import PushContext, push_strategy
 from .repair import COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, finish_local_pull
 from .route_registry import check_route_options
@@ -86,12 +86,11 @@ def _push_locked(full: SourceTree, dest: OpenDestination, progress: Progress | N
     else:
         if comparison is not None:
             delete_extra(transport, endpoint, comparison.stale)
-        elif planned.strategy == "individual" and not endpoint.is_local:
-            drop_far_journals(dest)        # DEST not listed unmarked: an interrupted run's journals may be there
         session = dest.session
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
         context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
-                              planned.paths, options, progress or NoProgress(), planned.include, receiver)
+                              planned.paths, options, progress or NoProgress(), planned.include, receiver,
+                              unmarked=comparison is not None)
         way = push_strategy(context, planned.strategy)
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
     deleted = finish_push(dest, full, comparison, whole, planned.strategy)

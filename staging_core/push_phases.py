@@ -134,25 +134,6 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
     return deleted
 
 
-# $1 DEST: remove the journals in DEST/.pallet, entered only if it is a real directory (no link followed).
-_DROP_JOURNALS = r"""
-cd -- "$1" 2>/dev/null && [ -d .pallet ] && [ ! -L .pallet ] || exit 0
-here=$(pwd -P) && cd .pallet && [ "$(pwd -P)" = "${here%/}/.pallet" ] || exit 0
-rm -rf -- journal-* stream-*
-"""
-
-
-def drop_far_journals(dest: OpenDestination) -> None:
-    """Before files are written into a remote DEST one by one, remove the journals an interrupted unpack or
-    stream left there (bundles.state.untrusted_journals: a journal vouches for its files only until another
-    writer writes into DEST). Where nothing runs there (no ssh, no --unpack-via) there is no journal either."""
-    argv = ["sh", "-c", _DROP_JOURNALS, "pallet-drop-journals", dest.endpoint.path]
-    if dest.transport.capabilities.remote_exec:
-        dest.transport.run(argv)
-    elif dest.route is not None and not isinstance(dest.route, PlainRoute):
-        dest.route.run_there(argv)
-
-
 def clear_state(dest: OpenDestination) -> None:
     """Remove DEST/.pallet, with any state older runs left."""
     state = posixpath.join(dest.endpoint.path, STATE_DIR)

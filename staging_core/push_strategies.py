@@ -23,6 +23,7 @@ from .scratch import scratch_dir
 from .strategy_base import Attempt, Stage, Strategy, streams_where, transfer_all
 from .streaming import stream_push
 from .transports.base import Direction, Endpoint, Transport
+from .transports.errors import NotSupportedError
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class PushContext:
     progress: Progress
     include: frozenset[bytes] | None = None
     receiver: Callable[[], SessionStream] | None = None
+    unmarked: bool = False      # DEST was listed without an INCOMPLETE marker: no journal there can be trusted
 
     @property
     def src(self) -> str:
@@ -60,8 +62,7 @@ class IndividualPush(Strategy[PushContext]):
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt(route="individual")
-        if ctx.transport.scheme == "file":
-            drop_journals(ctx.endpoint.path)    # the files it writes would make an unfinished unpack's journal lie
+        drop_writer_journals(ctx)
         listed = None if ctx.include is None else [os.fsdecode(p) for p in ctx.paths]
         if listed is None and ctx.transport.scheme == "file":        # the scan's names: no second walk of SRC
             listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
@@ -115,6 +116,7 @@ class HybridPush(Strategy[PushContext]):
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt()
+        drop_writer_journals(ctx)           # the large files go one by one
         large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes) if size >= ctx.options.large_file_bytes]
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(transfer_all, ctx.transport, Direction.PUSH, ctx.src, ctx.endpoint,
@@ -123,6 +125,38 @@ class HybridPush(Strategy[PushContext]):
             attempt.count(sending.result())
         attempt.route = f"hybrid: {len(large)} large file(s) individually, the rest {ctx.route.description}"
         return attempt
+
+
+# $1 DEST: remove the journals in DEST/.pallet, entered only if it is a real directory (no link followed).
+_DROP_JOURNALS = r"""
+unset CDPATH
+cd -- "$1" 2>/dev/null && [ -d .pallet ] && [ ! -L .pallet ] || exit 0
+here=$(pwd -P; echo .) && cd ./.pallet && there=$(pwd -P; echo .) || exit 0
+here=${here%?.}; [ "$here" = / ] && here=
+[ "${there%?.}" = "$here/.pallet" ] || exit 0
+rm -rf -- journal-* stream-*
+"""
+
+
+def drop_writer_journals(ctx: PushContext) -> None:
+    """Before files are written into DEST one by one, remove the journals an interrupted unpack or stream left
+    there: those files would make the journals lie (bundles.state.untrusted_journals). A remote DEST listed
+    without the INCOMPLETE marker (``ctx.unmarked``) needs nothing: the next run that keeps a journal drops
+    them itself. Remotely it is one command, over ssh or on the ``--unpack-via`` host; where nothing runs at
+    the far side, no unpack runs there either, so there is no journal to drop."""
+    if ctx.endpoint.is_local:
+        drop_journals(ctx.endpoint.path)
+        return
+    if ctx.unmarked:
+        return
+    argv = ["sh", "-c", _DROP_JOURNALS, "pallet-drop-journals", ctx.endpoint.path]
+    if ctx.transport.capabilities.remote_exec:
+        ctx.transport.run(argv)
+    elif ctx.route is not None:
+        try:
+            ctx.route.run_there(argv)
+        except NotSupportedError:
+            pass
 
 
 def push_strategy(ctx: PushContext, planned: str) -> Strategy[PushContext]:

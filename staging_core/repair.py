@@ -130,7 +130,7 @@ def dest_md5(transport: Transport, endpoint: Endpoint, paths: list[bytes]) -> di
 # $1 DEST: its find records (type, mode, mtime, size, link target, inode, links, path), or INCOMPLETE.
 _LISTING = r"""
 cd -- "$1" 2>/dev/null || exit 0
-if [ -e .pallet/INCOMPLETE ]; then printf INCOMPLETE; exit 0; fi
+if [ -e .pallet/INCOMPLETE ] || [ -L .pallet/INCOMPLETE ]; then printf INCOMPLETE; exit 0; fi
 """ + FIND_RECORDS + "\n"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,18 @@ def test_permission_denied_on_the_far_side(tmp_path):
             transport.mkdir(str(shared / "locked" / "sub"))
     finally:
         server.stop()
+
+
+def test_an_individual_push_kept_packed_to_gridftp_needs_nothing_to_run_there(gridftp, tmp_path):
+    """No ssh and no --unpack-via: nothing runs at the far side, so no unpack journal can be there and the
+    push drops none; it sends the files (GridFTP keeps neither modes nor directory times, so only names and
+    bytes are compared) and leaves nothing of pallet's."""
+    from tests.conftest import run_pallet
+    from tests.test_hostile_state import small_tree
+    src, dest = small_tree(tmp_path / "src"), tmp_path / "dest"
+    dest.mkdir()
+    done = run_pallet("push", "--keep-packed", "--strategy", "individual", src, gridftp.url(str(dest)))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    sent = {p.relative_to(src): p.read_bytes() for p in Path(src).rglob("*") if p.is_file()}
+    assert {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == sent
+    assert not (dest / ".pallet").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 import tarfile
@@ -14,7 +15,7 @@ import pytest
 
 from bundles import Index
 from bundles.progress import NoProgress
-from bundles.shards import plan_shards
+from bundles.shards import ShardPlan, plan_shards
 from bundles.stream import FrameKind, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
 from mpi_stager.send import prepare_source, send_stream
@@ -82,13 +83,14 @@ def test_a_stream_with_a_reserved_member_is_refused_before_writing(tmp_path):
 
 
 def test_a_stream_whose_shard_sent_whole_would_exceed_the_hold_limit_is_refused_before_writing(tmp_path):
-    """A skeleton planning two 600 MiB files into one shard sent whole: the receiver would have to hold
-    1.2 GiB of it, so it refuses the plan in one line, before DEST is made, whatever bytes might follow."""
-    index = Index("zstd", 3, 4 << 30, paths=[b"a", b"b"], kinds=array("B", [Kind.FILE] * 2),
-                  modes=array("I", [0o644] * 2), mtimes=array("q", [0] * 2), sizes=array("Q", [600 << 20] * 2),
-                  links=[b""] * 2, link_groups=array("q", [-1] * 2))
-    plans = plan_shards(index, 4 << 30)
-    assert [(p.count, p.big) for p in plans] == [(2, False)]
+    """A crafted skeleton planning three 400 MiB files into one shard sent whole (pallet's planner would cut
+    it in two): the receiver would have to hold 1.2 GiB of it, so it refuses the plan in one line, before
+    DEST is made, whatever bytes might follow."""
+    index = Index("zstd", 3, 4 << 30, paths=[b"a", b"b", b"c"], kinds=array("B", [Kind.FILE] * 3),
+                  modes=array("I", [0o644] * 3), mtimes=array("q", [0] * 3), sizes=array("Q", [400 << 20] * 3),
+                  links=[b""] * 3, link_groups=array("q", [-1] * 3))
+    assert len(plan_shards(index, 4 << 30)) == 2
+    plans = [ShardPlan(0, 0, 3, False, True)]
     out = io.BytesIO()
     wire = FrameWriter(out)
     wire.prelude()
@@ -98,6 +100,26 @@ def test_a_stream_whose_shard_sent_whole_would_exceed_the_hold_limit_is_refused_
     assert done.returncode == 1 and b"more than a receiver holds" in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_small_shard_frame_may_not_grow_to_a_big_shard_s_size(tmp_path):
+    """A skeleton with a 64 GiB file (a big shard, whose bytes come in DATA frames) and a 10-byte file: no
+    SHARD or SKIP frame may be longer than the columns and bytes of the small shard, so one claiming 600 MB is
+    refused from its header, before any of it is read (it was allowed up to the big file's size)."""
+    index = Index("zstd", 3, 64 << 20, paths=[b"a", b"b"], kinds=array("B", [Kind.FILE] * 2),
+                  modes=array("I", [0o644] * 2), mtimes=array("q", [0] * 2), sizes=array("Q", [64 << 30, 10]),
+                  links=[b""] * 2, link_groups=array("q", [-1] * 2))
+    plans = plan_shards(index, 64 << 20)
+    assert [(p.count, p.big) for p in plans] == [(1, True), (1, False)]
+    out = io.BytesIO()
+    wire = FrameWriter(out)
+    wire.prelude()
+    wire.frame(FrameKind.SKELETON, 0, encode_skeleton(index, plans)[0])
+    out.write(struct.pack("<B3xIQ", FrameKind.SKIP, 0, 600 << 20))
+    done = subprocess.run([*python_module("mpi_stager"), "receive", "--json", str(tmp_path / "dest")],
+                          input=out.getvalue(), env=user_env(), capture_output=True, cwd=tmp_path)
+    assert done.returncode == 1 and b"longer than allowed" in done.stderr, done.stderr
+    assert b"Traceback" not in done.stderr
 
 
 def test_a_shard_size_above_what_a_stream_carries_is_stored_and_forwarded(sshd, tmp_path):

@@ -305,6 +305,47 @@ def test_an_individual_push_drops_the_journal_of_an_unpack_it_writes_over(tmp_pa
 
 
 @needs_mpi
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_hybrid_push_drops_the_journal_of_an_unpack_its_large_files_write_over(tmp_path, sweep_mpi_segments,
+                                                                                   where, request):
+    """An unpack of A left unfinished, then a hybrid push of B whose large files (B's bytes under A's names) go
+    one by one while its bundle part fails before any unpack: the push dropped A's journal first, so A's
+    rerun trusts no record and restores A's large files."""
+    src_a = make_tiny_files(tmp_path / "a", 200, per_dir=50)
+    src_b = make_tiny_files(tmp_path / "b", 200, per_dir=50)
+    for root, fill in ((tmp_path / "a", b"A"), (tmp_path / "b", b"B")):
+        for n in range(3):
+            (root / f"big{n}.bin").write_bytes(fill * 300_000)
+    bundle, dest = tmp_path / "a.tar.zst", tmp_path / "dest"
+    pack(src_a, bundle, PackOptions(shard_size=16 * 1024, jobs=1))
+    assert stager(0, "--keep-journal", str(bundle), str(dest)).returncode == 0
+    assert list((dest / ".pallet").glob("journal-*"))
+    target, extra = str(dest), []
+    if where == "ssh":      # the far side's unpack dies before it starts
+        sshd = request.getfixturevalue("sshd")
+        wrapper = tmp_path / "py"
+        wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" unpack "*) echo killed >&2; exit 1;; esac\n'
+                           f'exec {program("python")} "$@"\n')
+        wrapper.chmod(0o755)
+        target = sshd.url(str(dest))
+        extra = [f"--ssh-option={o}" for o in sshd.ssh_options] + ["--remote-python", str(wrapper)]
+    else:                   # the bundle's incoming directory cannot be made
+        (dest / ".pallet" / "incoming").write_text("x\n")
+    pushed = subprocess.run([program("pallet"), "push", "--quiet", "--retries", "0", "--strategy", "hybrid",
+                             "--large-file", "100K", *extra, src_b, target], env=user_env(), capture_output=True,
+                            text=True, stdin=subprocess.DEVNULL)
+    assert pushed.returncode != 0 and "Traceback" not in pushed.stderr, pushed.stderr
+    assert (dest / "big0.bin").read_bytes()[:1] == b"B"
+    assert not list((dest / ".pallet").glob("journal-*"))
+    shutil.rmtree(dest / ".pallet" / "incoming", ignore_errors=True)     # the failed push's, which its rerun clears
+    (dest / ".pallet" / "incoming").unlink(missing_ok=True)
+    again = stager(0, "--json", str(bundle), str(dest))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["shards_skipped"] == 0
+    assert_same_tree(src_a, dest)
+
+
+@needs_mpi
 def test_a_journal_kept_elsewhere_is_not_trusted_after_another_unpack(tmp_path, sweep_mpi_segments):
     """`--journal DIR` keeps the journal outside DEST, where other writers cannot drop it. An unpack of A left
     unfinished with it, then `pallet unpack` of B (other bytes under A's names) finishes in DEST: the rerun of

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from array import array
 
+from bundles import shards
 from bundles.index import Index
 from bundles.shards import plan_shards
+from bundles.stream import raw_bound
 from bundles.tarformat import BLOCK, padding
 
 TARGET = 64 << 10
@@ -13,7 +15,7 @@ TARGET = 64 << 10
 def index_of(names: list[bytes], size: int = 1000) -> Index:
     """An index of regular files ``names``, each of ``size`` bytes (only paths and sizes matter to the cuts)."""
     return Index("zstd", 3, TARGET, paths=list(names), kinds=array("B", [0] * len(names)),
-                 sizes=array("Q", [size] * len(names)))
+                 sizes=array("Q", [size] * len(names)), links=[b""] * len(names))
 
 
 def shards_of(index: Index) -> list[tuple[bytes, ...]]:
@@ -48,3 +50,22 @@ def test_a_file_of_the_target_size_or_more_stands_alone():
     plans = plan_shards(index, TARGET)
     big = [p for p in plans if p.big]
     assert [(p.first, p.count) for p in big] == [(4, 1)]
+
+
+def test_no_shard_built_whole_can_decode_past_the_held_limit(monkeypatch):
+    """Long names count at their largest: a shard closes before an entry that could take its tar bytes past
+    HELD_RAW_LIMIT (1 MiB here, in place of 1 GiB), which a receiver refuses to hold; without that rule this
+    tree is one shard of about 2.5 MiB of headers."""
+    tree = index_of([b"%s/%05d" % (b"n" * 300, n) for n in range(5000)], size=0)
+    assert len(plan_shards(tree, 64 << 20)) == 1
+    monkeypatch.setattr(shards, "HELD_RAW_LIMIT", 1 << 20)
+    plans = plan_shards(tree, 64 << 20)
+    assert len(plans) > 2 and all(raw_bound(tree, p) <= 1 << 20 for p in plans)
+    assert [p.first for p in plans[1:]] == [p.first + p.count for p in plans[:-1]] and plans[-1].last
+
+
+def test_a_file_of_half_the_held_limit_stands_alone_whatever_the_target():
+    """With --shard-size 4G, a 600 MiB file is still a big shard (streamed, never built or received whole)."""
+    tree = index_of([b"a", b"b", b"c"], size=10)
+    tree.sizes[1] = 600 << 20
+    assert [(p.count, p.big) for p in plan_shards(tree, 4 << 30)] == [(1, False), (1, True), (1, False)]
