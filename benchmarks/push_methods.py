@@ -261,6 +261,26 @@ def stream_peer(rig: Rig, tap: list[str] | None = None) -> Callable[[Path, Path]
     return run
 
 
+POSIX_TAR = ["tar", "--format=posix", "--pax-option=delete=atime,delete=ctime"]
+
+
+def verified_stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
+    """The verified floor: the hand-made stream with nanosecond mtimes (pax headers, as pallet's bundles carry
+    them), then `md5sum -c` at the far side against a list of the source's files made before the clock starts
+    (bench_plain.py explains the floor)."""
+    def run(src: Path, dest: Path) -> Outcome:
+        listing = src.parent / f"{src.name}.md5"
+        if not listing.exists():
+            names = subprocess.run(["find", ".", "-type", "f", "-print0"], cwd=src, capture_output=True, check=True)
+            listing.write_bytes(subprocess.run(["xargs", "-0", "md5sum", "--"], cwd=src, input=names.stdout,
+                                               capture_output=True, check=True).stdout)
+        remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | {shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"
+                  f" && cd {shlex.quote(str(dest))} && {shlex.join(['md5sum', '--quiet', '--strict', '-c', str(listing)])}")
+        return _timed_pipeline([[*POSIX_TAR, "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
+                                [*rig.sshd.ssh_argv(), rig.sshd.login, remote]], "verified stream")
+    return run
+
+
 def stream_pull_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     """The reverse hand-made stream: `ssh HOST 'tar -cf - -C SRC . | zstd -T0 -c' | zstd -dc | tar -xf - -C DEST`."""
     def run(src: Path, dest: Path) -> Outcome:
