@@ -78,28 +78,31 @@ def make_directories(index: Index, dest: str) -> None:
             raise destination_error(exc, path) from None
 
 
-def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool = True) -> ShardOutcome:
+def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool = True,
+                  last: bool = True) -> ShardOutcome:
     """Write the regular files of one shard under ``dest``, with mode and mtime.
 
     The contract MPI ranks and worker processes rely on: directories already
     exist (make_directories), links and directory metadata are left to
     finish_tree; only this shard's byte range is read; with ``verify`` the
     compressed bytes and every file's content hash are checked, and a
-    mismatch raises CorruptBundleError naming the files. Rerunning a shard
-    rewrites the same files, so it is idempotent.
+    mismatch raises CorruptBundleError naming the files. Only the ``last``
+    shard may end with end-of-archive blocks (a verified shard before it
+    that holds them is refused: plain tar would stop there). Rerunning a
+    shard rewrites the same files, so it is idempotent.
     """
     if not held_whole(index, shard):
         from .streamed import extract_streamed      # it builds on this module
-        return extract_streamed(bundle, index, shard, dest, verify)
+        return extract_streamed(bundle, index, shard, dest, verify, last)
     compressed = bundle.read_shard(shard)
     if verify and content_hash(compressed) != shard.hash:
         raise damaged_shard(bundle.path, index, shard)
     data = bundle.codec.decompress(compressed, shard.raw_size)
-    return extract_shard_data(data, index, shard, dest, verify, bundle.path)
+    return extract_shard_data(data, index, shard, dest, verify, bundle.path, last)
 
 
 def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verify: bool,
-                       source: str | None) -> ShardOutcome:
+                       source: str | None, last: bool = True) -> ShardOutcome:
     """Write the regular files of one shard from its decompressed tar bytes ``data``.
 
     Each file's content is found at its ``data_offset`` in ``data``; the
@@ -112,10 +115,10 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
     root = os.fsencode(dest) + b"/"
     engine = native.module()
     if engine is not None:
-        return _extract_natively(engine, native.as_bytes(data), index, shard, root, verify, source)
+        return _extract_natively(engine, native.as_bytes(data), index, shard, root, verify, source, last)
     data = memoryview(data)
     if verify:
-        check_members(data, index, shard, source)
+        check_members(data, index, shard, source, last)
     files = nbytes = 0
     bad: list[str] = []
     umask = current_umask()
@@ -135,11 +138,11 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
 
 
 def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: bytes, verify: bool,
-                      source: str | None) -> ShardOutcome:
+                      source: str | None, last: bool) -> ShardOutcome:
     """extract_shard_data in the native engine: the same checks, files and errors, the per-file loop compiled."""
     part = index.slice(shard.first_entry, shard.entry_count)
     if verify:
-        _check_natively(engine, data, part, index, shard, source)
+        _check_natively(engine, data, part, index, shard, source, last)
     try:
         files, nbytes, bad = engine.extract_files(data, root, native.entry_columns(part), native.raw(part.data_offsets),
                                                   bytes(part.hashes), verify, current_umask())
@@ -156,12 +159,24 @@ def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: byt
     return ShardOutcome(shard.number, files, nbytes)
 
 
-def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard, source: str | None) -> None:
+def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard, source: str | None,
+                    last: bool) -> None:
     """check_members in the native engine, for the entries of ``shard`` sliced out as ``part``."""
     first_bad = engine.check_members(data, native.entry_columns(part), native.raw(part.offsets),
                                      native.raw(part.data_offsets))
     if first_bad is not None:       # len(part): the bytes after the last entry
         raise members_differ(source, index, shard, shard.first_entry + min(first_bad, len(part) - 1))
+    if not last and len(data) != members_end(index, shard):       # end-of-archive blocks before the last shard
+        raise members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
+
+
+def members_end(index: Index, shard: Shard) -> int:
+    """Where the last member of ``shard`` ends in its decoded bytes, as the index says (0: no entries)."""
+    if not shard.entry_count:
+        return 0
+    i = shard.first_entry + shard.entry_count - 1
+    size = index.sizes[i] if index.kinds[i] == Kind.FILE else 0
+    return index.data_offsets[i] + size + -size % BLOCK
 
 
 def is_streamed(index: Index, shard: Shard) -> bool:
@@ -176,14 +191,15 @@ def held_whole(index: Index, shard: Shard) -> bool:
     return not is_streamed(index, shard) and shard.length + shard.raw_size <= HOLD_LIMIT
 
 
-def check_members(data: memoryview, index: Index, shard: Shard, source: str | None) -> None:
+def check_members(data: memoryview, index: Index, shard: Shard, source: str | None, last: bool = True) -> None:
     """Raise CorruptBundleError unless the shard's tar bytes ``data`` are exactly the index's members: each
     entry's header, byte for byte as pallet writes it, at its offset, its data and padding, the next entry
     right after, and nothing but the end-of-archive zeros after the last. An extra member, one the index
     omits, or a header that says something else (which plain tar would obey) cannot pass."""
     engine = native.module()
     if engine is not None:
-        _check_natively(engine, native.as_bytes(data), index.slice(shard.first_entry, shard.entry_count), index, shard, source)
+        _check_natively(engine, native.as_bytes(data), index.slice(shard.first_entry, shard.entry_count), index, shard,
+                        source, last)
         return
     paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes, index.sizes,
                                                  index.links)
@@ -197,7 +213,7 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
         if data_start - start != len(header) or not blob.startswith(header, start):
             raise members_differ(source, index, shard, i)
         position = data_start + (size + -size % BLOCK if kinds[i] == Kind.FILE else 0)
-    if position > len(data) or not _only_end_zeros(data[position:], 0):
+    if position > len(data) or not _only_end_zeros(data[position:], 0) or (position != len(data) and not last):
         raise members_differ(source, index, shard, shard.first_entry + shard.entry_count - 1)
 
 

@@ -103,7 +103,8 @@ def _create_in(directory: int, name: str, shown: bytes) -> int:
         raise destination_error(exc, shown) from None
 
 
-def extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool) -> ShardOutcome:
+def extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, verify: bool,
+                     last: bool = True) -> ShardOutcome:
     """extract_shard for a shard not held whole: hashed first, then decoded once, member by member, each file
     written in chunks into DEST/.pallet/writing and hashed as written, then renamed into place only when its
     hash matches (a user's file is never replaced by bytes that did not check)."""
@@ -111,11 +112,11 @@ def extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, veri
         raise damaged_shard(bundle.path, index, shard)
     reader = bundle.codec.open_stream(RangeReader(bundle.fd, shard.offset, shard.length), SHARD_WINDOW)
     with writing_directory(dest) as writing:
-        return _extract_members(reader, bundle, index, shard, dest, writing, verify)
+        return _extract_members(reader, bundle, index, shard, dest, writing, verify, last)
 
 
 def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
-                     verify: bool) -> ShardOutcome:
+                     verify: bool, last: bool) -> ShardOutcome:
     """The members of ``shard`` from the stream ``reader``, for :func:`extract_streamed`."""
     position, files, nbytes, bad = 0, 0, 0, []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
@@ -136,7 +137,7 @@ def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: s
             files, nbytes = files + 1, nbytes + size
         read_up_to(reader, pad)                     # as when held whole, padding bytes are the shard hash's
         position += size + pad
-    if verify and read_up_to(reader, len(END_OF_ARCHIVE) + 1) not in (b"", END_OF_ARCHIVE):
+    if verify and read_up_to(reader, len(END_OF_ARCHIVE) + 1) not in ((b"", END_OF_ARCHIVE) if last else (b"",)):
         raise members_differ(bundle.path, index, shard, shard.first_entry + shard.entry_count - 1)
     if bad:
         raise CorruptBundleError(f"shard {shard.number}: content hash mismatch", bundle.path, REFETCH_HINT, bad)

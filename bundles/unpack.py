@@ -122,4 +122,4 @@ def shard_cost(shard) -> float:
 def _extract_job(job: ShardJob, dest: str, verify: bool) -> ShardOutcome:
     """Extract one shard, in a worker or inline."""
     with job.bundle.open() as bundle:
-        return extract_shard(bundle, job.entries, job.shard, dest, verify)
+        return extract_shard(bundle, job.entries, job.shard, dest, verify, job.last)

@@ -100,7 +100,7 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[
     except BundleError as exc:
         return problems + [f"shard {shard.number}: {exc.message}; {_holds(index, shard)}"]
     try:
-        check_members(memoryview(data), index, shard, bundle.path)
+        check_members(memoryview(data), index, shard, bundle.path, last)
     except CorruptBundleError as exc:
         problems.append(exc.message)
     problems += _contents_problems(index, shard, data)

@@ -204,7 +204,7 @@ class BundleView:
         if content_hash(compressed) != shard.hash:
             raise damaged_shard(self.name, self.index, shard)
         data = self.codec.decompress(compressed, shard.raw_size)
-        check_members(memoryview(data), self.index, shard, self.name)
+        check_members(memoryview(data), self.index, shard, self.name, shard.number == len(self.index.shards) - 1)
         return data
 
     def _remember(self, number: int, data: bytes) -> None:

@@ -193,7 +193,7 @@ class _Receiver:
         if self.verify and content_hash(record.built.compressed) != record.hash:
             raise damaged_shard(self.source, self.index, shard)
         data = self._codec(plan).decompress(record.built.compressed, record.built.raw_size)
-        outcome = extract_shard_data(data, self.index, shard, self.dest, self.verify, self.source)
+        outcome = extract_shard_data(data, self.index, shard, self.dest, self.verify, self.source, plan.last)
         self._journal(shard)        # at once: a sender that stalls must not keep a finished shard unrecorded
         return outcome
 

@@ -171,7 +171,8 @@ def _extract_assigned(comm, bundle, dest, journal, pending, run, options) -> Ran
 def _extract_one(bundle, dest, journal, number, run, options, report: RankReport) -> bool:
     """Extract one shard and journal it; on failure record the error and return False."""
     try:
-        outcome = extract_shard(bundle, bundle.index, bundle.index.shards[number], dest, options.verify)
+        outcome = extract_shard(bundle, bundle.index, bundle.index.shards[number], dest, options.verify,
+                                number == len(bundle.index.shards) - 1)
     except CorruptBundleError as exc:
         report.errors.append(f"rank {report.rank}, shard {number}: {exc.message}; files: "
                              + ", ".join(exc.problems[:10]) + (" ..." if len(exc.problems) > 10 else ""))
@@ -193,7 +194,7 @@ def _pool_extract(job: ShardJob, dest: str, verify: bool):
     """Extract one shard in a pool worker: (number, outcome, None) or (number, None, error text)."""
     try:
         with job.bundle.open() as bundle:
-            return job.shard.number, extract_shard(bundle, job.entries, job.shard, dest, verify), None
+            return job.shard.number, extract_shard(bundle, job.entries, job.shard, dest, verify, job.last), None
     except PalletError as exc:
         return job.shard.number, None, str(exc)
 

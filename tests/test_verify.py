@@ -5,6 +5,7 @@ import dataclasses
 import os
 import random
 import shutil
+import subprocess
 import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -337,6 +338,39 @@ def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, mon
     with pytest.raises(PalletError, match="shard 0|zstd shard"):
         unpack(bad, tmp_path / "dest", UnpackOptions(jobs=1))
     assert not (tmp_path / "dest" / "SMUGGLED").exists()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["held", "streamed"])
+def test_end_of_archive_blocks_before_the_last_shard_are_refused(tmp_path, monkeypatch, streamed):
+    """Zero blocks appended to shard 0 (its raw size, hash and the index rewritten to match) would make plain
+    `tar -x` stop there with exit 0 and half the tree: verify and unpack refuse the shard, with either engine,
+    held or streamed."""
+    if streamed:
+        monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(10):
+        (src / f"f{n:02}").write_bytes(os.urandom(3000))
+    pack(src, tmp_path / "good.tar.zst", PackOptions(jobs=1, shard_size=4096))
+    with Bundle.open(tmp_path / "good.tar.zst") as good:
+        index = good.index
+        raws = [good.codec.decompress(good.read_shard(s), s.raw_size) for s in index.shards]
+    data, shards = b"", []
+    for shard, raw in zip(index.shards, raws):
+        raw += bytes(1024) if shard.number == 0 else b""
+        frame = zstandard.ZstdCompressor().compress(raw)
+        shards.append(dataclasses.replace(shard, offset=len(data), length=len(frame), raw_size=len(raw),
+                                          hash=content_hash(frame)))
+        data += frame
+    index.shards = shards
+    bad = tmp_path / "bad.tar.zst"
+    bad.write_bytes(data + container.index_section(index.codec, index.to_bytes(), len(data)))
+    tar = subprocess.run(["tar", "-tf", str(bad)], capture_output=True, text=True)
+    assert tar.returncode == 0 and len(tar.stdout.split()) < 10      # what plain tar makes of it
+    with Bundle.open(bad) as opened:
+        assert any(p.startswith("shard 0: ") for p in verify_bundle(opened, jobs=1).problems)
+    with pytest.raises(PalletError, match="shard 0"):
+        unpack(bad, tmp_path / "dest", UnpackOptions(jobs=1))
 
 
 def test_a_streamed_file_whose_hash_does_not_match_leaves_the_users_file_alone(tmp_path, monkeypatch):
