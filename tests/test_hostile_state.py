@@ -130,6 +130,7 @@ def test_a_shard_size_above_what_a_stream_carries_is_stored_and_forwarded(sshd, 
     refused = run_pallet("push", "--strategy", "bundle", "--shard-size", "128M", "--stream", "on", *ssh,
                          src, sshd.url(str(tmp_path / "dest")))
     assert refused.returncode == 2 and "--shard-size above 64M" in refused.stderr, refused.stderr
+    assert not (tmp_path / "dest").exists()             # refused before anything was opened
     pushed = run_pallet("push", "--json", "--strategy", "bundle", "--shard-size", "128M", *ssh,
                         src, sshd.url(str(tmp_path / "dest")))
     assert pushed.returncode == 0, pushed.stderr
