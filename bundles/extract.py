@@ -12,6 +12,7 @@ from .byte_source import ByteSource, pread_from
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle
 from .safety import index_problems, safe_mode
+from .shards import stands_alone
 from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header
 
 NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -182,7 +183,7 @@ def members_end(index: Index, shard: Shard) -> int:
 def is_streamed(index: Index, shard: Shard) -> bool:
     """True for a shard holding one file too large to handle in memory."""
     return shard.entry_count == 1 and index.kinds[shard.first_entry] == Kind.FILE and \
-        index.sizes[shard.first_entry] >= index.shard_size
+        stands_alone(index.sizes[shard.first_entry], index.shard_size)
 
 
 def held_whole(index: Index, shard: Shard) -> bool:

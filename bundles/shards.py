@@ -66,10 +66,9 @@ def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
     at their largest, :func:`entry_bound`) past HELD_RAW_LIMIT."""
     cuts: list[tuple[int, int, bool]] = []
     first, filled, bound, half = 0, 0, 2 * BLOCK, max(1, shard_size // 2)
-    alone = min(shard_size, HELD_RAW_LIMIT // 2)
     paths, links = index.paths, index.links
     for i, size in enumerate(index.sizes):
-        if size >= alone:
+        if stands_alone(size, shard_size):
             if i > first:
                 cuts.append((first, i - first, False))
             cuts.append((i, 1, True))
@@ -87,6 +86,11 @@ def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
     if first < len(index) or not cuts:
         cuts.append((first, len(index) - first, False))
     return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+
+
+def stands_alone(size: int, shard_size: int) -> bool:
+    """Whether a file of ``size`` bytes gets a shard of its own (a big shard, streamed wherever it is read)."""
+    return size >= min(shard_size, HELD_RAW_LIMIT // 2)
 
 
 def entry_bound(index: Index, i: int) -> int:

@@ -171,7 +171,7 @@ class RelaySink:
         self.emit, self._flush = emit, flush
         self.hasher, self.length = new_hasher(), 0
         self._relay: tuple[threading.Thread, int] | None = None
-        self._relay_error: OSError | None = None
+        self._relay_error: Exception | None = None
 
     def write(self, data) -> int:
         view = memoryview(data)
@@ -197,7 +197,7 @@ class RelaySink:
                 if self._relay_error is None:       # after a failure, drain so the compressor can finish
                     try:
                         self.write(chunk)
-                    except OSError as exc:
+                    except Exception as exc:        # raised again by finish(), in the caller's thread
                         self._relay_error = exc
 
     def finish(self) -> tuple[bytes, int]:

@@ -141,7 +141,9 @@ def parse_records(records: bytes) -> dict[bytes, FarEntry]:
 def parse_md5_lines(text: bytes) -> dict[bytes, bytes]:
     """Relative path -> digest, from md5sum's lines for ``./name`` arguments."""
     digests = {}
-    for line in text.splitlines():
+    for line in text.split(b"\n"):         # only newlines end lines (older md5sum leaves a \r in names)
+        if not line:
+            continue
         if line[32:36] == b"  ./" and not line.startswith(b"\\"):     # the usual line: DIGEST  ./NAME
             digests[line[36:]] = unhexlify(line[:32])
         else:

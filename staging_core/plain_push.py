@@ -6,7 +6,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bundles.errors import DestinationError
+from bundles.codecs import get_codec
+from bundles.errors import DestinationError, PalletError
 from bundles.progress import Progress
 from bundles.scan import SourceTree, scan
 from bundles.tarformat import Kind, member_header
@@ -52,25 +53,39 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
         with clock("hash"):
             local_md5 = hash_local_files(tree, jobs, set(same))
         wanted = differing(tree, local_md5, far, set(same))
+        restamped = _directories_there(tree, far, wanted)
+        wanted = [path for path in wanted if path not in restamped]
         while wanted:
             if outcome.rounds == ROUNDS:
                 raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
                                        f"{shown_names(wanted)}", endpoint.url(),
                                        "check the far side's disk and file system; rerun to try again")
-            wanted = _send_round(session, tree, route, wanted, local_md5, jobs, progress, outcome)
+            wanted = _send_round(session, tree, route, wanted, local_md5, jobs, progress, outcome, restamped)
+        if restamped and not outcome.rounds:
+            outcome.bytes_sent += _send_directories(session, tree.index, restamped, get_codec(route.codec))
         with clock("finish"):
             session.finish(clear_state)
     return outcome
 
 
+def _directories_there(tree: SourceTree, far: FarTree, wanted: list[bytes]) -> frozenset[bytes]:
+    """The directories of ``wanted`` the far side holds as directories: only their mode or mtime differ. They go
+    as directory headers alone (sending one as an entry would send everything under it again)."""
+    index, entries = tree.index, far.entries
+    dirs = {index.paths[i] for i in range(len(index)) if index.kinds[i] == Kind.DIR}
+    return frozenset(path for path in wanted if path in dirs and getattr(entries.get(path), "kind", "") == "d")
+
+
 def _send_round(session: FarSession, tree: SourceTree, route: PlainRoute, wanted: list[bytes],
-                local_md5: dict[bytes, bytes], jobs: int, progress: Progress, outcome: PlainOutcome) -> list[bytes]:
-    """Send ``wanted`` once; the files whose digest there still differs from the source's."""
+                local_md5: dict[bytes, bytes], jobs: int, progress: Progress, outcome: PlainOutcome,
+                restamped: frozenset[bytes] = frozenset()) -> list[bytes]:
+    """Send ``wanted`` once (and the headers of the directories ``restamped``); the files whose digest there
+    still differs from the source's."""
     clock = _Clock(outcome.stage_seconds)
     outcome.rounds += 1
     outcome.files_sent += len(wanted)
     with clock("stream"):
-        sent = _send(session, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress)
+        sent = _send(session, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress, restamped)
     outcome.bytes_sent += sent.bytes
     local_md5.update(sent.md5)
     with clock("check"):
@@ -102,9 +117,10 @@ class SentShards:
 
 
 def _send(session: FarSession, tree: SourceTree, route: PlainRoute, items: frozenset[bytes], jobs: int,
-          progress: Progress) -> SentShards:
+          progress: Progress, restamped: frozenset[bytes]) -> SentShards:
     """Stream the bundle of ``items`` into the session in runs of shards, each run extracted by one tar and its
-    files queued for checking; then one tar of the directories alone sets their modes and mtimes."""
+    files queued for checking; then one tar of directories alone (those the bundle held, and ``restamped``)
+    sets their modes and mtimes."""
     root = os.fsdecode(tree.root)
     selected = tree if len(items) == len(tree.index) else scan(root, route.codec, 0, include=items)
     source = prepare_source(root, route.codec, jobs, tree=selected)
@@ -118,11 +134,13 @@ def _send(session: FarSession, tree: SourceTree, route: PlainRoute, items: froze
                                        md5=True):
             sent.bytes += runs.add(plan, built, digests.record(plan, built))
             progress.advance(plan.count, built.file_bytes)
+        digests.check_all_taken(root)
     finally:
         for i, mode in dir_modes.items():
             index.modes[i] = mode
         progress.finish()
-    sent.bytes += _send_directories(session, index, source.codec)
+    stamped = restamped | {index.paths[i] for i in range(len(index)) if index.kinds[i] == Kind.DIR}
+    sent.bytes += _send_directories(session, tree.index, stamped, source.codec)
     if Kind.HARDLINK in index.kinds:
         paths, kinds, groups = index.paths, index.kinds, index.link_groups
         for i in range(len(index)):
@@ -186,11 +204,12 @@ def _writable_dirs(index) -> dict[int, int]:
     return changed
 
 
-def _send_directories(session: FarSession, index, codec) -> int:
-    """One tar of ``index``'s directories alone, so the far tar sets their true modes and mtimes last."""
+def _send_directories(session: FarSession, index, chosen: frozenset[bytes] | set[bytes], codec) -> int:
+    """One tar of the directories of ``index`` that are ``chosen`` alone, in the tree's order, so the far tar
+    sets their true modes and mtimes last."""
     paths, kinds, modes, mtimes = index.paths, index.kinds, index.modes, index.mtimes
     headers = b"".join(member_header(paths[i], Kind.DIR, modes[i], mtimes[i], 0, b"")
-                       for i in range(len(index)) if kinds[i] == Kind.DIR)
+                       for i in range(len(index)) if kinds[i] == Kind.DIR and paths[i] in chosen)
     if not headers:
         return 0
     compressed = codec.compress(headers + bytes(1024))
@@ -218,6 +237,12 @@ class _ShardDigests:
             files += [self.index.paths[i] for i in range(plan.first, plan.first + plan.count)
                       if kinds[i] == Kind.HARDLINK]
         return files
+
+    def check_all_taken(self, source: str) -> None:
+        """Raise unless every regular file got its digest: one left without would go unchecked there."""
+        if self.taken != len(self.files):
+            raise PalletError(f"the packer gave md5 digests for {self.taken} of {len(self.files)} files", source,
+                              "report this as a defect of pallet")
 
 
 def _names_input(paths: list[bytes]) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from staging_core.plain import parse_md5_lines
 from staging_core.testing import assert_same_tree, make_nasty_tree, snapshot
 from tests.programs import program, user_env
 from tests.servers import start_sshd
@@ -87,6 +88,26 @@ def test_a_flipped_byte_and_a_changed_directory_are_repaired_by_the_next_run(bar
     repaired = summary(push(bare, src, dest, "--strategy", "bundle"))
     assert repaired["bytes_sent"] > 0
     assert snapshot(dest) == snapshot(src)
+
+
+def test_a_directory_that_only_changed_its_times_or_mode_is_not_sent_again(bare, tmp_path):
+    """A file added to d/ moves d's mtime: only the new file and d's header go, not all of d, and a hard link
+    in d whose group starts elsewhere stays a link. Then a mode changed on d alone sends d's header only."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "a").mkdir(parents=True)
+    (src / "d").mkdir()
+    (src / "a" / "x").write_bytes(b"shared")
+    os.link(src / "a" / "x", src / "d" / "h")
+    for n in range(50):
+        (src / "d" / f"f{n}").write_bytes(os.urandom(20_000))
+    first = summary(push(bare, src, dest, "--strategy", "bundle"))
+    (src / "d" / "new").write_bytes(b"new")
+    second = summary(push(bare, src, dest, "--strategy", "bundle"))
+    assert second["bytes_sent"] < first["bytes_sent"] // 20, (first["bytes_sent"], second["bytes_sent"])
+    assert snapshot(dest) == snapshot(src)
+    os.chmod(src / "d", 0o750)
+    third = summary(push(bare, src, dest, "--strategy", "bundle"))
+    assert 0 < third["bytes_sent"] < 2048 and snapshot(dest) == snapshot(src), third
 
 
 def test_links_planted_in_dest_are_replaced_never_written_through(bare, tmp_path):
@@ -328,3 +349,12 @@ def test_snakemake_keep_packed_from_a_far_side_without_pallet_says_what_it_needs
     with pytest.raises(WorkflowError, match="(?s)keep-packed needs a source that packs bundles.*pallet remote install"):
         obj.retrieve_object()
     assert not obj.local_path().exists()
+
+
+def test_md5sum_lines_end_only_at_newlines():
+    """md5sum before coreutils 9 leaves a carriage return in a name unescaped: it stays in the name, and a
+    crafted name cannot forge another file's digest."""
+    good, bad = "0" * 32, "f" * 32
+    parsed = parse_md5_lines(f"{bad}  ./a\rb\n{bad}  ./z\r{good}  ./y\n{good}  ./y\n".encode())
+    assert parsed == {b"a\rb": bytes.fromhex(bad), b"z\r" + good.encode() + b"  ./y": bytes.fromhex(bad),
+                      b"y": bytes.fromhex(good)}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from array import array
 
-from bundles import shards
+from bundles import PackOptions, pack, shards
+from bundles.extract import is_streamed
 from bundles.index import Index
 from bundles.shards import plan_shards
 from bundles.stream import raw_bound
@@ -69,3 +70,16 @@ def test_a_file_of_half_the_held_limit_stands_alone_whatever_the_target():
     tree = index_of([b"a", b"b", b"c"], size=10)
     tree.sizes[1] = 600 << 20
     assert [(p.count, p.big) for p in plan_shards(tree, 4 << 30)] == [(1, False), (1, True), (1, False)]
+
+
+def test_readers_stream_a_file_that_stands_alone_below_the_target(monkeypatch, tmp_path):
+    """A file of half HELD_RAW_LIMIT stands alone even under a larger --shard-size, and readers (unpack, verify,
+    mount) stream its shard rather than hold it whole (the limit is 16 MiB here, in place of 1 GiB)."""
+    monkeypatch.setattr(shards, "HELD_RAW_LIMIT", 16 << 20)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big").write_bytes(bytes(10 << 20))
+    (tmp_path / "src" / "small").write_bytes(b"x")
+    result = pack(str(tmp_path / "src"), str(tmp_path / "b.tar.zst"), PackOptions(shard_size=32 << 20, jobs=1))
+    index = result.index
+    big = next(s for s in index.shards if index.paths[s.first_entry] == b"big")
+    assert big.entry_count == 1 and is_streamed(index, big)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from pathlib import Path
@@ -16,13 +17,15 @@ from pathlib import Path
 import pytest
 
 from bundles import Index, PackOptions, pack
+from bundles.codecs import get_codec
+from bundles.errors import StreamError
 from bundles.progress import NoProgress
 from bundles.shards import plan_shards
 from bundles.stream import FrameKind, FrameReader, FrameWriter, encode_skeleton
 from bundles.tarformat import Kind
 from staging_core.operations import push
 from staging_core.options import StagingOptions
-from mpi_stager.send import prepare_source, send_stream
+from mpi_stager.send import RelaySink, prepare_source, send_stream
 from staging_core.streaming import FarStagerError, stream_push
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
@@ -298,3 +301,19 @@ def test_a_journal_left_without_the_incomplete_marker_is_dropped(sshd, tmp_path)
     again = streamed(sshd, str(src), dest, shard_size=16 << 10)
     assert again.skipped_shards == 0, again
     same_tree(str(src), dest)
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd"])
+def test_a_failure_where_a_big_shard_s_bytes_go_reaches_the_caller(codec, monkeypatch):
+    """pigz writes a big shard's bytes into a pipe that a relay thread reads and passes on; when passing them on
+    fails (the far side went away), that error is what the caller gets, and no thread dies with a traceback."""
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+
+    def gone(_):
+        raise StreamError("the far side went away", "far")
+    sink = RelaySink(gone)
+    with pytest.raises(StreamError, match="went away"):
+        get_codec(codec, 1).compress_stream(iter([os.urandom(1 << 20)] * 4), sink, 2)
+        sink.finish()
+    assert died == []
