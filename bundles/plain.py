@@ -141,7 +141,7 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: 
     if reason:
         return reason
     parts = name.split(b"/")
-    if any(b"/".join(parts[:n]) in symlinks for n in range(1, len(parts))):
+    if symlinks and any(b"/".join(parts[:n]) in symlinks for n in range(1, len(parts))):
         return "written through a symlink"
     if member.isdev() or member.isfifo():
         return "device node or FIFO"
@@ -154,17 +154,27 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: 
 
 
 def _make_parents(root: bytes, name: bytes) -> None:
+    """Make the directories above ``name`` under ``root``; each that exists must be a directory, not a link to one
+    (one lstat for an existing directory, the usual case)."""
     current = root
     for part in name.split(b"/")[:-1]:
-        current = os.path.join(current, part)
+        current = current + b"/" + part
         try:
-            os.mkdir(current, 0o700)
-        except FileExistsError:
-            if os.path.islink(current) or not os.path.isdir(current):
-                raise BundleError("a member would be written through a non-directory",
-                                  os.fsdecode(current), "unpack into an empty destination") from None
+            if stat.S_ISDIR(os.lstat(current).st_mode):
+                continue
+        except FileNotFoundError:
+            try:
+                os.mkdir(current, 0o700)
+                continue
+            except FileExistsError:         # made meanwhile: look again
+                if stat.S_ISDIR(os.lstat(current).st_mode):
+                    continue
+            except OSError as exc:
+                raise destination_error(exc, current) from None
         except OSError as exc:
             raise destination_error(exc, current) from None
+        raise BundleError("a member would be written through a non-directory", os.fsdecode(current),
+                          "unpack into an empty destination")
 
 
 def _finish_links(root: bytes, links: list, symlinks: set, refused: list) -> None:
