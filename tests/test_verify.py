@@ -308,12 +308,9 @@ def test_a_tree_check_names_an_entry_type_the_index_cannot_hold(tmp_path):
     assert report.problems == ["a: unknown entry type 7 in the index"]
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["held", "streamed"])
-def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, monkeypatch, streamed):
-    """`zstd -dc | tar -x` reads every frame of a shard: a second frame holding a member the index omits
-    (shard hash and index rewritten to match) fails verify and unpack, whether the shard is held or streamed."""
-    if streamed:
-        monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
+def crafted_from_good(tmp_path: Path, rework) -> Path:
+    """A bundle of ten random files in 4 KiB shards whose shards pass through ``rework(number, raw)``, which
+    returns the shard's new compressed bytes and raw size; offsets, hashes and the index are rewritten to match."""
     src = tmp_path / "src"
     src.mkdir()
     for n in range(10):
@@ -322,17 +319,28 @@ def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, mon
     with Bundle.open(tmp_path / "good.tar.zst") as good:
         index = good.index
         raws = [good.codec.decompress(good.read_shard(s), s.raw_size) for s in index.shards]
-    smuggled = member_header(b"SMUGGLED", Kind.FILE, 0o644, 0, 5, b"") + b"evil!" + bytes(507)
     data, shards = b"", []
     for shard, raw in zip(index.shards, raws):
-        frames = zstandard.ZstdCompressor().compress(raw)
-        if shard.number == 0:
-            frames += zstandard.ZstdCompressor().compress(smuggled)
-        shards.append(dataclasses.replace(shard, offset=len(data), length=len(frames), hash=content_hash(frames)))
+        frames, raw_size = rework(shard.number, raw)
+        shards.append(dataclasses.replace(shard, offset=len(data), length=len(frames), raw_size=raw_size,
+                                          hash=content_hash(frames)))
         data += frames
     index.shards = shards
     bad = tmp_path / "bad.tar.zst"
     bad.write_bytes(data + container.index_section(index.codec, index.to_bytes(), len(data)))
+    return bad
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["held", "streamed"])
+def test_a_member_smuggled_in_a_second_frame_of_a_shard_is_refused(tmp_path, monkeypatch, streamed):
+    """`zstd -dc | tar -x` reads every frame of a shard: a second frame holding a member the index omits
+    (shard hash and index rewritten to match) fails verify and unpack, whether the shard is held or streamed."""
+    if streamed:
+        monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
+    smuggled = member_header(b"SMUGGLED", Kind.FILE, 0o644, 0, 5, b"") + b"evil!" + bytes(507)
+    compress = zstandard.ZstdCompressor().compress
+    bad = crafted_from_good(tmp_path, lambda number, raw: (
+        compress(raw) + (compress(smuggled) if number == 0 else b""), len(raw)))
     with Bundle.open(bad) as opened:
         assert any(p.startswith("shard 0: ") for p in verify_bundle(opened, jobs=1).problems)
     with pytest.raises(PalletError, match="shard 0|zstd shard"):
@@ -347,24 +355,11 @@ def test_end_of_archive_blocks_before_the_last_shard_are_refused(tmp_path, monke
     held or streamed."""
     if streamed:
         monkeypatch.setattr(bundles.extract, "HOLD_LIMIT", 0)
-    src = tmp_path / "src"
-    src.mkdir()
-    for n in range(10):
-        (src / f"f{n:02}").write_bytes(os.urandom(3000))
-    pack(src, tmp_path / "good.tar.zst", PackOptions(jobs=1, shard_size=4096))
-    with Bundle.open(tmp_path / "good.tar.zst") as good:
-        index = good.index
-        raws = [good.codec.decompress(good.read_shard(s), s.raw_size) for s in index.shards]
-    data, shards = b"", []
-    for shard, raw in zip(index.shards, raws):
-        raw += bytes(1024) if shard.number == 0 else b""
-        frame = zstandard.ZstdCompressor().compress(raw)
-        shards.append(dataclasses.replace(shard, offset=len(data), length=len(frame), raw_size=len(raw),
-                                          hash=content_hash(frame)))
-        data += frame
-    index.shards = shards
-    bad = tmp_path / "bad.tar.zst"
-    bad.write_bytes(data + container.index_section(index.codec, index.to_bytes(), len(data)))
+
+    def with_zeros(number: int, raw: bytes) -> tuple[bytes, int]:
+        raw += bytes(1024) if number == 0 else b""
+        return zstandard.ZstdCompressor().compress(raw), len(raw)
+    bad = crafted_from_good(tmp_path, with_zeros)
     tar = subprocess.run(["tar", "-tf", str(bad)], capture_output=True, text=True)
     assert tar.returncode == 0 and len(tar.stdout.split()) < 10      # what plain tar makes of it
     with Bundle.open(bad) as opened:
