@@ -23,7 +23,7 @@ from .plain import PlainRoute
 from .planner import Plan
 from .pull_phases import OpenSource, plan_pull
 from .pull_strategies import PullContext, early_stream, pull_strategy
-from .push_phases import OpenDestination, finish_push, plan_push
+from .push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
 from .push_strategies import PushContext, push_strategy
 from .repair import COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, finish_local_pull
 from .route_registry import check_route_options
@@ -62,21 +62,21 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
     if options.dry_run:
         return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
-    with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:
-        walking = walker.submit(scan, src, "none", 0, include=include)     # while ssh connects, locks and probes
+    with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:     # while ssh connects and locks
+        walking = walker.submit(scan_and_survey, src, include, options.large_file_bytes)
         try:
             with OpenDestination(endpoint, options, wait=items is not None, listing=include is None) as dest:
-                return _push_locked(walking.result(), dest, progress, include, started)
+                return _push_locked(*walking.result(), dest, progress, include, started)
         finally:
             walking.cancel()
 
 
-def _push_locked(full: SourceTree, dest: OpenDestination, progress: Progress | None,
+def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination, progress: Progress | None,
                  include: frozenset[bytes] | None, started: float) -> StagingResult:
     """push, once DEST is open and locked: compare and plan (:func:`plan_push`), run the strategy with retries,
     then finish (:func:`finish_push`: deletions, directory times, DEST/.pallet cleared)."""
     transport, endpoint, options, whole = dest.transport, dest.endpoint, dest.options, include is None
-    planned = plan_push(dest, full, include)
+    planned = plan_push(dest, full, include, surveyed)
     inventory, comparison = planned.inventory, planned.comparison
     if not dest.lock.supported:
         transport.mkdir(endpoint.path)      # the lock made DEST otherwise

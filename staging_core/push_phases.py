@@ -96,19 +96,44 @@ def compare_destination(dest: OpenDestination, tree: SourceTree) -> Comparison |
     return compare_with_dest(dest.transport, dest.endpoint, tree, dest.options.checksum)
 
 
-def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes] | None = None) -> PushPlan:
+@dataclass(frozen=True)
+class SourceSurvey:
+    """What the planner needs of a scanned tree: its inventory, its files' paths and their compression ratio."""
+
+    inventory: Inventory
+    paths: list[bytes]
+    ratio: float
+
+
+def survey(tree: SourceTree, large_file_bytes: int) -> SourceSurvey:
+    """Survey a scanned tree for the planner (it reads a sample of the files to measure their ratio)."""
+    inventory, paths = tree_inventory(tree, large_file_bytes)
+    return SourceSurvey(inventory, paths, compress_ratio(os.fsdecode(tree.root), paths))
+
+
+def scan_and_survey(src: str, include: frozenset[bytes] | None, large_file_bytes: int
+                    ) -> tuple[SourceTree, SourceSurvey]:
+    """Scan ``src`` (only ``include`` of it, when given) and survey it: what a push does while ssh connects."""
+    tree = scan(src, "none", 0, include=include)
+    return tree, survey(tree, large_file_bytes)
+
+
+def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes] | None = None,
+              surveyed: SourceSurvey | None = None) -> PushPlan:
     """Compare a whole tree (``include`` None) with DEST and narrow it to what differs, then plan what is left:
     the inventory, the planner's choice from the route's profile, and the strategy (a hybrid plan of a
-    selection or into the plain-tools route runs as a bundle). Raises UsageError for a strategy the
-    destination cannot honour."""
+    selection or into the plain-tools route runs as a bundle). ``surveyed``: the tree's survey, made already
+    (used unless the comparison narrows the tree). Raises UsageError for a strategy the destination cannot
+    honour."""
     src, options = os.fsdecode(tree.root), dest.options
     comparison = compare_destination(dest, tree) if include is None else None
     if comparison is not None and not comparison.nothing_to_send:
         include = frozenset(comparison.to_send)
-        tree = scan(src, "none", 0, include=include)
-    inventory, paths = tree_inventory(tree, options.large_file_bytes)
+        tree, surveyed = scan_and_survey(src, include, options.large_file_bytes)
+    surveyed = surveyed or survey(tree, options.large_file_bytes)
+    inventory, paths = surveyed.inventory, surveyed.paths
     profile, bundle_possible = route_profile(dest.endpoint, options, dest.route is not None)
-    chosen = plan(inventory.stats, profile, compress_ratio(src, paths), max(1, options.ranks), bundle_possible)
+    chosen = plan(inventory.stats, profile, surveyed.ratio, max(1, options.ranks), bundle_possible)
     strategy = resolve_strategy(chosen, options, dest.route, dest.endpoint)
     if strategy == "hybrid" and (include is not None or isinstance(dest.route, PlainRoute)):
         strategy = "bundle"
