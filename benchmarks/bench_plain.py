@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench_bundle import ROOT
-from workloads import KIB, Workload, common_parser, ensure_workload
+from workloads import KIB, POSIX_TAR, Workload, common_parser, ensure_workload, md5_list
 
 sys.path.insert(0, str(ROOT))
 from staging_core.testing import snapshot     # noqa: E402
@@ -33,7 +33,6 @@ FLOOR = "the same, ns mtimes, md5sum -c there"
 # The verified floor: the hand-made stream with what the plain route must add that is not pallet's own work:
 # nanosecond mtimes (pax headers, as pallet's bundles carry them) and an md5sum of every file at the far side,
 # checked against a list made before the clock starts. No verified route can take less on this machine.
-POSIX_TAR = "tar --format=posix --pax-option=delete=atime,delete=ctime"
 
 
 def methods(sshd, python: str) -> dict[str, list[str] | None]:
@@ -47,14 +46,6 @@ def methods(sshd, python: str) -> dict[str, list[str] | None]:
             "rsync -a over ssh": ["rsync", "-a", "-e", shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options])]}
 
 
-def md5_list(src: Path, listing: Path) -> Path:
-    """md5sum's lines for every file of ``src`` (relative ``./`` names), for the verified floor's check."""
-    names = subprocess.run(["find", ".", "-type", "f", "-print0"], cwd=src, capture_output=True, check=True).stdout
-    listing.write_bytes(subprocess.run(["xargs", "-0", "md5sum", "--"], cwd=src, input=names, capture_output=True,
-                                       check=True).stdout)
-    return listing
-
-
 def pipeline(sshd, src: Path, dest: Path, checked: Path | None) -> list[str]:
     """The hand-made stream into ``dest`` (with ``checked``: the verified floor, checked against that list)."""
     q = shlex.quote
@@ -62,7 +53,7 @@ def pipeline(sshd, src: Path, dest: Path, checked: Path | None) -> list[str]:
     if checked is not None:
         remote += f" && cd {q(str(dest))} && md5sum --quiet --strict -c {q(str(checked))}"
     ssh = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options, f"{sshd.user}@127.0.0.1", remote])
-    tar = "tar" if checked is None else POSIX_TAR
+    tar = "tar" if checked is None else shlex.join(POSIX_TAR)
     return ["bash", "-o", "pipefail", "-c", f"{tar} -cf - -C {q(str(src))} . | zstd -q -T0 -c | {ssh}"]
 
 

@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from bench_bundle import child_env, pallet_cmd
 from wan import LinkSpec, WanLink, emulated_wan
 from wan_servers import NetnsGridFTP, NetnsSSHD, start_netns_gridftp, start_netns_sshd
+from workloads import POSIX_TAR, md5_list
 
 Manifest = dict[str, int]          # relative path -> size of every regular file
 RUN_TIMEOUT_S = 3 * 3600           # one run taking longer than this counts as failed
@@ -261,19 +262,12 @@ def stream_peer(rig: Rig, tap: list[str] | None = None) -> Callable[[Path, Path]
     return run
 
 
-POSIX_TAR = ["tar", "--format=posix", "--pax-option=delete=atime,delete=ctime"]
-
-
 def verified_stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     """The verified floor: the hand-made stream with nanosecond mtimes (pax headers, as pallet's bundles carry
     them), then `md5sum -c` at the far side against a list of the source's files made before the clock starts
     (bench_plain.py explains the floor)."""
     def run(src: Path, dest: Path) -> Outcome:
-        listing = src.parent / f"{src.name}.md5"
-        if not listing.exists():
-            names = subprocess.run(["find", ".", "-type", "f", "-print0"], cwd=src, capture_output=True, check=True)
-            listing.write_bytes(subprocess.run(["xargs", "-0", "md5sum", "--"], cwd=src, input=names.stdout,
-                                               capture_output=True, check=True).stdout)
+        listing = md5_list(src, src.parent / f"{src.name}.md5")
         remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | {shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"
                   f" && cd {shlex.quote(str(dest))} && {shlex.join(['md5sum', '--quiet', '--strict', '-c', str(listing)])}")
         return _timed_pipeline([[*POSIX_TAR, "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,20 @@ class MixedWorkload:
     def fill(self, src: Path) -> None:
         self.small.fill(src / "small")
         self.large.fill(src / "large")
+
+
+# GNU tar keeping nanosecond mtimes in pax records, as pallet's bundles do (the verified floors of the push benchmarks)
+POSIX_TAR = ["tar", "--format=posix", "--pax-option=delete=atime,delete=ctime"]
+
+
+def md5_list(src: Path, listing: Path) -> Path:
+    """Write md5sum's lines for every file of ``src`` (relative ``./`` names) to ``listing``, unless it is there:
+    the list a verified floor checks with `md5sum -c`, made before any clock starts."""
+    if not listing.exists():
+        names = subprocess.run(["find", ".", "-type", "f", "-print0"], cwd=src, capture_output=True, check=True)
+        listing.write_bytes(subprocess.run(["xargs", "-0", "md5sum", "--"], cwd=src, input=names.stdout,
+                                           capture_output=True, check=True).stdout)
+    return listing
 
 
 def _size(nbytes: int) -> str:

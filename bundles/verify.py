@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from . import container, native
 from .errors import BundleError, CorruptBundleError
-from .extract import SHARD_WINDOW, RangeReader, check_members, hash_range, held_whole, read_up_to
+from .extract import SHARD_WINDOW, RangeReader, check_members, hash_range, held_whole, members_end, read_up_to
 from .index import Index, Shard, content_hash, new_hasher
 from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for
@@ -110,11 +110,7 @@ def check_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[
 
 
 def _tail_matches(index: Index, shard: Shard, data: bytes) -> bool:
-    end = 0
-    if shard.entry_count:
-        last = shard.first_entry + shard.entry_count - 1
-        end = index.data_offsets[last] + (index.sizes[last] + -index.sizes[last] % 512 if index.kinds[last] == Kind.FILE else 0)
-    return data[end:] == END_OF_ARCHIVE
+    return data[members_end(index, shard):] == END_OF_ARCHIVE
 
 
 def _check_streamed_shard(bundle: Bundle, index: Index, shard: Shard, last: bool) -> list[str]:

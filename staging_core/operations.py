@@ -27,7 +27,7 @@ from .push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, 
 from .push_strategies import PushContext, push_strategy
 from .repair import COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, finish_local_pull
 from .route_registry import check_route_options
-from .strategy_base import Attempt, resolve_strategy, streams_where
+from .strategy_base import Attempt, check_stream_shard_size, resolve_strategy
 from .streaming import PullStream
 from .transports.base import Direction, Endpoint, Transport, parse_url
 from .transports.errors import TransportError
@@ -190,7 +190,7 @@ def _check_options(options: StagingOptions) -> None:
         raise UsageError(f"unknown stream mode {options.stream!r}", hint=f"use one of {', '.join(STREAM_MODES)}")
     if options.ranks < 0 or options.retries < 0:
         raise UsageError("--ranks and --retries must not be negative")
-    streams_where(True, options, "")       # --stream on with a --shard-size no stream carries: refused here
+    check_stream_shard_size(options)
 
 
 def _prepare_local_dest(dest: str) -> None:

@@ -177,8 +177,8 @@ class _TarBatches:
             self._open().write(built.compressed)
             sent = len(built.compressed)
         self.names.extend(files)
-        self.run_bytes += built.file_bytes + 1024 * plan.count
-        self.left -= built.file_bytes + 1024 * plan.count
+        taken = built.file_bytes + 1024 * plan.count
+        self.run_bytes, self.left = self.run_bytes + taken, self.left - taken
         if self.run_bytes >= min(TAR_RUN_BYTES, self.left) or plan.last:
             self.end()
         return sent
@@ -186,7 +186,7 @@ class _TarBatches:
     def end(self) -> None:
         """End the open run there and queue its files for checking."""
         if self.frames is not None:
-            self.session.end_shard(self.frames, b"./" + b"\0./".join(self.names) + b"\0" if self.names else b"")
+            self.session.end_shard(self.frames, _names_input(self.names))
         self.frames, self.names, self.run_bytes = None, [], 0
 
     def _open(self) -> FrameWriter:
@@ -246,4 +246,5 @@ class _ShardDigests:
 
 
 def _names_input(paths: list[bytes]) -> bytes:
-    return b"".join(b"./" + path + b"\0" for path in paths)
+    """``paths`` as the far side's xargs -0 takes them: ./NAME, each ended by a NUL."""
+    return b"./" + b"\0./".join(paths) + b"\0" if paths else b""

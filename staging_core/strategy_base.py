@@ -94,14 +94,24 @@ def resolve_strategy(chosen, options: StagingOptions, route, endpoint: Endpoint)
 
 def streams_where(capable: bool, options: StagingOptions, why_not: str, needs: str = "") -> bool:
     """Whether ``options.stream`` (auto, on, off) streams where ``capable`` says it can, and ``--shard-size``
-    allows (a receiver holds each shard sent whole, so shards above MAX_STREAMED_SHARD_SIZE are stored and
-    forwarded); UsageError for 'on' where it cannot."""
-    if options.shard_size and options.shard_size > MAX_STREAMED_SHARD_SIZE:
-        capable, why_not = False, f"a --shard-size above {MAX_STREAMED_SHARD_SIZE >> 20}M is not streamed"
-        needs = f", or --shard-size {MAX_STREAMED_SHARD_SIZE >> 20}M or less"
+    allows (see :func:`check_stream_shard_size`); UsageError for 'on' where it cannot."""
+    check_stream_shard_size(options)
     if options.stream == "on" and not capable:
         raise UsageError(f"--stream on: {why_not}", hint=f"use --stream auto or off{needs}")
-    return capable and options.stream != "off"
+    return capable and options.stream != "off" and not _above_streamed_shards(options)
+
+
+def check_stream_shard_size(options: StagingOptions) -> None:
+    """UsageError for ``--stream on`` with a ``--shard-size`` no stream carries: a receiver holds each shard
+    sent whole, so shards above MAX_STREAMED_SHARD_SIZE are stored and forwarded instead."""
+    if options.stream == "on" and _above_streamed_shards(options):
+        most = MAX_STREAMED_SHARD_SIZE >> 20
+        raise UsageError(f"--stream on: a --shard-size above {most}M is not streamed",
+                         hint=f"use --stream auto or off, or --shard-size {most}M or less")
+
+
+def _above_streamed_shards(options: StagingOptions) -> bool:
+    return bool(options.shard_size and options.shard_size > MAX_STREAMED_SHARD_SIZE)
 
 
 def transfer_all(transport: Transport, direction: Direction, local: str, endpoint: Endpoint,
