@@ -5,6 +5,7 @@ import threading
 from dataclasses import dataclass, field
 
 from bundles.errors import DestinationError
+from bundles.state import JOURNAL_KINDS
 
 from .plain import FIND_RECORDS
 from .transports.base import Endpoint, Transport
@@ -22,7 +23,7 @@ FRAME_BYTES = 4 << 20     # stream bytes gathered into one frame (one `head -c` 
 #   W     wait for the queued md5sums; reply with their lines
 #   F C   done: remove the INCOMPLETE mark (C=1: all of DEST/.pallet, else only if that empties it); reply "done"
 # A reply is its length in bytes on one line, then the bytes. End of input before F: the pusher is gone (exit 9).
-SESSION_SCRIPT = r"""
+SESSION_SCRIPT = (r"""
 set -u
 fail() { echo "pallet: $1" >&2; exit "$2"; }
 mkdir -p -- "$1" 2>/dev/null && cd -- "$1" || fail "cannot create or enter $1" 5
@@ -40,7 +41,7 @@ while read -r command size; do
   case $command in
   H) head -c "$size" | xargs -0 -r md5sum -- > .pallet/sums 2>/dev/null; reply .pallet/sums ;;
   T) if [ -z "$checker" ]; then
-       rm -rf .pallet/journal-* .pallet/stream-* && : > .pallet/INCOMPLETE && mkfifo .pallet/queue \
+       rm -rf JOURNALS && : > .pallet/INCOMPLETE && mkfifo .pallet/queue \
          && exec 8<>.pallet/queue || fail "cannot write in $1" 5
        xargs -0 -r -n 2048 md5sum -- < .pallet/queue > .pallet/checked 2>/dev/null 8>&- &
        checker=$!
@@ -56,7 +57,7 @@ while read -r command size; do
   esac
 done
 exit 9
-"""
+""").replace("JOURNALS", " ".join(f".pallet/{kind}*" for kind in JOURNAL_KINDS))
 
 
 @dataclass

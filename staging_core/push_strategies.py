@@ -9,7 +9,7 @@ from typing import Callable
 
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree
-from bundles.state import drop_journals, ensure_state_dir
+from bundles.state import JOURNAL_KINDS, drop_journals, ensure_state_dir
 from bundles.writer import PackOptions, pack
 
 from .far_session import SessionStream
@@ -134,8 +134,8 @@ cd -- "$1" 2>/dev/null && [ -d .pallet ] && [ ! -L .pallet ] || exit 0
 here=$(pwd -P; echo .) && cd ./.pallet && there=$(pwd -P; echo .) || exit 0
 here=${here%?.}; [ "$here" = / ] && here=
 [ "${there%?.}" = "$here/.pallet" ] || exit 0
-rm -rf -- journal-* stream-*
-"""
+rm -rf -- JOURNALS
+""".replace("JOURNALS", " ".join(f"{kind}*" for kind in JOURNAL_KINDS))
 
 
 def drop_writer_journals(ctx: PushContext) -> None:
