@@ -17,7 +17,7 @@ from types import ModuleType
 
 from .errors import UsageError
 
-INTERFACE = 3          # the extension's interface version this wrapper speaks
+INTERFACE = 4          # the extension's interface version this wrapper speaks
 
 
 @dataclass(frozen=True)

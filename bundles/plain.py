@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Iterator
 
+from . import native as native_engine
 from .errors import BundleError, UnsafeMemberError
-from .extract import destination_error, remove_stale, write_chunks
+from .extract import current_umask, destination_error, remove_stale, write_chunks
+from .plain_reader import PlainReader
 from .progress import Progress
 from .safety import path_problem, safe_mode, symlink_problem
-
-_TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
-
 
 @dataclass
 class PlainStats:
@@ -34,42 +33,31 @@ class StreamedArchive:
     raw: object
 
 
-def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
-    """Yield the members of a plain archive (an opened Bundle, or a StreamedArchive) in stream order; BundleError
-    if it is not one."""
+def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, PlainReader]]:
+    """Yield the members of a plain archive (an opened Bundle, or a StreamedArchive) in stream order, with the
+    reader that reads their data; BundleError if it is not one."""
+    reader = _reader(bundle)
+    while (member := reader.next_member()) is not None:
+        yield member, reader
+
+
+def _reader(bundle) -> PlainReader:
     raw = bundle.raw if isinstance(bundle, StreamedArchive) else _FdReader(bundle.fd)
-    stream = bundle.codec.open_stream(raw)
-    try:
-        archive = tarfile.open(fileobj=stream, mode="r|", errorlevel=2)
-    except tarfile.ReadError as exc:
-        raise BundleError(f"not a tar archive or pallet bundle ({exc})", bundle.path, _TRUNCATED_HINT) from None
-    try:
-        for member in archive:
-            yield member, archive
-        ended_on_zero_block = archive.fileobj.tell() - archive.offset == tarfile.BLOCKSIZE
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise BundleError(f"archive is damaged or truncated ({exc})", bundle.path, _TRUNCATED_HINT) from None
-    if not ended_on_zero_block:
-        raise BundleError("archive is truncated (it ends without end-of-archive blocks)", bundle.path,
-                          _TRUNCATED_HINT)
+    return PlainReader(bundle.path, bundle.codec.open_stream(raw))
 
 
-_MEMBER_CHUNK = 8 << 20
+class _WrittenFiles:
+    """The names of the regular files an extraction wrote (what the pure-Python engine keeps of what
+    ``bundles._native.PlainExtraction`` keeps)."""
 
+    def __init__(self):
+        self.files = set()
 
-def _member_chunks(archive: tarfile.TarFile, member: tarfile.TarInfo, bundle) -> Iterator[bytes]:
-    """A member's data in chunks of at most 8 MiB, whatever its size; BundleError if the archive ends early."""
-    data, remaining = archive.extractfile(member), member.size
-    while remaining:
-        try:
-            chunk = data.read(min(remaining, _MEMBER_CHUNK))
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise BundleError(f"archive is damaged or truncated at {member.name!r} ({exc})", bundle.path,
-                              _TRUNCATED_HINT) from None
-        if not chunk:
-            raise BundleError(f"archive is truncated inside {member.name!r}", bundle.path, _TRUNCATED_HINT)
-        remaining -= len(chunk)
-        yield chunk
+    def add_file(self, name: bytes) -> None:
+        self.files.add(name)
+
+    def has_file(self, name: bytes) -> bool:
+        return name in self.files
 
 
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
@@ -78,46 +66,67 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     Links are created after all files (so nothing is written through them),
     directory metadata last. Members are read in stream order only. Symlink
     targets are checked once every symlink name is known, and any name under
-    a symlink member (refused or not) is refused.
+    a symlink member (refused or not) is refused. With the native engine,
+    runs of plain files and directories are written by it; every other
+    member, and every one it cannot write, is read here by the same rules.
     """
     progress.start("unpack (no index: files not verified)", 0, 0)
-    root = os.fsencode(dest)
-    stats, refused = PlainStats(), []
-    directories: dict[bytes, tarfile.TarInfo] = {}
-    links: list[tuple[tarfile.TarInfo, bytes]] = []
-    files: set[bytes] = set()
-    symlink_names = set()
-    for member, archive in iter_members(bundle):
+    root, reader = os.fsencode(dest), _reader(bundle)
+    native = native_engine.module()
+    written = native.PlainExtraction(root + b"/", current_umask()) if native else _WrittenFiles()
+    stats, refused, links, symlink_names = PlainStats(), [], [], set()
+    directories: dict[bytes, tuple[int, int]] = {}
+    while True:
+        if native:
+            _take_native_run(reader, written, stats, directories, progress)
+        member = reader.next_member()
+        if member is None:
+            break
         name = _normalized(os.fsencode(member.name))
         if not name:
             continue                      # the archive's root, "./"
         if member.issym():
             symlink_names.add(name)
-        reason = _member_problem(member, name, files, symlink_names)
+            if native:
+                written.add_symlink(name)
+        reason = _member_problem(member, name, written, symlink_names)
         if reason:
             refused.append((member.name, reason))
             continue
         stats.entries += 1
-        path = os.path.join(root, name)
         _make_parents(root, name)
         if member.isdir():
             _make_parents(root, name + b"/x")
-            directories[name] = member
+            directories[name] = (member.mode, mtime_ns(member))
         elif member.isfile():
-            size = write_chunks(path, _member_chunks(archive, member, bundle), member.mode, mtime_ns(member))
-            files.add(name)
+            size = write_chunks(os.path.join(root, name), reader.data_chunks(member), member.mode, mtime_ns(member))
+            written.add_file(name)
             stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + size
             progress.advance(1, size)
         else:
             links.append((member, name))
     _finish_links(root, links, symlink_names, refused)
-    for name in sorted(directories, key=lambda n: n.count(b"/"), reverse=True):
-        member = directories[name]
-        os.chmod(os.path.join(root, name), safe_mode(member.mode))
-        os.utime(os.path.join(root, name), ns=(mtime_ns(member),) * 2)
+    _finish_directories(root, directories)
     if refused:
         raise UnsafeMemberError(refused, bundle.path)
     return stats
+
+
+def _take_native_run(reader: PlainReader, extraction, stats: PlainStats, directories: dict,
+                     progress: Progress) -> None:
+    entries, files, size, made = reader.run_native(extraction)
+    stats.entries, stats.files, stats.file_bytes = stats.entries + entries, stats.files + files, stats.file_bytes + size
+    directories.update((name, (mode, mtime)) for name, mode, mtime in made)
+    if files:
+        progress.advance(files, size)
+
+
+def _finish_directories(root: bytes, directories: dict[bytes, tuple[int, int]]) -> None:
+    """Apply directory members' modes and mtimes, deepest first (so a read-only parent is set last)."""
+    for name in sorted(directories, key=lambda n: n.count(b"/"), reverse=True):
+        mode, mtime = directories[name]
+        os.chmod(os.path.join(root, name), safe_mode(mode))
+        os.utime(os.path.join(root, name), ns=(mtime, mtime))
 
 
 def _normalized(name: bytes) -> bytes:
@@ -136,7 +145,7 @@ def mtime_ns(member: tarfile.TarInfo) -> int:
         return int(member.mtime) * 1_000_000_000
 
 
-def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: set) -> str | None:
+def _member_problem(member: tarfile.TarInfo, name: bytes, written, symlinks: set) -> str | None:
     reason = path_problem(name)
     if reason:
         return reason
@@ -145,8 +154,10 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, files: set, symlinks: 
         return "written through a symlink"
     if member.isdev() or member.isfifo():
         return "device node or FIFO"
+    if member.issparse():
+        return "sparse file (pallet does not extract these: use GNU tar)"
     if member.islnk():
-        if _normalized(os.fsencode(member.linkname)) not in files:
+        if not written.has_file(_normalized(os.fsencode(member.linkname))):
             return f"hard link to {member.linkname!r}, which is not a file extracted earlier"
     elif not (member.isfile() or member.isdir() or member.issym()):
         return f"unsupported member type {member.type!r}"

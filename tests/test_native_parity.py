@@ -307,3 +307,28 @@ def test_both_engines_verify_a_damaged_bundle_with_the_same_report(monkeypatch, 
         with Bundle.open(bundle) as opened:
             reports.append(verify_bundle(opened).problems)
     assert reports[0] == reports[1] and any("content does not match its hash" in p for p in reports[0])
+
+
+@needs_native
+def test_the_native_engine_writes_runs_of_plain_members_and_stops_where_python_must_read(tmp_path):
+    """A GNU tar stream of a directory, 40 files, then a symlink: one run writes the directory and the files
+    and stops at the symlink (unwritten) for the Python reader; nothing is written under a symlink member."""
+    (tmp_path / "src" / "d").mkdir(parents=True)
+    files = [f"d/f{n:02d}" for n in range(40)]
+    for name in files:
+        (tmp_path / "src" / name).write_bytes(b"x" * 100)
+    os.symlink("f00", tmp_path / "src" / "d" / "zz_link")
+    data = subprocess.run(["tar", "--format=gnu", "--no-recursion", "-cf", "-", "-C", str(tmp_path / "src"), "d",
+                           *files, "d/zz_link"], check=True, capture_output=True).stdout
+    root = os.fsencode(tmp_path / "out") + b"/"
+    os.mkdir(root)
+    run = ENGINE.PlainExtraction(root, None)
+    consumed, needed, entries, written, size, made = run.run(data, 0)
+    assert (entries, written, size, needed) == (41, 40, 4000, 0)
+    assert [name for name, _, _ in made] == [b"d"] and data[consumed + 156:consumed + 157] == b"2"
+    assert run.has_file(b"d/f00") and not run.has_file(b"d/zz_link")
+    assert not os.path.lexists(tmp_path / "out" / "d" / "zz_link")
+    under = ENGINE.PlainExtraction(os.fsencode(tmp_path / "again") + b"/", None)
+    os.mkdir(tmp_path / "again")
+    under.add_symlink(b"d")
+    assert under.run(data, 0)[2:4] == (1, 0)          # the directory d itself, then a stop at d/f00

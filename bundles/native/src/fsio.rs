@@ -151,3 +151,10 @@ pub fn mtime_ns(st: &libc::stat) -> i64 {
 pub fn ctime_ns(st: &libc::stat) -> i64 {
     st.st_ctime * 1_000_000_000 + st.st_ctime_nsec
 }
+
+/// mkdir(2) of a path with `mode` (less the umask).
+pub fn mkdir(path: &[u8], mode: u32) -> io::Result<()> {
+    let c = c_path(path)?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    check(unsafe { libc::mkdir(c.as_ptr(), mode as libc::mode_t) }).map(|_| ())
+}

@@ -1,7 +1,8 @@
 //! `bundles._native`: the per-file loops of pack and unpack in compiled code, called with the GIL released.
 //!
 //! Every function takes the index's columns as Python hands them over (NUL-joined names, `array` bytes),
-//! owns its state for the call alone, and reports failures as `NativeFailure(kind, entry, errno)` for the
+//! owns its state for the call alone (`PlainExtraction`, the plain-archive writer, owns one extraction's),
+//! and reports failures as `NativeFailure(kind, entry, errno)` for the
 //! Python wrapper in `bundles/native.py` to turn into pallet's own errors. The bindings live in `py_*.rs`,
 //! the work in the other modules.
 
@@ -10,8 +11,11 @@ mod copy;
 mod fsio;
 mod header;
 mod pack;
+mod plain_header;
+mod plain_run;
 mod py_copy;
 mod py_pack;
+mod py_plain;
 mod py_unpack;
 mod safety;
 mod scan;
@@ -31,7 +35,7 @@ create_exception!(
 );
 
 /// The version of this engine's interface, checked by the Python wrapper before use.
-const INTERFACE: u32 = 3;
+const INTERFACE: u32 = 4;
 
 /// The entry columns as Python passes them, one tuple: (count, paths, links, kinds, modes, mtimes, sizes),
 /// names NUL-joined and numbers as `array` bytes (see `entry_columns` in bundles/native.py).
@@ -89,5 +93,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_unpack::trivially_safe, m)?)?;
     m.add_function(wrap_pyfunction!(py_copy::kinds_of, m)?)?;
     m.add_function(wrap_pyfunction!(py_copy::copy_files, m)?)?;
+    m.add_class::<py_plain::PlainExtraction>()?;
     Ok(())
 }

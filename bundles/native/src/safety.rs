@@ -29,7 +29,7 @@ pub fn trivially_safe(paths: &[&[u8]], kinds: &[u8]) -> bool {
 }
 
 /// A relative name of non-empty components, none `.`, `..` or starting with `.pallet`, and no NUL.
-fn plain_name(path: &[u8]) -> bool {
+pub(crate) fn plain_name(path: &[u8]) -> bool {
     !path.is_empty()
         && !path.contains(&0)
         && path.split(|&b| b == b'/').all(|part| {

@@ -152,7 +152,7 @@ pub fn extract_files(
 }
 
 /// Create `path` holding `content` (Err(None): a directory stands there).
-fn write_file(
+pub(crate) fn write_file(
     path: &[u8],
     content: &[u8],
     mode: u32,

@@ -1,0 +1,162 @@
+"""Members of a plain tar archive read in stream order through a bounded window of its decompressed bytes."""
+from __future__ import annotations
+
+import tarfile
+from typing import Iterator
+
+from .errors import BundleError
+
+TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
+WINDOW_FILL = 4 << 20          # decompressed bytes asked of the codec per refill
+MEMBER_CHUNK = 8 << 20         # the most of one member's data held at once
+HEADER_LIMIT = 1 << 20         # the most header bytes (extended headers, sparse maps) read for one member
+_BLOCK = tarfile.BLOCKSIZE
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+class Window:
+    """The archive's decompressed bytes from the current position: a buffer refilled from the codec stream.
+
+    ``data[pos:]`` are the bytes not yet consumed; ``tell()`` is the position in the whole stream. The buffer
+    holds at most what one refill or one read asked for beyond the unconsumed rest.
+    """
+
+    def __init__(self, stream):
+        self.stream, self.data, self.pos, self.base = stream, b"", 0, 0
+
+    def tell(self) -> int:
+        return self.base + self.pos
+
+    def available(self) -> int:
+        return len(self.data) - self.pos
+
+    def fill(self, wanted: int) -> None:
+        """Make ``wanted`` bytes available, fewer only at the end of the stream."""
+        if self.available() >= wanted:
+            return
+        parts, have = [self.data[self.pos:]], self.available()
+        while have < wanted:
+            chunk = self.stream.read(max(wanted - have, WINDOW_FILL))
+            if not chunk:
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        self.base, self.data, self.pos = self.base + self.pos, b"".join(parts), 0
+
+    def read(self, size: int) -> bytes:
+        """Up to ``size`` bytes (fewer only at the end of the stream)."""
+        self.fill(size)
+        out = self.data[self.pos:self.pos + size]
+        self.pos += len(out)
+        return out
+
+    def skip(self, count: int) -> int:
+        """Consume ``count`` bytes without holding more than one chunk; return how many there were."""
+        skipped = 0
+        while skipped < count:
+            step = len(self.read(min(count - skipped, MEMBER_CHUNK)))
+            if not step:
+                break
+            skipped += step
+        return skipped
+
+
+class _HeaderReads:
+    """The window as ``tarfile`` reads a member's headers through it: at most ``budget`` bytes, then an error."""
+
+    def __init__(self, window: Window, path: str):
+        self.window, self.path, self.budget = window, path, HEADER_LIMIT
+
+    def tell(self) -> int:
+        return self.window.tell()
+
+    def read(self, size: int) -> bytes:
+        self.budget -= size
+        if self.budget < 0:
+            raise BundleError(f"a member's headers (at byte {self.window.tell():,}) are longer than pallet reads "
+                              f"({HEADER_LIMIT:,} bytes)", self.path,
+                              "the archive is damaged or crafted; extract it with GNU tar if you trust it")
+        return self.window.read(size)
+
+
+class _Cursor:
+    """What ``tarfile.TarInfo.fromtarfile`` reads a member through (a TarFile's reading state)."""
+
+    def __init__(self, window: Window, path: str):
+        self.fileobj, self.offset, self.pax_headers = _HeaderReads(window, path), 0, {}
+        self.encoding, self.errors = tarfile.ENCODING, "surrogateescape"
+
+
+class PlainReader:
+    """The members of one plain archive, in stream order; a member's data is read or skipped before the next.
+
+    ``next_member`` returns None at the end-of-archive block and raises BundleError for anything that is
+    not a complete tar archive (naming the archive).
+    """
+
+    def __init__(self, path: str, stream):
+        self.path, self.window = path, Window(stream)
+        self.cursor = _Cursor(self.window, path)
+        self._data_end = 0            # where the current member's data and padding end
+
+    def next_member(self) -> tarfile.TarInfo | None:
+        self._skip_to(self._data_end)
+        header = self._peek_header()
+        if header == _ZERO_BLOCK:
+            return None
+        start = self.window.tell()
+        self.cursor.fileobj.budget = HEADER_LIMIT
+        try:
+            member = tarfile.TarInfo.fromtarfile(self.cursor)
+        except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError) as exc:
+            raise self._damaged(exc, start) from None
+        self._data_end = self.cursor.offset
+        return member
+
+    def data_chunks(self, member: tarfile.TarInfo) -> Iterator[bytes]:
+        """A regular member's data in chunks of at most MEMBER_CHUNK bytes; BundleError if the archive ends."""
+        remaining = member.size
+        while remaining:
+            chunk = self.window.read(min(remaining, MEMBER_CHUNK))
+            if not chunk:
+                raise BundleError(f"archive is truncated inside {member.name!r}", self.path, TRUNCATED_HINT)
+            remaining -= len(chunk)
+            yield chunk
+
+    def run_native(self, extraction) -> tuple[int, int, int, list]:
+        """Let the native ``extraction`` write the simple members from here (see bundles/native/src/plain_run.rs);
+        return (entries, files, bytes, [(directory, mode, mtime_ns)]) it wrote."""
+        totals, directories = [0, 0, 0], []
+        self._skip_to(self._data_end)
+        while not self.cursor.pax_headers:          # a global pax header changes every member: Python reads
+            window = self.window
+            consumed, needed, entries, files, size, made = extraction.run(window.data, window.pos)
+            window.pos += consumed
+            totals = [totals[0] + entries, totals[1] + files, totals[2] + size]
+            directories.extend(made)
+            if not needed or needed > MEMBER_CHUNK:
+                break
+            window.fill(needed)
+            if window.available() < needed:
+                break                                # the archive ends: Python reports how
+        self._data_end = self.window.tell()
+        return totals[0], totals[1], totals[2], directories
+
+    def _skip_to(self, position: int) -> None:
+        behind = position - self.window.tell()
+        if behind > 0 and self.window.skip(behind) < behind:
+            raise BundleError("archive is truncated inside its last member", self.path, TRUNCATED_HINT)
+
+    def _peek_header(self) -> bytes:
+        window = self.window
+        window.fill(_BLOCK)
+        header = window.data[window.pos:window.pos + _BLOCK]
+        if len(header) < _BLOCK:
+            raise BundleError("archive is truncated (it ends without end-of-archive blocks)", self.path,
+                              TRUNCATED_HINT)
+        return header
+
+    def _damaged(self, exc: Exception, start: int) -> BundleError:
+        if start == 0:
+            return BundleError(f"not a tar archive or pallet bundle ({exc})", self.path, TRUNCATED_HINT)
+        return BundleError(f"archive is damaged or truncated ({exc})", self.path, TRUNCATED_HINT)
