@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case("128 MiB random .tar.gz", args.workdir / "plain-128m.tar.gz", "-z"),
              Case("1 GiB zeros .tar.gz", args.workdir / "plain-1g-zeros.tar.gz", "-z"),
              Case("1 GiB zeros .tar.zst", args.workdir / "plain-1g-zeros.tar.zst", "--zstd"),
-             Case(f"{w1.label} .tar.zst", args.workdir / f"plain-{w1.slug}.tar.zst", "--zstd")]
-    for case, tree in zip(cases, (random_tree, zeros_tree, zeros_tree, small)):
+             Case(f"{w1.label} .tar.zst", args.workdir / f"plain-{w1.slug}.tar.zst", "--zstd"),
+             Case(f"{w1.label} .tar.gz", args.workdir / f"plain-{w1.slug}.tar.gz", "-z")]
+    for case, tree in zip(cases, (random_tree, zeros_tree, zeros_tree, small, small)):
         make_archive(tree, case.archive, case.tar_flag)
     print(f"code under test: {code_version()}; unpacking into {args.into}", flush=True)
     runs = Path(tempfile.mkdtemp(prefix="plain-archive-", dir=args.into))

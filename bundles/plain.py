@@ -11,7 +11,7 @@ from typing import Iterator
 from . import native as native_engine
 from .errors import BundleError, UnsafeMemberError
 from .extract import current_umask, destination_error, remove_stale, write_chunks
-from .plain_reader import PlainReader
+from .plain_reader import PlainReader, ReadAhead
 from .progress import Progress
 from .safety import path_problem, safe_mode, symlink_problem
 
@@ -71,7 +71,14 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     member, and every one it cannot write, is read here by the same rules.
     """
     progress.start("unpack (no index: files not verified)", 0, 0)
-    root, reader = os.fsencode(dest), _reader(bundle)
+    if isinstance(bundle, StreamedArchive):
+        return _extract_members(bundle, bundle.codec.open_stream(bundle.raw), dest, progress)
+    with ReadAhead(bundle.codec.open_stream(_FdReader(bundle.fd))) as stream:
+        return _extract_members(bundle, stream, dest, progress)
+
+
+def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStats:
+    root, reader = os.fsencode(dest), PlainReader(bundle.path, stream)
     native = native_engine.module()
     written = native.PlainExtraction(root + b"/", current_umask()) if native else _WrittenFiles()
     stats, refused, links, symlink_names = PlainStats(), [], [], set()

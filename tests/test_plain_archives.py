@@ -6,8 +6,11 @@ import io
 import os
 import subprocess
 import tarfile
+import threading
 
 import pytest
+
+from bundles import PalletError, unpack
 
 from staging_core.testing import assert_same_tree
 from tests.conftest import run_pallet
@@ -143,3 +146,17 @@ def test_a_name_that_is_both_file_and_directory_fails_naming_it(tmp_path, order,
     (tmp_path / "both.tar").write_bytes(_header(b"before", tarfile.REGTYPE, 0) + body + bytes(1024))
     stderr = _one_line_failure(tmp_path / "both.tar", tmp_path / "out", needle)
     assert os.path.join("out", "x") in stderr
+
+
+def test_damage_found_by_the_read_ahead_thread_fails_in_one_line_and_stops_it(tmp_path):
+    """The decoder runs in its own thread: its error reaches the user as pallet's, and the thread ends."""
+    tree = _tree(str(tmp_path / "src"))
+    _gnu_tar(tree, tmp_path / "a.tar.zst", "gnu", "--zstd")
+    data = bytearray((tmp_path / "a.tar.zst").read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(64)
+    (tmp_path / "bad.tar.zst").write_bytes(bytes(data))
+    _one_line_failure(tmp_path / "bad.tar.zst", tmp_path / "out", "bad.tar.zst")
+    with pytest.raises(PalletError):
+        unpack(tmp_path / "bad.tar.zst", tmp_path / "in-process")
+    assert not [t for t in threading.enumerate() if t.name == "pallet-plain-decode"]
