@@ -52,11 +52,24 @@ class Window:
         self.pos += len(out)
         return out
 
+    def read_some(self, size: int) -> bytes:
+        """Between 1 and ``size`` bytes (none only at the end of the stream), copied as little as possible: a
+        decoded chunk no larger than ``size`` is handed over as it came."""
+        if not self.available():
+            chunk = self.stream.read(WINDOW_FILL)
+            self.base, self.data, self.pos = self.tell(), chunk, 0
+            if len(chunk) <= size:
+                self.base, self.data = self.base + len(chunk), b""
+                return chunk
+        out = self.data[self.pos:self.pos + size]
+        self.pos += len(out)
+        return out
+
     def skip(self, count: int) -> int:
         """Consume ``count`` bytes without holding more than one chunk; return how many there were."""
         skipped = 0
         while skipped < count:
-            step = len(self.read(min(count - skipped, MEMBER_CHUNK)))
+            step = len(self.read_some(min(count - skipped, MEMBER_CHUNK)))
             if not step:
                 break
             skipped += step
@@ -174,7 +187,7 @@ class PlainReader:
         """A regular member's data in chunks of at most MEMBER_CHUNK bytes; BundleError if the archive ends."""
         remaining = member.size
         while remaining:
-            chunk = self.window.read(min(remaining, MEMBER_CHUNK))
+            chunk = self.window.read_some(min(remaining, MEMBER_CHUNK))
             if not chunk:
                 raise BundleError(f"archive is truncated inside {member.name!r}", self.path, TRUNCATED_HINT)
             remaining -= len(chunk)
