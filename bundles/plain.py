@@ -5,13 +5,15 @@ import os
 import stat
 import tarfile
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Iterator
 
 from . import native as native_engine
 from .errors import BundleError, UnsafeMemberError
 from .extract import current_umask, destination_error, remove_stale, write_chunks
 from .plain_reader import PlainReader, ReadAhead
+
+_VOLUME_LABEL = b"V"          # GNU tar -V: not a file; GNU tar skips it too
 from .progress import Progress
 from .safety import path_problem, safe_mode, symlink_problem
 
@@ -63,8 +65,9 @@ class _WrittenFiles:
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     """Extract every safe member; after the last one, raise UnsafeMemberError naming the refused ones.
 
-    Links are created after all files (so nothing is written through them),
-    directory metadata last. Members are read in stream order only. Symlink
+    Symlinks are created after all files (so nothing is written through
+    them; a later member of a symlink's name replaces it), hard links when
+    read (to the regular file written earlier), directory metadata last. Members are read in stream order only. Symlink
     targets are checked once every symlink name is known, and any name under
     a symlink member (refused or not) is refused. With the native engine,
     runs of plain files and directories are written by it; every other
@@ -81,7 +84,8 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
     root, reader = os.fsencode(dest), PlainReader(bundle.path, stream)
     native = native_engine.module()
     written = native.PlainExtraction(root + b"/", current_umask()) if native else _WrittenFiles()
-    stats, refused, links, symlink_names = PlainStats(), [], [], set()
+    stats, refused, symlink_names = PlainStats(), [], set()
+    links: dict[bytes, tarfile.TarInfo] = {}            # by name: a later member of that name replaces a link
     directories: dict[bytes, tuple[int, int]] = {}
     while True:
         if native:
@@ -90,8 +94,8 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
         if member is None:
             break
         name = _normalized(os.fsencode(member.name))
-        if not name:
-            continue                      # the archive's root, "./"
+        if not name or member.type == _VOLUME_LABEL:
+            continue                      # the archive's root, "./", or its label
         if member.issym():
             symlink_names.add(name)
             if native:
@@ -100,7 +104,7 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
         if reason:
             refused.append((member.name, reason))
             continue
-        stats.entries += 1
+        stats.entries += 1 - (links.pop(name, None) is not None)
         _make_parents(root, name)
         if member.isdir():
             _make_parents(root, name + b"/x")
@@ -110,8 +114,12 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
             written.add_file(name)
             stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + size
             progress.advance(1, size)
+        elif member.islnk() and _normalized(os.fsencode(member.linkname)) not in symlink_names:
+            _make_link(root, member, name, symlink_names, refused)     # now, as GNU tar: to the file as it is now
         else:
-            links.append((member, name))
+            links[name] = member          # a symlink (or a hard link to a symlink's name): once all are known
+            if native:
+                written.add_link(name)
     _finish_links(root, links, symlink_names, refused)
     _finish_directories(root, directories)
     if refused:
@@ -143,13 +151,17 @@ def _normalized(name: bytes) -> bytes:
     return b"/".join(p for p in name.split(b"/") if p not in (b"", b"."))
 
 
-def mtime_ns(member: tarfile.TarInfo) -> int:
-    """A member's mtime in nanoseconds, exact when a pax header carries it (a float would round it)."""
+def mtime_ns(member: tarfile.TarInfo) -> int | None:
+    """A member's mtime in nanoseconds, exact when a pax header carries it (a float would round it); None when
+    it is no time a file can have (infinite, NaN, beyond 64-bit nanoseconds)."""
     text = member.pax_headers.get("mtime")
     try:
-        return int(Decimal(text) * 1_000_000_000) if text else int(member.mtime) * 1_000_000_000
-    except (InvalidOperation, ValueError):
-        return int(member.mtime) * 1_000_000_000
+        seconds = Decimal(text) if text else Decimal(member.mtime)
+    except DecimalException:
+        seconds = Decimal(member.mtime)         # tarfile read it as 0
+    if not seconds.is_finite() or seconds.adjusted() > 10:
+        return None
+    return int(seconds * 1_000_000_000)
 
 
 def _member_problem(member: tarfile.TarInfo, name: bytes, written, symlinks: set) -> str | None:
@@ -163,6 +175,8 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, written, symlinks: set
         return "device node or FIFO"
     if member.issparse():
         return "sparse file (pallet does not extract these: use GNU tar)"
+    if mtime_ns(member) is None:
+        return "modification time out of range"
     if member.islnk():
         if not written.has_file(_normalized(os.fsencode(member.linkname))):
             return f"hard link to {member.linkname!r}, which is not a file extracted earlier"
@@ -195,12 +209,17 @@ def _make_parents(root: bytes, name: bytes) -> None:
                           "unpack into an empty destination")
 
 
-def _finish_links(root: bytes, links: list, symlinks: set, refused: list) -> None:
-    for member, name in links:
-        reason = _link_problem(root, member, name, symlinks)
-        if reason:
-            refused.append((member.name, reason))
-            continue
+def _finish_links(root: bytes, links: dict, symlinks: set, refused: list) -> None:
+    for name, member in links.items():
+        _make_link(root, member, name, symlinks, refused)
+
+
+def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set, refused: list) -> None:
+    """Create link member ``name`` in place of whatever non-directory is there, or add it to ``refused``."""
+    reason = _link_problem(root, member, name, symlinks)
+    if reason:
+        refused.append((member.name, reason))
+    else:
         path = os.path.join(root, name)
         try:
             remove_stale(path)

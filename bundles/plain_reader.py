@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import tarfile
 import threading
 from typing import Iterator
@@ -14,6 +15,11 @@ MEMBER_CHUNK = 8 << 20         # the most of one member's data held at once
 HEADER_LIMIT = 1 << 20         # the most header bytes (extended headers, sparse maps) read for one member
 _BLOCK = tarfile.BLOCKSIZE
 _ZERO_BLOCK = bytes(_BLOCK)
+_CRAFTED_HINT = "the archive is damaged or crafted; extract it with GNU tar if you trust it"
+_PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+_EXTENSION_TYPES = _PAX_TYPES + (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_LONG_DIGIT_RUN = re.compile(rb"[0-9]{65}")    # tarfile's pax regexes take quadratic time on such runs
+_GNU_MAGIC = b"ustar  \0"
 
 
 class Window:
@@ -46,7 +52,9 @@ class Window:
         self.base, self.data, self.pos = self.base + self.pos, b"".join(parts), 0
 
     def read(self, size: int) -> bytes:
-        """Up to ``size`` bytes (fewer only at the end of the stream)."""
+        """Up to ``size`` bytes (fewer only at the end of the stream); ValueError for a negative size."""
+        if size < 0:
+            raise ValueError(f"negative length {size}")
         self.fill(size)
         out = self.data[self.pos:self.pos + size]
         self.pos += len(out)
@@ -144,8 +152,7 @@ class _HeaderReads:
         self.budget -= size
         if self.budget < 0:
             raise BundleError(f"a member's headers (at byte {self.window.tell():,}) are longer than pallet reads "
-                              f"({HEADER_LIMIT:,} bytes)", self.path,
-                              "the archive is damaged or crafted; extract it with GNU tar if you trust it")
+                              f"({HEADER_LIMIT:,} bytes)", self.path, _CRAFTED_HINT)
         return self.window.read(size)
 
 
@@ -175,11 +182,14 @@ class PlainReader:
         if header == _ZERO_BLOCK:
             return None
         start = self.window.tell()
+        self._check_extensions(start)
         self.cursor.fileobj.budget = HEADER_LIMIT
         try:
             member = tarfile.TarInfo.fromtarfile(self.cursor)
         except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError) as exc:
             raise self._damaged(exc, start) from None
+        if member.size < 0 or self.cursor.offset < self.window.tell():
+            raise self._damaged(f"negative size {member.size}", start)
         self._data_end = self.cursor.offset
         return member
 
@@ -218,15 +228,46 @@ class PlainReader:
             raise BundleError("archive is truncated inside its last member", self.path, TRUNCATED_HINT)
 
     def _peek_header(self) -> bytes:
-        window = self.window
-        window.fill(_BLOCK)
-        header = window.data[window.pos:window.pos + _BLOCK]
+        header = self._peek(0, _BLOCK)
         if len(header) < _BLOCK:
-            raise BundleError("archive is truncated (it ends without end-of-archive blocks)", self.path,
-                              TRUNCATED_HINT)
+            raise (self._damaged("shorter than one tar header", 0) if self.window.tell() == 0 else
+                   BundleError("archive is truncated (it ends without end-of-archive blocks)", self.path,
+                               TRUNCATED_HINT))
         return header
 
-    def _damaged(self, exc: Exception, start: int) -> BundleError:
+    def _peek(self, offset: int, size: int) -> bytes:
+        """The ``size`` bytes ``offset`` bytes ahead, left unconsumed (fewer at the end of the stream)."""
+        window = self.window
+        window.fill(offset + size)
+        return window.data[window.pos + offset:window.pos + offset + size]
+
+    def _check_extensions(self, start: int) -> None:
+        """Before tarfile parses them, look over the extended headers that precede the next member (pax records,
+        GNU long names): refuse negative or over-budget sizes, digit runs that make tarfile's pax parsing
+        quadratic, and a GNU header whose prefix field holds times (``tar -G``), which tarfile would read as
+        part of the name. Headers tarfile cannot read are left to it to report."""
+        offset = 0
+        while True:
+            header = self._peek(offset, _BLOCK)
+            try:
+                info = tarfile.TarInfo.frombuf(header, self.cursor.encoding, self.cursor.errors)
+            except tarfile.HeaderError:
+                return
+            if header[257:265] == _GNU_MAGIC and header[345] and info.type not in tarfile.GNU_TYPES:
+                raise BundleError(f"member {info.name!r} (at byte {start + offset:,}) is from a GNU incremental "
+                                  "archive (tar -G), which pallet does not extract", self.path,
+                                  "extract it with GNU tar")
+            if info.type not in _EXTENSION_TYPES:
+                return
+            if not 0 <= info.size <= HEADER_LIMIT - offset - _BLOCK:
+                raise BundleError(f"a member's headers (at byte {start:,}) are longer than pallet reads "
+                                  f"({HEADER_LIMIT:,} bytes) or of negative length", self.path, _CRAFTED_HINT)
+            if info.type in _PAX_TYPES and _LONG_DIGIT_RUN.search(self._peek(offset + _BLOCK, info.size)):
+                raise BundleError(f"a pax header (at byte {start + offset:,}) holds a number of more than 64 "
+                                  "digits", self.path, _CRAFTED_HINT)
+            offset += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
+
+    def _damaged(self, exc: Exception | str, start: int) -> BundleError:
         if start == 0:
             return BundleError(f"not a tar archive or pallet bundle ({exc})", self.path, TRUNCATED_HINT)
         return BundleError(f"archive is damaged or truncated ({exc})", self.path, TRUNCATED_HINT)

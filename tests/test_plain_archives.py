@@ -160,3 +160,86 @@ def test_damage_found_by_the_read_ahead_thread_fails_in_one_line_and_stops_it(tm
     with pytest.raises(PalletError):
         unpack(tmp_path / "bad.tar.zst", tmp_path / "in-process")
     assert not [t for t in threading.enumerate() if t.name == "pallet-plain-decode"]
+
+
+def _raw_header(name: bytes, typeflag: bytes, size: int = 0, size_field: bytes | None = None) -> bytes:
+    """A ustar header written byte by byte, so fields tarfile would not write (negative sizes) can be set."""
+    block = bytearray(512)
+    block[:len(name)], block[100:108], block[108:124] = name, b"0000644\0", b"0000000\0" * 2
+    block[124:136] = size_field or b"%011o\0" % size
+    block[136:148], block[156:157], block[257:265] = b"13576543200\0", typeflag, b"ustar\x0000"
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def test_a_negative_extended_header_size_cannot_hide_members(tmp_path):
+    """A pax header of negative (base-256) size must not move the reader past members to bytes after the
+    end-of-archive blocks."""
+    visible = _raw_header(b"a", b"0", 5) + _padded(b"hello") + bytes(1024)
+    hidden = _raw_header(b"evil", b"0", 9) + _padded(b"EVIL DATA") + bytes(1024)
+    negative = -(512 + len(hidden))
+    pax = _raw_header(b"././@PaxHeader", b"x", size_field=b"\xff" + (negative % 256 ** 11).to_bytes(11, "big"))
+    (tmp_path / "neg.tar").write_bytes(pax + _padded(b"15 path=evil1\n") + visible + hidden)
+    _one_line_failure(tmp_path / "neg.tar", tmp_path / "out", "negative")
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("mtime", ["inf", "nan", "1e30", "-1e30"])
+def test_a_modification_time_no_file_can_have_is_refused_by_name(tmp_path, mtime):
+    record = f" mtime={mtime}\n".encode()
+    record = str(len(record) + len(str(len(record) + 2))).encode() + record
+    members = (_raw_header(b"./PaxHeaders/bad", b"x", len(record)) + _padded(record) + _raw_header(b"bad", b"0", 2)
+               + _padded(b"no") + _raw_header(b"good", b"0", 3) + _padded(b"yes"))
+    (tmp_path / "t.tar").write_bytes(members + bytes(1024))
+    done = run_pallet("unpack", str(tmp_path / "t.tar"), str(tmp_path / "out"))
+    assert done.returncode == 1 and "'bad': modification time out of range" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "defect" not in done.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == [".pallet", "good"]      # .pallet: marked incomplete
+
+
+def test_a_pax_header_with_a_long_run_of_digits_is_refused(tmp_path):
+    """tarfile's pax parsing takes quadratic time on long digit runs (CVE-2024-6232 on older Pythons)."""
+    body = b"1" * 80_000
+    (tmp_path / "d.tar").write_bytes(_raw_header(b"x", b"x", len(body)) + _padded(body)
+                                     + _raw_header(b"a", b"0", 1) + _padded(b"a") + bytes(1024))
+    _one_line_failure(tmp_path / "d.tar", tmp_path / "out", "more than 64 digits")
+
+
+def test_members_appended_later_replace_earlier_links_as_gnu_tar_does(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("original")
+    os.link(src / "f", src / "h")
+    os.symlink("f", src / "s")
+    _gnu_tar(src, tmp_path / "upd.tar", "gnu")
+    for name in ("h", "s"):
+        os.unlink(src / name)
+        (src / name).write_text(f"updated {name}")
+    subprocess.run(["tar", "-rf", str(tmp_path / "upd.tar"), "-C", str(src), "./h", "./s"], check=True)
+    (tmp_path / "by-tar").mkdir()
+    subprocess.run(["tar", "-xf", str(tmp_path / "upd.tar"), "-C", str(tmp_path / "by-tar")], check=True)
+    done = run_pallet("unpack", "--quiet", str(tmp_path / "upd.tar"), str(tmp_path / "by-pallet"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "by-pallet" / "h").read_text() == "updated h" and not os.path.islink(tmp_path / "by-pallet/s")
+    assert_same_tree(tmp_path / "by-tar", tmp_path / "by-pallet")
+
+
+def test_a_volume_label_is_skipped_and_an_incremental_archive_refused(tmp_path):
+    (tmp_path / "src" / "d").mkdir(parents=True)
+    (tmp_path / "src" / "d" / "f").write_text("in d")
+    subprocess.run(["tar", "-V", "LABEL", "-cf", str(tmp_path / "v.tar"), "-C", str(tmp_path / "src"), "d"], check=True)
+    done = run_pallet("unpack", "--quiet", str(tmp_path / "v.tar"), str(tmp_path / "v"))
+    assert done.returncode == 0 and sorted(os.listdir(tmp_path / "v")) == ["d"], done.stderr
+    subprocess.run(["tar", "--format=gnu", "-G", "-cf", str(tmp_path / "g.tar"), "-C", str(tmp_path / "src"), "d/f"],
+                   check=True)
+    _one_line_failure(tmp_path / "g.tar", tmp_path / "g", "GNU incremental archive")
+
+
+def test_a_file_shorter_than_one_header_is_not_a_tar_archive(tmp_path):
+    (tmp_path / "short.tar").write_bytes(b"hello, not a tar")
+    _one_line_failure(tmp_path / "short.tar", tmp_path / "out", "not a tar archive")

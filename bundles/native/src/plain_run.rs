@@ -2,8 +2,8 @@
 //!
 //! The rules are those of `bundles/plain.py`, which stays the judge: a run writes a member only when
 //! Python would write it the same way without a question (a regular file or directory whose name has no
-//! empty, `.`, `..` or reserved component, not under a symlink member seen so far, whose data is all in the
-//! window). At the first member that is not such a member, or whose creation fails in any way, the run
+//! empty, `.`, `..` or reserved component, not under a symlink member seen so far nor named as a link
+//! member, whose data is all in the window). At the first member that is not such a member, or whose creation fails in any way, the run
 //! stops before it and Python reads that member itself: its errors and refusals are Python's.
 
 use crate::fsio;
@@ -35,11 +35,13 @@ pub struct RunOutcome {
 }
 
 /// The state of one extraction, kept across runs: the destination, what is known to be there, and the
-/// names of symlink members met so far (told by Python, which reads them).
+/// names of symlink members and of all link members met so far (told by Python, which reads them; a later
+/// member of a link's name replaces it, which Python does).
 pub struct PlainExtraction {
     root: Vec<u8>,
     umask: Option<u32>,
     pub symlinks: HashSet<Vec<u8>>,
+    pub links: HashSet<Vec<u8>>,
     pub files: HashSet<Vec<u8>>,
     directories_there: HashSet<Vec<u8>>,
 }
@@ -51,6 +53,7 @@ impl PlainExtraction {
             root: root.to_vec(),
             umask,
             symlinks: HashSet::new(),
+            links: HashSet::new(),
             files: HashSet::new(),
             directories_there: HashSet::new(),
         }
@@ -97,7 +100,11 @@ impl PlainExtraction {
         if name.is_empty() {
             return true; // the archive's root, "./": Python skips it too
         }
-        if !plain_name(&name) || self.under_symlink(&name) || !self.make_parents(&name) {
+        if !plain_name(&name)
+            || self.links.contains(&name)
+            || self.under_symlink(&name)
+            || !self.make_parents(&name)
+        {
             return false;
         }
         let mtime_ns = match i64::try_from(member.mtime) {

@@ -62,6 +62,11 @@ impl PlainExtraction {
         self.inner.symlinks.insert(name.to_vec());
     }
 
+    /// A link member named `name` waits to be made: a later member of that name is left to Python.
+    fn add_link(&mut self, name: &[u8]) {
+        self.inner.links.insert(name.to_vec());
+    }
+
     /// A regular file named `name` was written by the Python reader.
     fn add_file(&mut self, name: &[u8]) {
         self.inner.files.insert(name.to_vec());
