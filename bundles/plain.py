@@ -129,11 +129,12 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
 
 def _take_native_run(reader: PlainReader, extraction, stats: PlainStats, directories: dict,
                      progress: Progress) -> None:
-    entries, files, size, made = reader.run_native(extraction)
-    stats.entries, stats.files, stats.file_bytes = stats.entries + entries, stats.files + files, stats.file_bytes + size
-    directories.update((name, (mode, mtime)) for name, mode, mtime in made)
-    if files:
-        progress.advance(files, size)
+    done = reader.run_native(extraction)
+    stats.entries, stats.files = stats.entries + done.entries, stats.files + done.files
+    stats.file_bytes += done.file_bytes
+    directories.update((name, (mode, mtime)) for name, mode, mtime in done.directories)
+    if done.files:
+        progress.advance(done.files, done.file_bytes)
 
 
 def _finish_directories(root: bytes, directories: dict[bytes, tuple[int, int]]) -> None:

@@ -5,6 +5,7 @@ import queue
 import re
 import tarfile
 import threading
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import BundleError
@@ -164,6 +165,22 @@ class _Cursor:
         self.encoding, self.errors = tarfile.ENCODING, "surrogateescape"
 
 
+@dataclass
+class NativeRun:
+    """What the native engine wrote in one or more runs: counts, and the directory members with their mode and
+    mtime (ns), which are applied last."""
+
+    entries: int = 0
+    files: int = 0
+    file_bytes: int = 0
+    directories: list[tuple[bytes, int, int]] = field(default_factory=list)
+
+    def add(self, entries: int, files: int, file_bytes: int, directories: list) -> None:
+        self.entries, self.files = self.entries + entries, self.files + files
+        self.file_bytes += file_bytes
+        self.directories.extend(directories)
+
+
 class PlainReader:
     """The members of one plain archive, in stream order; a member's data is read or skipped before the next.
 
@@ -203,24 +220,23 @@ class PlainReader:
             remaining -= len(chunk)
             yield chunk
 
-    def run_native(self, extraction) -> tuple[int, int, int, list]:
-        """Let the native ``extraction`` write the simple members from here (see bundles/native/src/plain_run.rs);
-        return (entries, files, bytes, [(directory, mode, mtime_ns)]) it wrote."""
-        totals, directories = [0, 0, 0], []
+    def run_native(self, extraction) -> NativeRun:
+        """Let the native ``extraction`` write the simple members from here (see bundles/native/src/plain_run.rs)
+        and return what it wrote."""
+        done = NativeRun()
         self._skip_to(self._data_end)
         while not self.cursor.pax_headers:          # a global pax header changes every member: Python reads
             window = self.window
             consumed, needed, entries, files, size, made = extraction.run(window.data, window.pos)
             window.pos += consumed
-            totals = [totals[0] + entries, totals[1] + files, totals[2] + size]
-            directories.extend(made)
+            done.add(entries, files, size, made)
             if not needed or needed > MEMBER_CHUNK:
                 break
             window.fill(needed)
             if window.available() < needed:
                 break                                # the archive ends: Python reports how
         self._data_end = self.window.tell()
-        return totals[0], totals[1], totals[2], directories
+        return done
 
     def _skip_to(self, position: int) -> None:
         behind = position - self.window.tell()
