@@ -104,23 +104,29 @@ def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStat
         if reason:
             refused.append((member.name, reason))
             continue
+        if member.islnk() and _normalized(os.fsencode(member.linkname)) == name:
+            continue                      # GNU tar stores a file archived twice as a link to itself
         stats.entries += 1 - (links.pop(name, None) is not None)
         _make_parents(root, name)
+        if not member.issym() and name in symlink_names:
+            symlink_names.discard(name)   # a later member took a symlink's name: nothing can be written through it
+            if native:
+                written.drop_link(name)
         if member.isdir():
-            _make_parents(root, name + b"/x")
+            _make_directory(os.path.join(root, name), replace=written.has_file(name))
             directories[name] = (member.mode, mtime_ns(member))
         elif member.isfile():
             size = write_chunks(os.path.join(root, name), reader.data_chunks(member), member.mode, mtime_ns(member))
             written.add_file(name)
             stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + size
             progress.advance(1, size)
-        elif member.islnk() and _normalized(os.fsencode(member.linkname)) not in symlink_names:
-            _make_link(root, member, name, symlink_names, refused)     # now, as GNU tar: to the file as it is now
+        elif member.islnk() and not _pending_symlink(links, _normalized(os.fsencode(member.linkname))):
+            _make_link(root, member, name, symlink_names, written, refused)   # now, to the file as it is now
         else:
             links[name] = member          # a symlink (or a hard link to a symlink's name): once all are known
             if native:
                 written.add_link(name)
-    _finish_links(root, links, symlink_names, refused)
+    _finish_links(root, links, symlink_names, written, refused)
     _finish_directories(root, directories)
     if refused:
         raise UnsafeMemberError(refused, bundle.path)
@@ -135,6 +141,32 @@ def _take_native_run(reader: PlainReader, extraction, stats: PlainStats, directo
     directories.update((name, (mode, mtime)) for name, mode, mtime in done.directories)
     if done.files:
         progress.advance(done.files, done.file_bytes)
+
+
+def _pending_symlink(links: dict, name: bytes) -> bool:
+    member = links.get(name)
+    return member is not None and member.issym()
+
+
+def _make_directory(path: bytes, replace: bool) -> None:
+    """Make directory member ``path`` (its parents are real directories); an existing directory is kept. With
+    ``replace`` (the file there is an earlier member's), the file is replaced, as GNU tar does; anything else
+    there (a link planted in DEST) is an error."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return
+        if not replace:
+            raise BundleError("a member would be written through a non-directory", os.fsdecode(path),
+                              "unpack into an empty destination")
+        remove_stale(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise destination_error(exc, path) from None
+    try:
+        os.mkdir(path, 0o700)
+    except OSError as exc:
+        raise destination_error(exc, path) from None
 
 
 def _finish_directories(root: bytes, directories: dict[bytes, tuple[int, int]]) -> None:
@@ -197,7 +229,7 @@ def _make_parents(root: bytes, name: bytes) -> None:
                 continue
         except FileNotFoundError:
             try:
-                os.mkdir(current, 0o700)
+                os.mkdir(current, 0o777)        # less the umask, as mkdir -p and GNU tar make it
                 continue
             except FileExistsError:         # made meanwhile: look again
                 if stat.S_ISDIR(os.lstat(current).st_mode):
@@ -210,14 +242,16 @@ def _make_parents(root: bytes, name: bytes) -> None:
                           "unpack into an empty destination")
 
 
-def _finish_links(root: bytes, links: dict, symlinks: set, refused: list) -> None:
+def _finish_links(root: bytes, links: dict, symlinks: set, written, refused: list) -> None:
     for name, member in links.items():
-        _make_link(root, member, name, symlinks, refused)
+        _make_link(root, member, name, symlinks, written, refused)
 
 
-def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set, refused: list) -> None:
+def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set, written, refused: list) -> None:
     """Create link member ``name`` in place of whatever non-directory is there, or add it to ``refused``."""
     reason = _link_problem(root, member, name, symlinks)
+    if not reason and os.path.isdir(os.path.join(root, name)) and not os.path.islink(os.path.join(root, name)):
+        reason = "a directory of that name was extracted earlier"
     if reason:
         refused.append((member.name, reason))
     else:
@@ -230,6 +264,7 @@ def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set,
             else:
                 os.link(os.path.join(root, _normalized(os.fsencode(member.linkname))), path,
                         follow_symlinks=False)
+                written.add_file(name)        # a regular file of this archive, as its target is
         except OSError as exc:
             refused.append((member.name, f"cannot create link ({exc.strerror})"))
 

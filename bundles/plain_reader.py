@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import queue
-import re
 import tarfile
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import BundleError
+from .pax_check import DIGIT_COST_LIMIT, digit_cost, framing_problem
 
 TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
 WINDOW_FILL = 4 << 20          # decompressed bytes asked of the codec per refill
@@ -19,7 +19,6 @@ _ZERO_BLOCK = bytes(_BLOCK)
 _CRAFTED_HINT = "the archive is damaged or crafted; extract it with GNU tar if you trust it"
 _PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 _EXTENSION_TYPES = _PAX_TYPES + (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
-_LONG_DIGIT_RUN = re.compile(rb"[0-9]{65}")    # tarfile's pax regexes take quadratic time on such runs
 _GNU_MAGIC = b"ustar  \0"
 
 
@@ -192,6 +191,7 @@ class PlainReader:
         self.path, self.window = path, Window(stream)
         self.cursor = _Cursor(self.window, path)
         self._data_end = 0            # where the current member's data and padding end
+        self._digit_cost = 0          # see bundles/pax_check.py
 
     def next_member(self) -> tarfile.TarInfo | None:
         self._skip_to(self._data_end)
@@ -259,9 +259,9 @@ class PlainReader:
 
     def _check_extensions(self, start: int) -> None:
         """Before tarfile parses them, look over the extended headers that precede the next member (pax records,
-        GNU long names): refuse negative or over-budget sizes, digit runs that make tarfile's pax parsing
-        quadratic, and a GNU header whose prefix field holds times (``tar -G``), which tarfile would read as
-        part of the name. Headers tarfile cannot read are left to it to report."""
+        GNU long names): refuse negative or over-budget sizes, pax records tarfile might parse in quadratic
+        time (see bundles/pax_check.py), and a GNU header whose prefix field holds times (``tar -G``), which
+        tarfile would read as part of the name. Headers tarfile cannot read are left to it to report."""
         offset = 0
         while True:
             header = self._peek(offset, _BLOCK)
@@ -278,10 +278,17 @@ class PlainReader:
             if not 0 <= info.size <= HEADER_LIMIT - offset - _BLOCK:
                 raise BundleError(f"a member's headers (at byte {start:,}) are longer than pallet reads "
                                   f"({HEADER_LIMIT:,} bytes) or of negative length", self.path, _CRAFTED_HINT)
-            if info.type in _PAX_TYPES and _LONG_DIGIT_RUN.search(self._peek(offset + _BLOCK, info.size)):
-                raise BundleError(f"a pax header (at byte {start + offset:,}) holds a number of more than 64 "
-                                  "digits", self.path, _CRAFTED_HINT)
+            if info.type in _PAX_TYPES:
+                self._check_pax(self._peek(offset + _BLOCK, -(-info.size // _BLOCK) * _BLOCK), start + offset)
             offset += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
+
+    def _check_pax(self, data: bytes, where: int) -> None:
+        problem = framing_problem(data)
+        self._digit_cost += digit_cost(data)
+        if problem is None and self._digit_cost > DIGIT_COST_LIMIT:
+            problem = "its pax headers hold runs of digits too long to parse in reasonable time"
+        if problem:
+            raise BundleError(f"a pax header (at byte {where:,}) is malformed: {problem}", self.path, _CRAFTED_HINT)
 
     def _damaged(self, exc: Exception | str, start: int) -> BundleError:
         if start == 0:

@@ -12,7 +12,10 @@ use crate::safety::plain_name;
 use crate::unpack::write_file;
 use std::collections::HashSet;
 
-const NEW_DIRECTORY_MODE: u32 = 0o700;
+/// A directory member is made private and given its own mode last; a parent the archive does not list gets
+/// what `mkdir -p` (and GNU tar) would give it: 0o777 less the umask.
+const MEMBER_DIRECTORY_MODE: u32 = 0o700;
+const PARENT_DIRECTORY_MODE: u32 = 0o777;
 
 /// Where a run stopped: a member Python must read, or one that needs more bytes in the window.
 #[derive(Debug, PartialEq, Eq)]
@@ -113,7 +116,7 @@ impl PlainExtraction {
         };
         match member.kind {
             SimpleKind::Directory => {
-                if !self.make_directory(&name) {
+                if !self.make_directory(&name, MEMBER_DIRECTORY_MODE) {
                     return false;
                 }
                 done.directories.push((name, member.mode, mtime_ns));
@@ -147,16 +150,16 @@ impl PlainExtraction {
         name.iter()
             .enumerate()
             .filter(|&(_, &b)| b == b'/')
-            .all(|(i, _)| self.make_directory(&name[..i]))
+            .all(|(i, _)| self.make_directory(&name[..i], PARENT_DIRECTORY_MODE))
     }
 
     /// Make or find directory `name` (all its parents there); false when something else stands there.
-    fn make_directory(&mut self, name: &[u8]) -> bool {
+    fn make_directory(&mut self, name: &[u8], mode: u32) -> bool {
         if self.directories_there.contains(name) {
             return true;
         }
         let path = [&self.root[..], name].concat();
-        let made = match fsio::mkdir(&path, NEW_DIRECTORY_MODE) {
+        let made = match fsio::mkdir(&path, mode) {
             Ok(()) => true,
             Err(err) if err.raw_os_error() == Some(libc::EEXIST) => is_real_directory(&path),
             Err(_) => false,

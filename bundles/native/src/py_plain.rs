@@ -67,6 +67,12 @@ impl PlainExtraction {
         self.inner.links.insert(name.to_vec());
     }
 
+    /// A member that is not a link took the name `name`: it is no longer a symlink or a link to make.
+    fn drop_link(&mut self, name: &[u8]) {
+        self.inner.symlinks.remove(name);
+        self.inner.links.remove(name);
+    }
+
     /// A regular file named `name` was written by the Python reader.
     fn add_file(&mut self, name: &[u8]) {
         self.inner.files.insert(name.to_vec());

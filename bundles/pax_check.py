@@ -1,0 +1,38 @@
+"""Linear checks of pax extended-header records, made before Python's ``tarfile`` parses them.
+
+Some Pythons (3.11 before 3.11.10, 3.12 before 3.12.6) parse pax records
+with regular expressions that take quadratic time, and memory, on crafted
+records: records that never reach their ``=``, and long runs of digits
+(CVE-2024-6232). A record that passes ``framing_problem`` is matched by
+those expressions in time linear in its length; ``digit_cost`` bounds the
+rest, which the reader sums over the whole archive.
+"""
+from __future__ import annotations
+
+import re
+
+DIGIT_COST_LIMIT = 1 << 28          # about a second of tarfile's pax search, for the whole archive
+_LENGTH = re.compile(rb"([0-9]{1,20}) ")
+_DIGIT_RUN = re.compile(rb"[0-9]+")
+_SHORTEST_RECORD = len(b"5 k=\n")
+
+
+def framing_problem(data: bytes) -> str | None:
+    """Why ``data`` (a pax header's content, NUL padding allowed at its end) is not a sequence of records
+    ``LENGTH KEYWORD=VALUE\\n``, each exactly LENGTH bytes; None when it is."""
+    end, position = len(data.rstrip(b"\0")), 0
+    while position < end:
+        length = _LENGTH.match(data, position)
+        if length is None:
+            return f"a record at offset {position} does not start with its length"
+        stop = position + int(length.group(1))
+        if (stop - position < _SHORTEST_RECORD or stop > end or data[stop - 1] != 0x0A
+                or data.find(b"=", length.end() + 1, stop) < 0):
+            return f"the record at offset {position} is not framed by its length"
+        position = stop
+    return None
+
+
+def digit_cost(data: bytes) -> int:
+    """The work tarfile's pax search may do on ``data``'s runs of digits: the sum of their squared lengths."""
+    return sum((match.end() - match.start()) ** 2 for match in _DIGIT_RUN.finditer(data))
