@@ -3,8 +3,11 @@ exception. The inputs are valid encodings with their checksums recomputed after 
 structure checks are reached, not only the hash checks in front of them."""
 from __future__ import annotations
 
+import io
 import json
+import os
 import struct
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,50 @@ def test_unpack_and_verify_with_a_damaged_resealed_index_give_pallet_errors(tmp_
 def _verify(path) -> None:
     with Bundle.open(path) as bundle:
         verify_bundle(bundle)
+
+
+@pytest.fixture(scope="module")
+def plain_tar(tmp_path_factory) -> bytes:
+    """A plain pax tar of files, directories, links and a long name, as the plain-archive reader takes it."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, kind, payload in [("d", tarfile.DIRTYPE, b""), ("d/a", tarfile.REGTYPE, b"alpha"),
+                                    ("d/" + "n" * 120, tarfile.REGTYPE, b"long"), ("s", tarfile.SYMTYPE, b"d/a"),
+                                    ("h", tarfile.LNKTYPE, b"d/a"), ("d/b", tarfile.REGTYPE, b"b" * 700)]:
+            info = tarfile.TarInfo(name)
+            info.type, info.mtime = kind, 1_700_000_000
+            if kind == tarfile.REGTYPE:
+                info.size = len(payload)
+            else:
+                info.linkname = payload.decode()
+            archive.addfile(info, io.BytesIO(payload) if kind == tarfile.REGTYPE else None)
+    return raw.getvalue()
+
+
+def _resealed_tar(data: bytes) -> bytes:
+    """``data`` with the checksum of every block that looks like a ustar header recomputed."""
+    out = bytearray(data)
+    for start in range(0, len(out) - 511, 512):
+        block = out[start:start + 512]
+        if block[257:262] == b"ustar":
+            block[148:156] = b" " * 8
+            out[start + 148:start + 156] = b"%06o\0 " % sum(block)
+    return bytes(out)
+
+
+@given(edits=_edits(), cut=st.one_of(st.none(), st.integers(0, 6000)), engine=st.sampled_from(["native", "python"]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_damaged_plain_tars_give_pallet_errors_and_stay_inside_dest(tmp_path_factory, plain_tar, edits, cut, engine):
+    work = tmp_path_factory.mktemp("plain")
+    archive = work / "a.tar"
+    archive.write_bytes(_resealed_tar(_apply(plain_tar, edits, cut)))
+    before = os.environ.get("PALLET_ENGINE")
+    os.environ["PALLET_ENGINE"] = engine
+    try:
+        _only_pallet_errors(lambda path: unpack(path, work / "dest"), archive)
+    finally:
+        if before is None:
+            del os.environ["PALLET_ENGINE"]
+        else:
+            os.environ["PALLET_ENGINE"] = before
+    assert sorted(p.name for p in work.iterdir()) in (["a.tar"], ["a.tar", "dest"])
