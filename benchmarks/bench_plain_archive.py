@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bundle import code_version, pallet_cmd, run  # noqa: E402
-from workloads import common_parser, ensure_workload, workloads  # noqa: E402
+from workloads import KIB, common_parser, ensure_workload, workloads  # noqa: E402
 
 TARGET_VS_TAR = 1.2
 MIB = 1 << 20
@@ -49,6 +49,16 @@ def one_file_tree(root: Path, size: int, zeros: bool) -> Path:
     return root
 
 
+def many_files_tree(root: Path, count: int, size: int) -> Path:
+    """``count`` files of ``size`` random bytes in 16 directories: members between W1's and the single files."""
+    if not root.exists():
+        for n in range(count):
+            path = root / f"d{n % 16:02d}" / f"f{n:05d}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(os.urandom(size))
+    return root
+
+
 def time_case(case: Case, runs: Path, rep: int) -> None:
     for tool in ("pallet", "tar"):
         dest = runs / f"{case.name}-{tool}-{rep}"
@@ -74,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
              Case("1 GiB zeros .tar.gz", args.workdir / "plain-1g-zeros.tar.gz", "-z"),
              Case("1 GiB zeros .tar.zst", args.workdir / "plain-1g-zeros.tar.zst", "--zstd"),
              Case(f"{w1.label} .tar.zst", args.workdir / f"plain-{w1.slug}.tar.zst", "--zstd"),
-             Case(f"{w1.label} .tar.gz", args.workdir / f"plain-{w1.slug}.tar.gz", "-z")]
-    for case, tree in zip(cases, (random_tree, zeros_tree, zeros_tree, small, small)):
+             Case(f"{w1.label} .tar.gz", args.workdir / f"plain-{w1.slug}.tar.gz", "-z"),
+             Case("16,384 x 64 KiB .tar.zst", args.workdir / "plain-16384x64k.tar.zst", "--zstd"),
+             Case("512 x 2 MiB .tar.zst", args.workdir / "plain-512x2m.tar.zst", "--zstd")]
+    middling = [many_files_tree(args.workdir / "plain-16384x64k", 16_384, 64 * KIB),
+                many_files_tree(args.workdir / "plain-512x2m", 512, 2 * MIB)]
+    for case, tree in zip(cases, [random_tree, zeros_tree, zeros_tree, small, small, *middling]):
         make_archive(tree, case.archive, case.tar_flag)
     print(f"code under test: {code_version()}; unpacking into {args.into}", flush=True)
     runs = Path(tempfile.mkdtemp(prefix="plain-archive-", dir=args.into))
