@@ -232,11 +232,37 @@ class PlainReader:
             done.add(entries, files, size, made)
             if not needed or needed > MEMBER_CHUNK:
                 break
+            if self._run_straddling(extraction, needed, done):
+                continue
             window.fill(needed)
             if window.available() < needed:
                 break                                # the archive ends: Python reports how
         self._data_end = self.window.tell()
         return done
+
+    def _run_straddling(self, extraction, needed: int, done: NativeRun) -> bool:
+        """Write the member that starts at the window's rest and ends in the stream's next chunk from a copy of
+        that member alone, then go on in the next chunk where it ended (so chunks are not copied whole); True
+        when it was written, or when the window was empty and now holds the chunk. Otherwise the window holds
+        the rest and the chunk, joined."""
+        window = self.window
+        have, start = window.available(), window.tell()
+        chunk = window.stream.read(WINDOW_FILL)
+        if not have:
+            window.base, window.data, window.pos = start, chunk, 0
+            return bool(chunk)
+        rest = window.data[window.pos:]
+        while have + len(chunk) >= needed:
+            consumed, longer, entries, files, size, made = extraction.run(rest + chunk[:needed - have], 0)
+            if consumed == needed:
+                done.add(entries, files, size, made)
+                window.base, window.data, window.pos = start + have, chunk, needed - have
+                return True
+            if consumed or longer <= needed:
+                break                                 # a member for Python
+            needed = longer                           # only its header was there: now its whole length
+        window.base, window.data, window.pos = start, rest + chunk, 0
+        return False
 
     def _skip_to(self, position: int) -> None:
         behind = position - self.window.tell()

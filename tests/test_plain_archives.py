@@ -9,6 +9,7 @@ import tarfile
 import threading
 
 import pytest
+import zstandard
 
 from bundles import PalletError, unpack
 
@@ -308,3 +309,28 @@ def test_a_volume_label_is_skipped_and_an_incremental_archive_refused(tmp_path):
 def test_a_file_shorter_than_one_header_is_not_a_tar_archive(tmp_path):
     (tmp_path / "short.tar").write_bytes(b"hello, not a tar")
     _one_line_failure(tmp_path / "short.tar", tmp_path / "out", "not a tar archive")
+
+
+def test_members_across_decoded_chunks_are_written_or_refused_as_elsewhere(tmp_path):
+    """12 MiB of small members: some straddle the decoder's 4 MiB chunks, those under a symlink among them."""
+    members = [("s", S, "d"), ("d", D, ""), ("e", D, "")]             # 1,536 bytes: the files' members straddle
+    members += [(f"d/f{n:05d}", F, bytes([n % 251]) * 1000) for n in range(5000)]
+    members += [(f"s/x{n:05d}", F, b"through the link" * 60) for n in range(3000)]
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.mtime = kind, 1_700_000_000
+            info.mode = 0o755 if kind != F else 0o644
+            if kind == F:
+                info.size = len(payload)
+            elif kind == S:
+                info.linkname = payload
+            archive.addfile(info, io.BytesIO(payload) if kind == F else None)
+    (tmp_path / "many.tar.zst").write_bytes(zstandard.ZstdCompressor().compress(raw.getvalue()))
+    done = run_pallet("unpack", str(tmp_path / "many.tar.zst"), str(tmp_path / "out"))
+    assert done.returncode == 1 and "refusing to extract 3000 unsafe member(s)" in done.stderr, done.stderr[:500]
+    written = sorted(os.listdir(tmp_path / "out" / "d"))
+    assert written == [f"f{n:05d}" for n in range(5000)]
+    assert all((tmp_path / "out" / "d" / name).read_bytes() == bytes([n % 251]) * 1000
+               for n, name in enumerate(written))
