@@ -4,16 +4,20 @@ Some Pythons (3.11 before 3.11.10, 3.12 before 3.12.6) parse pax records
 with regular expressions that take quadratic time, and memory, on crafted
 records: records that never reach their ``=``, and long runs of digits
 (CVE-2024-6232). A record that passes ``framing_problem`` is matched by
-those expressions in time linear in its length; ``digit_cost`` bounds the
-rest, which the reader sums over the whole archive.
+those expressions in time linear in its length. Runs of digits cost them
+the square of their length: runs of up to ``SHORT_RUN`` digits (times,
+sizes, ids: what tar writes for every member) cost at most that many steps
+per byte, and ``digit_cost`` counts the longer ones, which the reader sums
+over the whole archive against ``DIGIT_COST_LIMIT``.
 """
 from __future__ import annotations
 
 import re
 
 DIGIT_COST_LIMIT = 1 << 28          # about a second of tarfile's pax search, for the whole archive
+SHORT_RUN = 32
 _LENGTH = re.compile(rb"([0-9]{1,20}) ")
-_DIGIT_RUN = re.compile(rb"[0-9]+")
+_LONG_DIGIT_RUN = re.compile(rb"[0-9]{%d,}" % (SHORT_RUN + 1))
 _SHORTEST_RECORD = len(b"5 k=\n")
 
 
@@ -34,5 +38,6 @@ def framing_problem(data: bytes) -> str | None:
 
 
 def digit_cost(data: bytes) -> int:
-    """The work tarfile's pax search may do on ``data``'s runs of digits: the sum of their squared lengths."""
-    return sum((match.end() - match.start()) ** 2 for match in _DIGIT_RUN.finditer(data))
+    """The work tarfile's pax search may do on ``data``'s runs of more than SHORT_RUN digits: the sum of their
+    squared lengths."""
+    return sum((match.end() - match.start()) ** 2 for match in _LONG_DIGIT_RUN.finditer(data))

@@ -251,7 +251,7 @@ def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set,
     """Create link member ``name`` in place of whatever non-directory is there, or add it to ``refused``."""
     reason = _link_problem(root, member, name, symlinks)
     if not reason and os.path.isdir(os.path.join(root, name)) and not os.path.islink(os.path.join(root, name)):
-        reason = "a directory of that name was extracted earlier"
+        reason = "a directory of that name is in the destination"
     if reason:
         refused.append((member.name, reason))
     else:

@@ -305,7 +305,11 @@ class PlainReader:
                 raise BundleError(f"a member's headers (at byte {start:,}) are longer than pallet reads "
                                   f"({HEADER_LIMIT:,} bytes) or of negative length", self.path, _CRAFTED_HINT)
             if info.type in _PAX_TYPES:
-                self._check_pax(self._peek(offset + _BLOCK, -(-info.size // _BLOCK) * _BLOCK), start + offset)
+                padded = -(-info.size // _BLOCK) * _BLOCK
+                data = self._peek(offset + _BLOCK, padded)
+                if len(data) < padded:
+                    raise BundleError("archive is truncated inside an extended header", self.path, TRUNCATED_HINT)
+                self._check_pax(data, start + offset)
             offset += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
 
     def _check_pax(self, data: bytes, where: int) -> None:

@@ -11,7 +11,7 @@ import threading
 import pytest
 import zstandard
 
-from bundles import PalletError, unpack
+from bundles import PalletError, pax_check, unpack
 
 from staging_core.testing import assert_same_tree, normalize_groups, snapshot
 from tests.conftest import run_pallet
@@ -272,7 +272,7 @@ def test_member_sequences_end_as_gnu_tar_leaves_them(tmp_path, members):
 def test_a_symlink_over_an_extracted_directory_is_refused_and_directory_modes_still_set(tmp_path):
     _python_tar(tmp_path / "ds.tar", [("ro", D, ""), ("d", D, ""), ("d", S, "ro")])
     done = run_pallet("unpack", str(tmp_path / "ds.tar"), str(tmp_path / "out"))
-    assert done.returncode == 1 and "'d': a directory of that name was extracted earlier" in done.stderr, done.stderr
+    assert done.returncode == 1 and "'d': a directory of that name is in the destination" in done.stderr, done.stderr
     assert os.stat(tmp_path / "out" / "ro").st_mode & 0o777 == 0o755
 
 
@@ -334,3 +334,21 @@ def test_members_across_decoded_chunks_are_written_or_refused_as_elsewhere(tmp_p
     assert written == [f"f{n:05d}" for n in range(5000)]
     assert all((tmp_path / "out" / "d" / name).read_bytes() == bytes([n % 251]) * 1000
                for n, name in enumerate(written))
+
+
+def test_the_digit_budget_counts_only_long_runs_so_big_posix_archives_pass():
+    """GNU tar's posix format writes three times per member (runs of 10 and 9 digits): those cost nothing, so an
+    archive of any number of members stays within the budget; a run of 40 digits costs its square."""
+    times = b"30 mtime=1795706646.183813051\n30 atime=1795706646.183813051\n30 ctime=1795706646.183813051\n"
+    assert pax_check.framing_problem(times) is None and pax_check.digit_cost(times) == 0
+    assert pax_check.digit_cost(b"58 path=" + b"7" * 40 + b"/" + b"8" * 8 + b"\n") == 1600
+
+
+def test_an_archive_cut_inside_a_pax_header_is_truncated(tmp_path):
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("n" * 3000)
+        info.size = 1
+        archive.addfile(info, io.BytesIO(b"x"))
+    (tmp_path / "cut.tar").write_bytes(raw.getvalue()[:512 + 1500])
+    _one_line_failure(tmp_path / "cut.tar", tmp_path / "out", "truncated")
