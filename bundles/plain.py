@@ -11,7 +11,7 @@ from typing import Iterator
 from . import native as native_engine
 from .errors import BundleError, UnsafeMemberError
 from .extract import current_umask, destination_error, remove_stale, write_chunks
-from .plain_reader import PlainReader, ReadAhead
+from .plain_reader import DecodedAhead, PlainReader
 
 _VOLUME_LABEL = b"V"          # GNU tar -V: not a file; GNU tar skips it too
 from .progress import Progress
@@ -76,7 +76,7 @@ def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     progress.start("unpack (no index: files not verified)", 0, 0)
     if isinstance(bundle, StreamedArchive):
         return _extract_members(bundle, bundle.codec.open_stream(bundle.raw), dest, progress)
-    with ReadAhead(bundle.codec.open_stream(_FdReader(bundle.fd))) as stream:
+    with DecodedAhead(bundle.codec.open_stream(_FdReader(bundle.fd))) as stream:
         return _extract_members(bundle, stream, dest, progress)
 
 

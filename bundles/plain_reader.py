@@ -1,14 +1,13 @@
 """Members of a plain tar archive read in stream order through a bounded window of its decompressed bytes."""
 from __future__ import annotations
 
-import queue
 import tarfile
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import BundleError
 from .pax_check import DIGIT_COST_LIMIT, digit_cost, framing_problem
+from .read_ahead import ReadAhead
 
 TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
 WINDOW_FILL = 4 << 20          # decompressed bytes asked of the codec per refill
@@ -84,59 +83,17 @@ class Window:
         return skipped
 
 
-class ReadAhead:
-    """A codec stream decoded ahead by one thread, so decoding overlaps extraction (the codecs release the GIL).
+class DecodedAhead(ReadAhead[bytes]):
+    """A codec stream decoded one chunk ahead by a thread (the codecs release the GIL), so decoding overlaps
+    extraction. It is joined when left, so only for local files (see :class:`bundles.read_ahead.ReadAhead`).
+    ``read`` returns the next decoded chunk whatever size is asked, b"" at the end, and raises what decoding
+    raised."""
 
-    Use it as a context manager around the reading: leaving it stops the thread and waits for it, so only
-    wrap streams whose reads end on their own (a local file, not a pipe that may stall). ``read`` returns the
-    next decoded chunk whatever size is asked, b"" at the end, and raises what the decoding raised.
-    """
-
-    def __init__(self, stream, depth: int = 2):
-        self._stream, self._queue, self._stop = stream, queue.Queue(maxsize=depth), threading.Event()
-        self._thread = threading.Thread(target=self._decode, name="pallet-plain-decode", daemon=True)
-        self._ended = False
-
-    def __enter__(self) -> ReadAhead:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.05)       # unblock a put, drop what was decoded
-            except queue.Empty:
-                pass
-        self._thread.join()
+    def __init__(self, stream):
+        super().__init__(lambda: stream.read(WINDOW_FILL) or None, depth=2, name="pallet-plain-decode", join=True)
 
     def read(self, size: int = -1) -> bytes:
-        if self._ended:
-            return b""
-        item = self._queue.get()
-        if isinstance(item, Exception):
-            self._ended = True
-            raise item
-        self._ended = not item
-        return item
-
-    def _decode(self) -> None:
-        try:
-            while not self._stop.is_set():
-                chunk = self._stream.read(WINDOW_FILL)
-                self._put(chunk)
-                if not chunk:
-                    return
-        except Exception as exc:        # raised by read() in the reading thread, where it is explained
-            self._put(exc)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        return self.next() or b""
 
 
 class _HeaderReads:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import resource
 import sys
 import threading
@@ -12,13 +11,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 
 from bundles.codecs import Codec, get_codec
-from bundles.errors import CorruptBundleError, PalletError, StreamError
+from bundles.errors import CorruptBundleError, StreamError
 from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
                              make_directories, prepare_destination)
 from bundles.index import Shard, content_hash, new_hasher
 from bundles.streamed import write_streamed_file, writing_directory
 from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
+from bundles.read_ahead import ReadAhead
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
                             decode_skeleton, encode_resume_reply, frame_limit, shard_key)
@@ -93,7 +93,7 @@ def _receive_into(reader: FrameReader, out: BinaryIO, dest: str, skeleton: Skele
     make_directories(skeleton.index, dest)
     progress.start("receive", sum(1 for kind in skeleton.index.kinds if kind == Kind.FILE), sum(skeleton.index.sizes))
     try:
-        with _ReadAhead(reader, ends_at_index) as frames, \
+        with _frames_ahead(reader, ends_at_index) as frames, \
                 ThreadPoolExecutor(receiver.threads, "pallet-extract") as pool:
             receiver.pool = pool
             for plan in skeleton.plans:
@@ -157,7 +157,7 @@ class _Receiver:
         self.journal_lock = threading.Lock()
         reset_columns(self.index)
 
-    def take(self, plan: ShardPlan, frames: "_ReadAhead") -> None:
+    def take(self, plan: ShardPlan, frames: ReadAhead) -> None:
         """Consume the frames of shard ``plan``: SKIP, SHARD, or (big shards) DATA... then SHARD."""
         frame = _expect(frames, self.source, f"shard {plan.number}")
         if frame.number != plan.number or frame.kind not in _SHARD_KINDS[plan.big]:
@@ -211,7 +211,7 @@ class _Receiver:
         while self.pending:
             self._complete_oldest()
 
-    def _take_big(self, plan: ShardPlan, first: Frame, frames: "_ReadAhead") -> None:
+    def _take_big(self, plan: ShardPlan, first: Frame, frames: ReadAhead) -> None:
         i, where = plan.first, f"shard {plan.number}"
         raw = _DataReader(frames, plan.number, first, self.source)
         content = self._codec(plan).open_stream(raw)
@@ -263,7 +263,7 @@ class _Receiver:
         self.file_bytes += file_bytes
         self.progress.advance(files, file_bytes)
 
-    def finish(self, frames: "_ReadAhead") -> None:
+    def finish(self, frames: ReadAhead) -> None:
         """Wait for the shards in flight, check the sender's index against the assembled one, and that the
         stream ends there."""
         self._complete_all()
@@ -285,7 +285,7 @@ class _Receiver:
 _SHARD_KINDS = {False: (FrameKind.SHARD, FrameKind.SKIP), True: (FrameKind.DATA, FrameKind.SKIP)}
 
 
-def _expect(frames: "_ReadAhead", source: str, what: str) -> Frame:
+def _expect(frames: ReadAhead, source: str, what: str) -> Frame:
     frame = frames.next()
     if frame is None:
         raise StreamError(f"stream ends before {what}", source, _HINT)
@@ -295,7 +295,7 @@ def _expect(frames: "_ReadAhead", source: str, what: str) -> Frame:
 class _DataReader:
     """File-like reader of a big shard's compressed bytes: its DATA frames, hashed, up to its SHARD frame (``end``)."""
 
-    def __init__(self, frames: "_ReadAhead", number: int, first: Frame, source: str):
+    def __init__(self, frames: ReadAhead, number: int, first: Frame, source: str):
         self.frames, self.number, self.source = frames, number, source
         self.buffer, self.end = memoryview(first.payload), None
         self.hasher, self.length = new_hasher(), len(first.payload)
@@ -330,54 +330,27 @@ class _DataReader:
         self.length += len(frame.payload)
 
 
-class _ReadAhead:
-    """Reads frames on a thread, a few ahead, so the wire keeps moving while a shard is written; with
-    ``ends_at_index`` it stops after the index frame, as if the stream ended there."""
+class _FrameSource:
+    """The frames of ``reader`` as a ReadAhead produces them: None at the end of the stream, or, with
+    ``ends_at_index``, after the index frame (as if the stream ended there); a read error as pallet's."""
 
-    def __init__(self, reader: FrameReader, ends_at_index: bool = False):
-        self.reader, self.ends_at_index = reader, ends_at_index
-        self.frames: queue.Queue = queue.Queue(_READ_AHEAD)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="pallet-read-ahead", daemon=True)
+    def __init__(self, reader: FrameReader, ends_at_index: bool):
+        self.reader, self.ends_at_index, self.ended = reader, ends_at_index, False
 
-    def __enter__(self) -> "_ReadAhead":
-        self.thread.start()
-        return self
+    def __call__(self) -> Frame | None:
+        if self.ended:
+            return None
+        try:
+            frame = self.reader.next()
+        except OSError as exc:
+            raise StreamError(f"cannot read the stream ({exc.strerror})", self.reader.source, _HINT) from None
+        self.ended = frame is None or (self.ends_at_index and frame.kind == FrameKind.INDEX)
+        return frame
 
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
 
-    def next(self) -> Frame | None:
-        """The next frame, None at the end of the stream (every time after); a read error is raised here."""
-        item = self.frames.get()
-        if not isinstance(item, Frame):
-            self.frames.put_nowait(item)         # the reader has stopped: the end or the error stays
-        if isinstance(item, PalletError):
-            raise item
-        return item
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                frame = self.reader.next()
-            except PalletError as exc:
-                frame = exc
-            except OSError as exc:
-                frame = StreamError(f"cannot read the stream ({exc.strerror})", self.reader.source, _HINT)
-            self._put(frame)
-            if not isinstance(frame, Frame):
-                return
-            if self.ends_at_index and frame.kind == FrameKind.INDEX:
-                self._put(None)
-                return
-
-    def _put(self, item) -> None:
-        while not self.stopped.is_set():
-            try:
-                self.frames.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+def _frames_ahead(reader: FrameReader, ends_at_index: bool = False) -> ReadAhead[Frame]:
+    """Frames read on a thread, a few ahead, so the wire keeps moving while a shard is written."""
+    return ReadAhead(_FrameSource(reader, ends_at_index), _READ_AHEAD, "pallet-read-ahead")
 
 
 def _max_rss() -> int:
