@@ -65,82 +65,96 @@ class _WrittenFiles:
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
     """Extract every safe member; after the last one, raise UnsafeMemberError naming the refused ones.
 
-    Symlinks are created after all files (so nothing is written through
-    them; a later member of a symlink's name replaces it), hard links when
-    read (to the regular file written earlier), directory metadata last. Members are read in stream order only. Symlink
-    targets are checked once every symlink name is known, and any name under
-    a symlink member (refused or not) is refused. With the native engine,
-    runs of plain files and directories are written by it; every other
-    member, and every one it cannot write, is read here by the same rules.
+    Members are read in stream order only. Symlinks are created after all
+    files (so nothing is written through them; a later member of a symlink's
+    name replaces it), hard links when read (to the regular file written
+    earlier), directory metadata last. Symlink targets are checked once every
+    symlink name is known, and any name under a symlink member (refused or
+    not) is refused. With the native engine, runs of plain files and
+    directories are written by it; every other member, and every one it
+    cannot write, is read here by the same rules.
     """
     progress.start("unpack (no index: files not verified)", 0, 0)
     if isinstance(bundle, StreamedArchive):
-        return _extract_members(bundle, bundle.codec.open_stream(bundle.raw), dest, progress)
+        return _PlainExtraction(bundle, bundle.codec.open_stream(bundle.raw), dest, progress).run()
     with DecodedAhead(bundle.codec.open_stream(_FdReader(bundle.fd))) as stream:
-        return _extract_members(bundle, stream, dest, progress)
+        return _PlainExtraction(bundle, stream, dest, progress).run()
 
 
-def _extract_members(bundle, stream, dest: str, progress: Progress) -> PlainStats:
-    root, reader = os.fsencode(dest), PlainReader(bundle.path, stream)
-    native = native_engine.module()
-    written = native.PlainExtraction(root + b"/", current_umask()) if native else _WrittenFiles()
-    stats, refused, symlink_names = PlainStats(), [], set()
-    links: dict[bytes, tarfile.TarInfo] = {}            # by name: a later member of that name replaces a link
-    directories: dict[bytes, tuple[int, int]] = {}
-    while True:
-        if native:
-            _take_native_run(reader, written, stats, directories, progress)
-        member = reader.next_member()
-        if member is None:
-            break
+class _PlainExtraction:
+    """One extraction of a plain archive into DEST: what it has written and what waits for the end."""
+
+    def __init__(self, bundle, stream, dest: str, progress: Progress):
+        self.path, self.progress = bundle.path, progress
+        self.root, self.reader = os.fsencode(dest), PlainReader(bundle.path, stream)
+        self.native = native_engine.module()
+        self.written = (self.native.PlainExtraction(self.root + b"/", current_umask()) if self.native
+                        else _WrittenFiles())
+        self.stats, self.refused, self.symlink_names = PlainStats(), [], set()
+        self.links: dict[bytes, tarfile.TarInfo] = {}       # by name: a later member of that name replaces a link
+        self.directories: dict[bytes, tuple[int, int]] = {}
+
+    def run(self) -> PlainStats:
+        while True:
+            if self.native:
+                self._take_native_run()
+            member = self.reader.next_member()
+            if member is None:
+                break
+            self._take(member)
+        _finish_links(self.root, self.links, self.symlink_names, self.written, self.refused)
+        _finish_directories(self.root, self.directories)
+        if self.refused:
+            raise UnsafeMemberError(self.refused, self.path)
+        return self.stats
+
+    def _take(self, member: tarfile.TarInfo) -> None:
         name = _normalized(os.fsencode(member.name))
         if not name or member.type == _VOLUME_LABEL:
-            continue                      # the archive's root, "./", or its label
+            return                        # the archive's root, "./", or its label
         if member.issym():
-            symlink_names.add(name)
-            if native:
-                written.add_symlink(name)
-        reason = _member_problem(member, name, written, symlink_names)
+            self.symlink_names.add(name)
+            if self.native:
+                self.written.add_symlink(name)
+        reason = _member_problem(member, name, self.written, self.symlink_names)
         if reason:
-            refused.append((member.name, reason))
-            continue
-        if member.islnk() and _normalized(os.fsencode(member.linkname)) == name:
-            continue                      # GNU tar stores a file archived twice as a link to itself
-        stats.entries += 1 - (links.pop(name, None) is not None)
-        _make_parents(root, name)
-        if not member.issym() and name in symlink_names:
-            symlink_names.discard(name)   # a later member took a symlink's name: nothing can be written through it
-            if native:
-                written.drop_link(name)
+            self.refused.append((member.name, reason))
+            return
+        target = _normalized(os.fsencode(member.linkname))
+        if member.islnk() and target == name:
+            return                        # GNU tar stores a file archived twice as a link to itself
+        self.stats.entries += 1 - (self.links.pop(name, None) is not None)
+        _make_parents(self.root, name)
+        if not member.issym() and name in self.symlink_names:
+            self.symlink_names.discard(name)  # a later member took a symlink's name: nothing is written through it
+            if self.native:
+                self.written.drop_link(name)
         if member.isdir():
-            _make_directory(os.path.join(root, name), replace=written.has_file(name))
-            directories[name] = (member.mode, mtime_ns(member))
+            _make_directory(os.path.join(self.root, name), 0o700, replace=self.written.has_file(name))
+            self.directories[name] = (member.mode, mtime_ns(member))
         elif member.isfile():
-            size = write_chunks(os.path.join(root, name), reader.data_chunks(member), member.mode, mtime_ns(member))
-            written.add_file(name)
-            stats.files, stats.file_bytes = stats.files + 1, stats.file_bytes + size
-            progress.advance(1, size)
-        elif member.islnk() and not _pending_symlink(links, _normalized(os.fsencode(member.linkname))):
-            _make_link(root, member, name, symlink_names, written, refused)   # now, to the file as it is now
+            self._write_file(member, name)
+        elif member.islnk() and not _pending_symlink(self.links, target):
+            _make_link(self.root, member, name, self.symlink_names, self.written, self.refused)  # to the file now
         else:
-            links[name] = member          # a symlink (or a hard link to a symlink's name): once all are known
-            if native:
-                written.add_link(name)
-    _finish_links(root, links, symlink_names, written, refused)
-    _finish_directories(root, directories)
-    if refused:
-        raise UnsafeMemberError(refused, bundle.path)
-    return stats
+            self.links[name] = member     # a symlink (or a hard link to a symlink's name): once all are known
+            if self.native:
+                self.written.add_link(name)
 
+    def _write_file(self, member: tarfile.TarInfo, name: bytes) -> None:
+        size = write_chunks(os.path.join(self.root, name), self.reader.data_chunks(member), member.mode,
+                            mtime_ns(member))
+        self.written.add_file(name)
+        self.stats.files, self.stats.file_bytes = self.stats.files + 1, self.stats.file_bytes + size
+        self.progress.advance(1, size)
 
-def _take_native_run(reader: PlainReader, extraction, stats: PlainStats, directories: dict,
-                     progress: Progress) -> None:
-    done = reader.run_native(extraction)
-    stats.entries, stats.files = stats.entries + done.entries, stats.files + done.files
-    stats.file_bytes += done.file_bytes
-    directories.update((name, (mode, mtime)) for name, mode, mtime in done.directories)
-    if done.files:
-        progress.advance(done.files, done.file_bytes)
+    def _take_native_run(self) -> None:
+        done, stats = self.reader.run_native(self.written), self.stats
+        stats.entries, stats.files = stats.entries + done.entries, stats.files + done.files
+        stats.file_bytes += done.file_bytes
+        self.directories.update((name, (mode, mtime)) for name, mode, mtime in done.directories)
+        if done.files:
+            self.progress.advance(done.files, done.file_bytes)
 
 
 def _pending_symlink(links: dict, name: bytes) -> bool:
@@ -148,25 +162,31 @@ def _pending_symlink(links: dict, name: bytes) -> bool:
     return member is not None and member.issym()
 
 
-def _make_directory(path: bytes, replace: bool) -> None:
-    """Make directory member ``path`` (its parents are real directories); an existing directory is kept. With
-    ``replace`` (the file there is an earlier member's), the file is replaced, as GNU tar does; anything else
-    there (a link planted in DEST) is an error."""
+def _make_directory(path: bytes, mode: int, replace: bool = False) -> None:
+    """Make directory ``path`` (its parents are real directories) with ``mode`` less the umask; an existing
+    directory is kept (one lstat, the usual case). With ``replace`` (the file there is an earlier member's) the
+    file is replaced, as GNU tar does; anything else there (a link planted in DEST) is an error."""
     try:
         if stat.S_ISDIR(os.lstat(path).st_mode):
             return
         if not replace:
-            raise BundleError("a member would be written through a non-directory", os.fsdecode(path),
-                              "unpack into an empty destination")
+            raise _through_non_directory(path)
         remove_stale(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
         raise destination_error(exc, path) from None
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, mode)
+    except FileExistsError:               # made meanwhile: look again
+        _make_directory(path, mode)
     except OSError as exc:
         raise destination_error(exc, path) from None
+
+
+def _through_non_directory(path: bytes) -> BundleError:
+    return BundleError("a member would be written through a non-directory", os.fsdecode(path),
+                       "unpack into an empty destination")
 
 
 def _finish_directories(root: bytes, directories: dict[bytes, tuple[int, int]]) -> None:
@@ -219,27 +239,12 @@ def _member_problem(member: tarfile.TarInfo, name: bytes, written, symlinks: set
 
 
 def _make_parents(root: bytes, name: bytes) -> None:
-    """Make the directories above ``name`` under ``root``; each that exists must be a directory, not a link to one
-    (one lstat for an existing directory, the usual case)."""
+    """Make the directories above ``name`` under ``root`` as ``mkdir -p`` and GNU tar make them (0777 less the
+    umask); each that exists must be a directory, not a link to one."""
     current = root
     for part in name.split(b"/")[:-1]:
         current = current + b"/" + part
-        try:
-            if stat.S_ISDIR(os.lstat(current).st_mode):
-                continue
-        except FileNotFoundError:
-            try:
-                os.mkdir(current, 0o777)        # less the umask, as mkdir -p and GNU tar make it
-                continue
-            except FileExistsError:         # made meanwhile: look again
-                if stat.S_ISDIR(os.lstat(current).st_mode):
-                    continue
-            except OSError as exc:
-                raise destination_error(exc, current) from None
-        except OSError as exc:
-            raise destination_error(exc, current) from None
-        raise BundleError("a member would be written through a non-directory", os.fsdecode(current),
-                          "unpack into an empty destination")
+        _make_directory(current, 0o777)
 
 
 def _finish_links(root: bytes, links: dict, symlinks: set, written, refused: list) -> None:
