@@ -72,6 +72,27 @@ class Window:
         self.pos += len(out)
         return out
 
+    def peek(self, offset: int, size: int) -> bytes:
+        """The ``size`` bytes ``offset`` bytes ahead, left unconsumed (fewer at the end of the stream)."""
+        self.fill(offset + size)
+        return self.data[self.pos + offset:self.pos + offset + size]
+
+    def consume(self, count: int) -> None:
+        """Mark ``count`` available bytes as read."""
+        self.pos += count
+
+    def next_chunk(self) -> bytes:
+        """The stream's next decoded chunk, not yet part of the window (see continue_in and extend)."""
+        return self.stream.read(WINDOW_FILL)
+
+    def continue_in(self, chunk: bytes, offset: int) -> None:
+        """The rest of the window and ``chunk`` up to ``offset`` were read elsewhere: go on from there."""
+        self.base, self.data, self.pos = self.base + len(self.data), chunk, offset
+
+    def extend(self, chunk: bytes) -> None:
+        """Append ``chunk`` to the unconsumed rest."""
+        self.base, self.data, self.pos = self.tell(), self.data[self.pos:] + chunk, 0
+
     def skip(self, count: int) -> int:
         """Consume ``count`` bytes without holding more than one chunk; return how many there were."""
         skipped = 0
@@ -185,7 +206,7 @@ class PlainReader:
         while not self.cursor.pax_headers:          # a global pax header changes every member: Python reads
             window = self.window
             consumed, needed, entries, files, size, made = extraction.run(window.data, window.pos)
-            window.pos += consumed
+            window.consume(consumed)
             done.add(entries, files, size, made)
             if not needed or needed > MEMBER_CHUNK:
                 break
@@ -203,22 +224,21 @@ class PlainReader:
         when it was written, or when the window was empty and now holds the chunk. Otherwise the window holds
         the rest and the chunk, joined."""
         window = self.window
-        have, start = window.available(), window.tell()
-        chunk = window.stream.read(WINDOW_FILL)
+        have, chunk = window.available(), window.next_chunk()
         if not have:
-            window.base, window.data, window.pos = start, chunk, 0
+            window.continue_in(chunk, 0)
             return bool(chunk)
-        rest = window.data[window.pos:]
+        rest = window.peek(0, have)
         while have + len(chunk) >= needed:
             consumed, longer, entries, files, size, made = extraction.run(rest + chunk[:needed - have], 0)
             if consumed == needed:
                 done.add(entries, files, size, made)
-                window.base, window.data, window.pos = start + have, chunk, needed - have
+                window.continue_in(chunk, needed - have)
                 return True
             if consumed or longer <= needed:
                 break                                 # a member for Python
             needed = longer                           # only its header was there: now its whole length
-        window.base, window.data, window.pos = start, rest + chunk, 0
+        window.extend(chunk)
         return False
 
     def _skip_to(self, position: int) -> None:
@@ -227,18 +247,12 @@ class PlainReader:
             raise BundleError("archive is truncated inside its last member", self.path, TRUNCATED_HINT)
 
     def _peek_header(self) -> bytes:
-        header = self._peek(0, _BLOCK)
+        header = self.window.peek(0, _BLOCK)
         if len(header) < _BLOCK:
             raise (self._damaged("shorter than one tar header", 0) if self.window.tell() == 0 else
                    BundleError("archive is truncated (it ends without end-of-archive blocks)", self.path,
                                TRUNCATED_HINT))
         return header
-
-    def _peek(self, offset: int, size: int) -> bytes:
-        """The ``size`` bytes ``offset`` bytes ahead, left unconsumed (fewer at the end of the stream)."""
-        window = self.window
-        window.fill(offset + size)
-        return window.data[window.pos + offset:window.pos + offset + size]
 
     def _check_extensions(self, start: int) -> None:
         """Before tarfile parses them, look over the extended headers that precede the next member (pax records,
@@ -247,7 +261,7 @@ class PlainReader:
         tarfile would read as part of the name. Headers tarfile cannot read are left to it to report."""
         offset = 0
         while True:
-            header = self._peek(offset, _BLOCK)
+            header = self.window.peek(offset, _BLOCK)
             try:
                 info = tarfile.TarInfo.frombuf(header, self.cursor.encoding, self.cursor.errors)
             except tarfile.HeaderError:
@@ -261,13 +275,13 @@ class PlainReader:
             if not 0 <= info.size <= HEADER_LIMIT - offset - _BLOCK:
                 raise BundleError(f"a member's headers (at byte {start:,}) are longer than pallet reads "
                                   f"({HEADER_LIMIT:,} bytes) or of negative length", self.path, _CRAFTED_HINT)
+            padded = -(-info.size // _BLOCK) * _BLOCK
             if info.type in _PAX_TYPES:
-                padded = -(-info.size // _BLOCK) * _BLOCK
-                data = self._peek(offset + _BLOCK, padded)
+                data = self.window.peek(offset + _BLOCK, padded)
                 if len(data) < padded:
                     raise BundleError("archive is truncated inside an extended header", self.path, TRUNCATED_HINT)
                 self._check_pax(data, start + offset)
-            offset += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
+            offset += _BLOCK + padded
 
     def _check_pax(self, data: bytes, where: int) -> None:
         problem = framing_problem(data)
