@@ -37,7 +37,11 @@ class FarSession:
     far side's listing of DEST is read too (:meth:`entries`). The lock is
     held until the session is closed. A stream that fails ends the session
     there; the next :meth:`receiver` (a retry) starts a new one, locking
-    DEST again. SessionUnavailable when the far side's pallet predates
+    DEST again. The finishing requests (:meth:`set_directories`,
+    :meth:`clear`) are queued and sent with the session's end in one write,
+    so that they cost one round trip between them, not one each; their
+    errors are raised by :meth:`close`, and a session closed as failed
+    drops them unsent. SessionUnavailable when the far side's pallet predates
     sessions; FarStagerError or TransportError for other failures.
     ``supported`` is always True: it stands in for a DestinationLock.
     """
@@ -51,6 +55,7 @@ class FarSession:
         self._far = self._start(listing)
         self._broken = False
         self._streams = 0
+        self._queued: list[bytes] = []
 
     def entries(self) -> dict[bytes, FarEntry] | None:
         """DEST's entries as the session listed them (DEST/.pallet left out); None when DEST is marked
@@ -72,18 +77,26 @@ class FarSession:
         return SessionStream(self, holds_no_shards=self._streams == 1 and unmarked)
 
     def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None:
-        """Give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
+        """Queue: give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
         if entries:
             payload = encode_dirs(entries)
-            self._ask(SessionRequest("dirs", size=len(payload)), payload)
+            self._queue(SessionRequest("dirs", size=len(payload)), payload)
 
     def clear(self) -> None:
-        """Remove DEST/.pallet now, the lock still held."""
-        self._ask(SessionRequest("clear"))
+        """Queue: remove DEST/.pallet, the lock still held."""
+        self._queue(SessionRequest("clear"))
 
     def close(self, failed: bool = False) -> None:
-        """End the session: the far side releases DEST's lock and exits. Unless ``failed``, a far-side failure
-        that nothing reported yet is raised."""
+        """End the session: unless ``failed``, send the queued requests and check their answers; the far side
+        then releases DEST's lock and exits. Unless ``failed``, a far-side failure that nothing reported yet is
+        raised."""
+        queued, self._queued = self._queued, []
+        if not failed and queued:
+            self._send_all(queued)
+            self._far.close_input()
+            for _ in queued:
+                if self._far.process.stdout.readline() != OK:
+                    raise self._far.failure()
         self._far.close()
         if not failed and self._far.process.returncode != 0:
             raise self._far.failure()
@@ -117,18 +130,19 @@ class FarSession:
         return far.failure()
 
     def _send(self, request: SessionRequest, payload: bytes = b"") -> None:
+        self._send_all([request.encode() + payload])
+
+    def _send_all(self, requests: list[bytes]) -> None:
         try:
-            self._far.process.stdin.write(request.encode() + payload)
+            self._far.process.stdin.write(b"".join(requests))
             self._far.process.stdin.flush()
         except (BrokenPipeError, ConnectionResetError):
             raise self._far.failure() from None
 
-    def _ask(self, request: SessionRequest, payload: bytes = b"") -> None:
+    def _queue(self, request: SessionRequest, payload: bytes = b"") -> None:
         if self._broken:
             raise StreamError("the far-side session ended with a failed stream", self.endpoint.url())
-        self._send(request, payload)
-        if self._far.process.stdout.readline() != OK:
-            raise self._far.failure()
+        self._queued.append(request.encode() + payload)
 
 
 class SessionStream:

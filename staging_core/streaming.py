@@ -237,7 +237,7 @@ class FarStager:
         """After a failure seen here: the far side's own error if it failed (it is given a few seconds to
         exit once its stdin is closed), else ``local``. A sender that saw its receiver go away exits with
         RECEIVER_GONE: then the cause is here."""
-        self._close_stdin()
+        self.close_input()
         try:
             status = self.process.wait(timeout=_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
@@ -248,7 +248,7 @@ class FarStager:
 
     def close(self, timeout: float = 60) -> None:
         """End our side of the stream and wait for the far side (killing ssh if it does not exit in time)."""
-        self._close_stdin()
+        self.close_input()
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -257,7 +257,8 @@ class FarStager:
         self.process.stdout.close()
         self._drain.join()
 
-    def _close_stdin(self) -> None:
+    def close_input(self) -> None:
+        """End our side of the stream (the far side sees end of input); nothing when that has happened."""
         try:
             self.process.stdin.close()
         except (BrokenPipeError, ConnectionResetError, ValueError):

@@ -16,7 +16,11 @@ from bundles.progress import NoProgress
 from mpi_stager.send import prepare_source, send_stream
 from mpi_stager.session import HELLO, OK, encode_dirs, run_session
 from mpi_stager.summaries import decode
+from staging_core.far_session import FarSession
+from staging_core.options import StagingOptions
 from staging_core.plain import parse_records
+from staging_core.transports.base import parse_url
+from staging_core.transports.registry import open_endpoint
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import user_env
 from tests.servers import count_invocations
@@ -135,6 +139,27 @@ def test_the_session_lists_dest_then_sets_directory_times_and_clears(tmp_path):
     assert (info.st_mode & 0o7777, info.st_mtime_ns) == (0o750, 5_000_000_123)       # no setuid/setgid
     assert os.stat(tmp_path).st_mtime_ns != 7, "a directory reached through a link was changed"
     assert not (dest / ".pallet").exists() and (dest / "a.txt").exists()
+
+
+def test_finishing_requests_go_with_the_sessions_end_and_a_failed_end_drops_them(sshd, tmp_path):
+    dest = tmp_path / "dest"
+    (dest / ".pallet" / "old").mkdir(parents=True)
+    (dest / "sub").mkdir()
+    endpoint = parse_url(sshd.url(str(dest)))
+    options = StagingOptions(remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    with open_endpoint(endpoint, options) as transport:
+        failed = FarSession(transport, endpoint, options)
+        failed.clear()
+        failed.close(failed=True)
+        assert (dest / ".pallet" / "old").is_dir(), "a session closed as failed ran a queued request"
+        session = FarSession(transport, endpoint, options, listing=True)
+        session.set_directories([(b"sub", 0o750, 5_000_000_123)])
+        session.clear()
+        assert (dest / ".pallet").is_dir() and os.stat(dest / "sub").st_mtime_ns != 5_000_000_123    # queued
+        session.close()
+    info = os.stat(dest / "sub")
+    assert (info.st_mode & 0o7777, info.st_mtime_ns) == (0o750, 5_000_000_123)
+    assert not (dest / ".pallet").exists()
 
 
 def test_a_session_receives_a_stream_then_goes_on_serving(tmp_path):
