@@ -16,7 +16,7 @@ from .safety import safe_mode
 from .shards import entry_header
 from .tarformat import END_OF_ARCHIVE, Kind
 from .state import STATE_DIR
-from .unpack import shard_cost
+from .unpacking import shard_cost
 
 
 @dataclass

@@ -7,15 +7,7 @@ import sys
 
 from bundles.errors import PalletError, UsageError
 
-from bundles.writer import PackOptions
-
-from .comm import get_communicator
-from .pack import pack_parallel
-from .receive import receive
-from .send import RECEIVER_GONE, read_selection_block, send
-from .session import run_session
-from .summaries import encode
-from .unpack import StagerError, StagerOptions, unpack_parallel
+from .summaries import RECEIVER_GONE, encode
 
 _EPILOG = """\
 run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
@@ -107,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names, loading only that command's modules (a far-side session starts fast)."""
     args = build_parser().parse_args(argv)
     if args.command == "receive":
         return _run_receive(args)
@@ -114,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_send(args)
     if args.command == "session":
         return _run_session(args)
+    from .comm import get_communicator
     try:
         comm = get_communicator(args.comm)
     except PalletError as exc:
@@ -122,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = comm.rank == 0
     if args.command == "pack":
         return _run_pack(comm, args)
+    from .unpack import StagerError, StagerOptions, unpack_parallel
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
                                   StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1),
@@ -143,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_receive(args) -> int:
+    from .receive import receive
     try:
         summary = receive(sys.stdin.buffer, sys.stdout.buffer, args.dest, args.verify, args.locked_by_caller)
         print(encode(summary) if args.json else
@@ -158,6 +154,7 @@ def _run_receive(args) -> int:
 
 
 def _run_session(args) -> int:
+    from .session import run_session
     try:
         run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list)
     except PalletError as exc:
@@ -169,6 +166,7 @@ def _run_session(args) -> int:
 
 
 def _run_send(args) -> int:
+    from .send import read_selection_block, send
     try:
         inp = sys.stdin.buffer
         if args.files_from == "-":
@@ -196,6 +194,9 @@ def read_selection(source: str) -> frozenset[bytes]:
 
 
 def _run_pack(comm, args) -> int:
+    from bundles.writer import PackOptions
+
+    from .pack import pack_parallel
     try:
         reads = args.files_from and (comm.rank == 0 or args.files_from != "-")   # every rank fails alike
         include = read_selection(args.files_from) if reads else None

@@ -5,7 +5,7 @@ import heapq
 from dataclasses import dataclass
 
 from bundles.index import Shard
-from bundles.unpack import shard_cost
+from bundles.unpacking import shard_cost
 
 
 @dataclass(frozen=True)

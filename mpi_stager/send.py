@@ -18,9 +18,8 @@ from bundles.stream import (DATA_CHUNK, FrameKind, FrameWriter, decode_resume_re
                             encode_skeleton)
 from bundles.writer import iter_shards
 
+from .summaries import RECEIVER_GONE, SOURCE_MISSING
 
-SOURCE_MISSING = 3                # exit status of `mpi_stager send` when SRC does not exist
-RECEIVER_GONE = 5                 # exit status of `mpi_stager send` when its receiver went away
 _SELECTION_LIMIT = 1 << 30        # bytes of a selection block: far above 10M names
 _HINT = "rerun the pull: shards finished at the receiver are not sent again"
 

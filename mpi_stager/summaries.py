@@ -8,6 +8,9 @@ from urllib.parse import urlsplit
 
 from bundles.errors import SummaryError
 
+SOURCE_MISSING = 3                # exit status of `mpi_stager send` when SRC does not exist
+RECEIVER_GONE = 5                 # exit status of `mpi_stager send` (and receive, session) when its peer went away
+
 # The summary format's version (docs/bundle-format.md §9). Adding a field older readers may ignore keeps it;
 # renaming, removing or changing the type or meaning of one, or adding one readers need, raises it (a field
 # added later has a default, so that older versions still read). A summary with no "summary" field comes from

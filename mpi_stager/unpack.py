@@ -14,7 +14,7 @@ from bundles.jobs import ShardJob, shard_jobs
 from bundles.parallel import WorkerPool, jobs_for
 from bundles.reader import Bundle
 from bundles.state import INCOMPLETE, STATE_DIR, finish, holding_lock, mark_incomplete, marker_text
-from bundles.unpack import shard_cost
+from bundles.unpacking import shard_cost
 
 from .comm import POISON, Communicator
 from .journal import Journal, new_run_name

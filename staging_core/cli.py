@@ -7,13 +7,8 @@ import json
 import os
 import sys
 
-from bundles import (Bundle, PackOptions, PalletError, UnpackOptions, UsageError, pack, unpack,
-                     verify_bundle, verify_tree)
-from bundles import native
-from bundles.plain import iter_members
-from bundles.reader import read_embedded_index
+from bundles.errors import PalletError, UsageError
 
-from .remote_bytes import RemoteRanges, is_remote_bundle
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -60,6 +55,7 @@ def _adder(module: str, function: str):
 
 
 def _version_text() -> str:
+    from bundles import native
     engine = native.engine_info()
     return f"pallet 0.1.0\nengine: {engine.name}" + (f" ({engine.reason})" if engine.reason else "")
 
@@ -160,6 +156,7 @@ def _run_login_globus(args) -> int:
 
 
 def _run_pack(args) -> int:
+    from bundles.writer import PackOptions, pack
     options = PackOptions(args.codec, args.level, args.shard_size, args.jobs)
     result = pack(args.src, args.bundle, options, make_progress(args.progress))
     index = result.index
@@ -173,6 +170,7 @@ def _run_pack(args) -> int:
 
 
 def _run_unpack(args) -> int:
+    from bundles.unpacking import UnpackOptions, unpack
     result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify, use_index=args.use_index),
                     make_progress(args.progress))
     checked = "verified" if result.verified else ("not verified (no index)" if not result.indexed else "not verified")
@@ -183,6 +181,9 @@ def _run_unpack(args) -> int:
 
 
 def _run_ls(args) -> int:
+    from bundles.reader import Bundle, read_embedded_index
+
+    from .remote_bytes import RemoteRanges, is_remote_bundle
     if is_remote_bundle(args.bundle):          # ssh://host/b.tar.zst: the index alone crosses, by byte ranges
         source = RemoteRanges.open_url(args.bundle, tuple(args.ssh_option))
         try:
@@ -216,6 +217,7 @@ def _ls_line(entry) -> str:
 
 
 def _ls_plain(bundle, as_json: bool) -> int:
+    from bundles.plain import iter_members
     for member, _ in iter_members(bundle):
         doc = {"path": member.name, "type": member.type.decode(errors="replace"), "mode": f"{member.mode:04o}",
                "size": member.size, "mtime": member.mtime}
@@ -226,6 +228,8 @@ def _ls_plain(bundle, as_json: bool) -> int:
 
 
 def _run_verify(args) -> int:
+    from bundles.reader import Bundle
+    from bundles.verify import verify_bundle, verify_tree
     with Bundle.open(args.bundle) as bundle:
         report = verify_bundle(bundle, args.jobs)
         if args.dest and report.ok:

@@ -5,7 +5,9 @@ import argparse
 import json
 import os
 import shlex
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Iterator
 
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 from .planner import LARGE_FILE_BYTES
@@ -239,12 +241,33 @@ def staging_options(args) -> StagingOptions:
 
 def _run_staging(args) -> int:
     """Run push or pull (the same options and summary)."""
-    from .operations import pull, push
-    options = staging_options(args)
-    operation = push if args.command == "push" else pull
-    result = operation(args.src, args.dest, options, make_progress(args.progress))
+    remote = args.dest if args.command == "push" else args.src
+    with connecting_early(remote, staging_options(args)) as options:
+        from .operations import pull, push                      # loaded while ssh connects
+        operation = push if args.command == "push" else pull
+        result = operation(args.src, args.dest, options, make_progress(args.progress))
     report(args.json, result.to_json(), _summary_line(args.command, result))
     return EXIT_OK
+
+
+@contextmanager
+def connecting_early(url: str, options: StagingOptions) -> Iterator[StagingOptions]:
+    """``options`` for a push or pull whose far side is ``url``: for an ssh URL, with the connection to its
+    host already being made (an SSHMaster in ``transport_options``, which the operation's ssh transport takes
+    over), so that ssh's round trips overlap the loading of the rest of pallet; the connection is ended here
+    if the operation did not take it. Other URLs: ``options`` as they are."""
+    from .transports.base import parse_url
+    endpoint = parse_url(url)
+    if endpoint.scheme != "ssh":
+        yield options
+        return
+    from .transports.ssh_master import SSHMaster, ssh_options_for
+    master = SSHMaster(endpoint, ssh_options_for(options.ssh_options)).start()
+    given = options.transport_options
+    try:
+        yield replace(options, transport_options={**given, "ssh": {**given.get("ssh", {}), "master": master}})
+    finally:
+        master.close()
 
 
 def _summary_line(command: str, result) -> str:

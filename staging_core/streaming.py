@@ -15,8 +15,8 @@ from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.receive import read_skeleton, receive
-from mpi_stager.send import RECEIVER_GONE, SOURCE_MISSING, prepare_source, selection_block, send_stream
-from mpi_stager.summaries import ReceiveSummary, decode
+from mpi_stager.send import prepare_source, selection_block, send_stream
+from mpi_stager.summaries import RECEIVER_GONE, SOURCE_MISSING, ReceiveSummary, decode
 
 from .options import StagingOptions
 from .transports.base import Endpoint, Transport

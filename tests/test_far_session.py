@@ -75,6 +75,42 @@ def test_an_individual_push_holds_the_session_while_rsync_runs(sshd, tmp_path, m
     assert_same_tree(str(src), tmp_path / "dest")
 
 
+def test_push_and_pull_take_over_the_connection_the_command_line_starts_early(sshd, tmp_path, monkeypatch):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
+    pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle")
+    done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--remote-python", sys.executable,
+                      *ssh_flags(sshd), sshd.url(str(tmp_path / "dest")), str(tmp_path / "back"))
+    assert done.returncode == 0, done.stderr
+    masters = [call for call in calls() if " -N " in call]
+    assert len(masters) == 2, masters               # one connection each, started before the rest of pallet loads
+    assert sum(" -O exit" in call for call in calls()) == 2
+    assert_same_tree(src, tmp_path / "back")
+    assert not _live_masters(masters)
+
+
+def test_a_push_that_fails_before_connecting_leaves_no_connection(sshd, tmp_path, monkeypatch):
+    calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
+    done = run_pallet("push", "--quiet", *ssh_flags(sshd), str(tmp_path / "missing"), sshd.url(str(tmp_path / "d")))
+    assert done.returncode == 1 and "missing: does not exist" in done.stderr and "Traceback" not in done.stderr
+    masters = [call for call in calls() if " -N " in call]
+    assert len(masters) == 1 and not _live_masters(masters)
+    assert not (tmp_path / "d").exists()
+
+
+def _live_masters(calls: list[str]) -> list[str]:
+    """The ssh processes still running with a ControlPath of ``calls``, and those paths' directories left."""
+    paths = [word.partition("=")[2] for call in calls for word in call.split() if word.startswith("ControlPath=")]
+    left = [path for path in paths if os.path.exists(os.path.dirname(path))]
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        left += [f"{entry.name}: {path}" for path in paths if f"ControlPath={path}" in command]
+    return left
+
+
 def test_a_held_destination_stops_a_second_push_with_status_4(sshd, tmp_path):
     src = make_nasty_tree(str(tmp_path / "src"))
     dest = tmp_path / "dest"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from staging_core.transports.ssh import _MASTER_IDLE_S as MASTER_IDLE_S
+from staging_core.transports.ssh_master import MASTER_IDLE_S
 from tests.conftest import assert_same_tree, make_files
 from tests.programs import program, python_module, user_env
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bundles.reader import Bundle
-from bundles.unpack import UnpackOptions, unpack
+from bundles.unpacking import UnpackOptions, unpack
 from bundles.verify import verify_bundle, verify_tree
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm

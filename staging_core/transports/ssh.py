@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -13,14 +12,12 @@ from typing import Sequence
 from bundles.errors import UsageError
 from bundles.reserved import PARTIAL_DIR
 
-from ..scratch import scratch_dir
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
 from .errors import MissingDependencyError, RemotePathMissingError, classify
+from .ssh_master import SSHMaster, ssh_options_for
 
 _FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
 _FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
-_MASTER_IDLE_S = 30    # a master left by a killed pallet exits after this; later commands reconnect directly
-_SOCKET_ROOT = "/tmp"   # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
 _PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
 
 
@@ -28,6 +25,10 @@ class SSHTransport(Transport):
     """rsync/ssh to ``[user@]host[:port]``; the user's ~/.ssh/config, keys and agent apply.
 
     ``ssh_options`` (and ``$PALLET_SSH_OPTIONS``) are extra ssh arguments;
+    ``master`` a connection already started for this host and these options
+    (:class:`SSHMaster`; `pallet push` starts it before loading the rest of
+    pallet), which the transport takes over and ends; without it, or for
+    another host, the transport makes its own on first use;
     ``parallel`` > 1 splits each batch over that many rsync processes,
     balanced by bytes and file count, sharing the one connection.
     """
@@ -37,12 +38,14 @@ class SSHTransport(Transport):
                                 checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
                                 hardlinks=False, per_file_overhead_s=9e-5, concurrency=1)
 
-    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1):
+    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
+                 master: SSHMaster | None = None):
         super().__init__(endpoint)
-        self.ssh_options = [*ssh_options, *shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))]
+        self.ssh_options = ssh_options_for(ssh_options)
         self.parallel = max(1, parallel)
-        self._control_dir = scratch_dir("pallet-ssh-", _SOCKET_ROOT)
-        self._master_started = False
+        adopted = master is not None and master.adopt(endpoint, self.ssh_options)
+        self._master = master if adopted else SSHMaster(endpoint, self.ssh_options)
+        self._control_dir = self._master.control_dir
         if self.parallel > 1:
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
                                                 "concurrency": self.parallel})
@@ -61,31 +64,13 @@ class SSHTransport(Transport):
         return f"{self.endpoint.user}@{self.endpoint.host}" if self.endpoint.user else self.endpoint.host
 
     def _ssh_base(self) -> list[str]:
-        port = ["-p", str(self.endpoint.port)] if self.endpoint.port else []
-        return ["ssh", *port, "-o", f"ControlPath={self._control_dir}/cm", "-o", "ControlMaster=no",
-                *self.ssh_options]
+        return self._master.client_argv()
 
     def _connect(self) -> None:
-        if self._master_started:
-            return
-        port = ["-p", str(self.endpoint.port)] if self.endpoint.port else []
-        command = ["ssh", *port, "-o", f"ControlPath={self._control_dir}/cm", "-o", "ControlMaster=yes",
-                   "-o", f"ControlPersist={_MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N", self.destination]
-        with tempfile.TemporaryFile() as errors:
-            code = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-                                  timeout=120).returncode
-            errors.seek(0)
-            stderr = errors.read().decode(errors="replace")
-        if code != 0:
-            raise classify(stderr, code, command, self.endpoint.url(), f"cannot connect to {self.destination}")
-        self._master_started = True
+        self._master.ready()
 
     def close(self) -> None:
-        if self._master_started:
-            subprocess.run([*self._ssh_base(), "-O", "exit", self.destination], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-            self._master_started = False
-        shutil.rmtree(self._control_dir, ignore_errors=True)
+        self._master.close()
 
     def _ssh(self, remote_argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess:
         self._connect()
