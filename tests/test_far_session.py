@@ -111,6 +111,16 @@ def _live_masters(calls: list[str]) -> list[str]:
     return left
 
 
+def test_individual_push_and_pull_over_ssh_keep_hard_links(sshd, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    assert pushed(sshd, src, tmp_path / "dest", "--strategy", "individual")["route"] == "individual"
+    assert_same_tree(src, tmp_path / "dest")                    # strict: link groups too
+    done = run_pallet("pull", "--quiet", "--strategy", "individual", "--remote-python", sys.executable,
+                      *ssh_flags(sshd), sshd.url(str(tmp_path / "dest")), str(tmp_path / "back"))
+    assert done.returncode == 0, done.stderr
+    assert_same_tree(src, tmp_path / "back")
+
+
 def test_a_held_destination_stops_a_second_push_with_status_4(sshd, tmp_path):
     src = make_nasty_tree(str(tmp_path / "src"))
     dest = tmp_path / "dest"

@@ -56,6 +56,33 @@ def test_partitions_balance_bytes_and_keep_every_item():
     assert [sum(1 for i in p if int(i[1:]) < 4) for p in parts] == [1, 1, 1, 1]
 
 
+def test_partitions_keep_the_names_of_a_hard_linked_file_together():
+    items = [f"f{n}" for n in range(40)]
+    keys = [("dev", n % 3) if n % 4 == 0 else None for n in range(40)]     # three files of several names each
+    parts = partition(items, [1000] * 40, 4, link_keys=keys)
+    assert sorted(i for p in parts for i in p) == sorted(items)
+    for group in {key for key in keys if key is not None}:
+        names = {items[n] for n, key in enumerate(keys) if key == group}
+        assert sum(1 for p in parts if names & set(p)) == 1, group
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_push_keeps_hard_links(sshd, tmp_path, parallel):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    items = make_files(src, 30)
+    for n, item in enumerate(list(items)):
+        if n % 5 == 0:
+            link = f"{item}.link"
+            os.link(src / item, src / link)
+            items.append(link)
+    with open_transport(sshd.url(str(dst)), ssh_options=sshd.ssh_options, parallel=parallel) as t:
+        t.mkdir(str(dst))
+        assert t.transfer(Direction.PUSH, str(src), str(dst), items).ok
+    for item in items:
+        if item.endswith(".link"):
+            assert os.stat(dst / item).st_ino == os.stat(dst / item.removesuffix(".link")).st_ino, item
+
+
 def test_unreachable_host_is_named_and_retryable(tmp_path):
     with open_transport(f"ssh://root@127.0.0.1:{free_port()}/tmp", ssh_options=["-o", "ConnectTimeout=5"]) as t:
         with pytest.raises(HostUnreachableError) as caught:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import stat
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ class SSHTransport(Transport):
     scheme = "ssh"
     capabilities = Capabilities(batch=True, streaming=True, remote_exec=True, parallel_streams=False,
                                 checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
-                                hardlinks=False, per_file_overhead_s=9e-5, concurrency=1)
+                                hardlinks=True, per_file_overhead_s=9e-5, concurrency=1)
 
     def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
                  master: SSHMaster | None = None):
@@ -46,9 +47,9 @@ class SSHTransport(Transport):
         adopted = master is not None and master.adopt(endpoint, self.ssh_options)
         self._master = master if adopted else SSHMaster(endpoint, self.ssh_options)
         self._control_dir = self._master.control_dir
-        if self.parallel > 1:
+        if self.parallel > 1:       # a pull's hard links may land in different parts (their inodes are unknown here)
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
-                                                "concurrency": self.parallel})
+                                                "concurrency": self.parallel, "hardlinks": False})
 
     @classmethod
     def options_from(cls, options) -> dict:
@@ -142,7 +143,7 @@ class SSHTransport(Transport):
         if direction is Direction.PULL:
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
-        base = ["rsync", "-a", "-s", "--modify-window=-1", f"--partial-dir={PARTIAL_DIR}", "--stats",
+        base = ["rsync", "-a", "-H", "-s", "--modify-window=-1", f"--partial-dir={PARTIAL_DIR}", "--stats",
                 "-e", shlex.join(self._ssh_base())]
         with tempfile.NamedTemporaryFile(prefix="files-", dir=self._control_dir) as listing:
             if items is not None:
@@ -168,8 +169,11 @@ class SSHTransport(Transport):
         return result
 
     def _transfer_parallel(self, direction, local_root, remote_root, items) -> TransferResult:
-        sizes = _local_sizes(local_root, items) if direction is Direction.PUSH else [0] * len(items)
-        parts = partition(items, sizes, self.parallel)
+        if direction is Direction.PUSH:
+            sizes, links = _local_sizes(local_root, items)
+        else:
+            sizes, links = [0] * len(items), None
+        parts = partition(items, sizes, self.parallel, link_keys=links)
         with ThreadPoolExecutor(len(parts)) as pool:
             results = list(pool.map(lambda part: self._rsync(direction, local_root, remote_root, part), parts))
         merged = TransferResult()
@@ -181,31 +185,44 @@ class SSHTransport(Transport):
         return merged
 
 
-def partition(items: list[str], sizes: list[int], parts: int, per_file_bytes: int = 64 * 1024) -> list[list[str]]:
+def partition(items: list[str], sizes: list[int], parts: int, per_file_bytes: int = 64 * 1024,
+              link_keys: list[object] | None = None) -> list[list[str]]:
     """Split items into ``parts`` lists of about equal bytes + per-file cost, keeping parents first.
 
     Directory items (size 0 and a prefix of others) go to every part that
-    needs them, so each rsync can create its own parents.
+    needs them, so each rsync can create its own parents. Items with the
+    same key in ``link_keys`` (a file's device and inode when it has more
+    than one link; None otherwise) go to the same part, so that its rsync
+    (``-H``) links them.
     """
     parts = max(1, min(parts, len(items)))
+    units: dict[object, list[int]] = {}
+    for n, key in enumerate(link_keys or [None] * len(items)):
+        units.setdefault(n if key is None else key, []).append(n)
     loads = [0] * parts
     buckets: list[list[str]] = [[] for _ in range(parts)]
-    for item, size in sorted(zip(items, sizes), key=lambda pair: -pair[1]):
+    for members in sorted(units.values(), key=lambda unit: -sum(sizes[n] for n in unit)):
         target = loads.index(min(loads))
-        buckets[target].append(item)
-        loads[target] += size + per_file_bytes
+        buckets[target] += [items[n] for n in members]
+        loads[target] += sum(sizes[n] + per_file_bytes for n in members)
     order = {item: n for n, item in enumerate(items)}
     return [sorted(bucket, key=order.__getitem__) for bucket in buckets if bucket]
 
 
-def _local_sizes(root: str, items: list[str]) -> list[int]:
-    sizes = []
+def _local_sizes(root: str, items: list[str]) -> tuple[list[int], list[object]]:
+    """Each item's size, and its hard-link key: (device, inode) for a file with more than one link, else None."""
+    sizes: list[int] = []
+    keys: list[object] = []
     for item in items:
         try:
-            sizes.append(os.lstat(os.path.join(root, item)).st_size)
+            info = os.lstat(os.path.join(root, item))
         except OSError:
             sizes.append(0)
-    return sizes
+            keys.append(None)
+            continue
+        sizes.append(info.st_size)
+        keys.append((info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) and info.st_nlink > 1 else None)
+    return sizes, keys
 
 
 def _failed_items(stderr: str, source_root: str, items: set[str]) -> dict[str, str]:
