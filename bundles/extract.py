@@ -64,9 +64,7 @@ def prepare_destination(dest: str) -> None:
 def make_directories(index: Index, dest: str) -> None:
     """Create every directory of the index under ``dest`` (owner-writable until finish_tree)."""
     root = os.fsencode(dest)
-    for i, kind in enumerate(index.kinds):
-        if kind != Kind.DIR:
-            continue
+    for i in index.positions(Kind.DIR):
         path = os.path.join(root, index.paths[i])
         try:
             os.mkdir(path, 0o700)
@@ -235,8 +233,7 @@ def members_differ(source: str | None, index: Index, shard: Shard, i: int) -> Co
 def finish_tree(index: Index, dest: str) -> None:
     """Create hard links and symlinks, then apply directory modes and mtimes, deepest first."""
     root = os.fsencode(dest) + b"/"
-    links = [i for i, kind in enumerate(index.kinds) if kind in (Kind.HARDLINK, Kind.SYMLINK)]
-    for i in links:
+    for i in index.positions(Kind.HARDLINK, Kind.SYMLINK):
         kind, path = index.kinds[i], root + index.paths[i]
         try:
             if kind == Kind.HARDLINK:
@@ -248,8 +245,7 @@ def finish_tree(index: Index, dest: str) -> None:
                 os.utime(path, ns=(index.mtimes[i], index.mtimes[i]), follow_symlinks=False)
         except OSError as exc:
             raise destination_error(exc, path) from None
-    directories = [i for i, kind in enumerate(index.kinds) if kind == Kind.DIR]
-    for i in sorted(directories, key=lambda i: index.paths[i].count(b"/"), reverse=True):
+    for i in sorted(index.positions(Kind.DIR), key=lambda i: index.paths[i].count(b"/"), reverse=True):
         path = root + index.paths[i]
         os.chmod(path, safe_mode(index.modes[i]))
         os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))

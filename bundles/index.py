@@ -157,6 +157,18 @@ class Index:
     def count(self, kind: Kind) -> int:
         return self.kinds.count(int(kind))
 
+    def positions(self, *kinds: Kind) -> list[int]:
+        """The positions of the entries of ``kinds``, in index order (found by byte search, not a Python loop
+        over every entry)."""
+        column = self.kinds.tobytes()
+        found: list[int] = []
+        for kind in kinds:
+            at = column.find(int(kind))
+            while at != -1:
+                found.append(at)
+                at = column.find(int(kind), at + 1)
+        return sorted(found) if len(kinds) > 1 else found
+
     def to_bytes(self) -> bytes:
         """Encode as the ``.pidx`` payload: a zstd frame of header and columns, self-hashed."""
         header = json.dumps({

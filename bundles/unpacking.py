@@ -6,7 +6,7 @@ import time
 from functools import partial
 from dataclasses import dataclass
 
-from . import native, plain
+from . import native
 from .extract import ShardOutcome, check_index, extract_shard, finish_tree, make_directories, prepare_destination
 from .index import Index
 from .jobs import ShardJob, shard_jobs
@@ -66,7 +66,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
         if bundle.index is not None:
             check_index(bundle.index, bundle.path)
         else:
-            next(plain.iter_members(bundle), None)      # not a tar archive: fail before touching dest
+            from .plain import iter_members             # plain archives only: loaded when one is unpacked
+            next(iter_members(bundle), None)            # not a tar archive: fail before touching dest
         prepare_destination(dest)
         with holding_lock(dest, options.lock_held):
             mark_incomplete(dest, f"pallet is unpacking {os.path.abspath(bundle.path)} here; "
@@ -82,7 +83,8 @@ def unpack(bundle_path: str | os.PathLike, dest: str | os.PathLike, options: Unp
 def _unpack_into(bundle: Bundle, dest: str, options: UnpackOptions, progress: Progress,
                  pool: WorkerPool) -> UnpackResult:
     if bundle.index is None:
-        stats = plain.extract_plain(bundle, dest, progress)
+        from .plain import extract_plain
+        stats = extract_plain(bundle, dest, progress)
         return UnpackResult(dest, stats.entries, stats.files, stats.file_bytes, 0, False, False, 0.0)
     return _unpack_indexed(bundle, dest, options, progress, pool)
 

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bundles import PackOptions, pack, unpack
+from bundles.index import Index
+from bundles.tarformat import Kind
 from tests.conftest import MTIME_NS, assert_same_tree
 
 NAME_CHARS = st.sampled_from(list("abcXYZ019 -_.~ü日\n"))
@@ -75,3 +77,11 @@ def test_random_trees_round_trip(ops, codec, shard_kib):
         assert_same_tree(src, os.path.join(work, "tar_out"))
     finally:
         shutil.rmtree(work)
+
+
+@given(kinds=st.lists(st.sampled_from(list(Kind)), max_size=300))
+def test_index_positions_are_the_entries_of_those_kinds_in_order(kinds):
+    index = Index("zstd", 3, 1 << 20)
+    index.kinds.extend(int(kind) for kind in kinds)
+    for wanted in ((Kind.DIR,), (Kind.HARDLINK, Kind.SYMLINK), tuple(Kind)):
+        assert index.positions(*wanted) == [i for i, kind in enumerate(kinds) if kind in wanted]
