@@ -171,6 +171,11 @@ class Index:
 
     def to_bytes(self) -> bytes:
         """Encode as the ``.pidx`` payload: a zstd frame of header and columns, self-hashed."""
+        return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(self.to_blob())
+
+    def to_blob(self) -> bytes:
+        """The ``.pidx`` payload before compression: header and columns, self-hashed. Two indexes are equal
+        exactly when their blobs are (their compressed payloads may differ between zstd versions)."""
         header = json.dumps({
             "format": FORMAT_VERSION, "hash": HASH_NAME, "codec": self.codec, "level": self.level,
             "shard_size": self.shard_size, "entries": len(self),
@@ -183,9 +188,7 @@ class Index:
         for part in parts:
             hasher.update(part)
         parts.append(hasher.digest())
-        blob = b"".join(parts)
-        del parts
-        return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob)
+        return b"".join(parts)
 
     def column_parts(self, names: list[str]) -> list:
         """The named entry columns in their ``.pidx`` encoding: per column a u64 LE byte length, then the bytes."""
@@ -202,6 +205,12 @@ class Index:
         if kind == "hash":
             return memoryview(values)
         return memoryview(little_endian(values)).cast("B")
+
+    @staticmethod
+    def blob_of(payload: bytes, source: str | None = None) -> bytes:
+        """The blob (:meth:`to_blob`) a ``.pidx`` payload holds, decompressed within a bound; CorruptBundleError
+        naming ``source`` if it is damaged or would decode to far more than an index of its size can."""
+        return _decode_bounded(payload, source)
 
     @classmethod
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":

@@ -14,7 +14,7 @@ from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, StreamError
 from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
                              make_directories, prepare_destination)
-from bundles.index import Shard, content_hash, new_hasher
+from bundles.index import Index, Shard, content_hash, new_hasher
 from bundles.streamed import write_streamed_file, writing_directory
 from bundles.parallel import default_jobs
 from bundles.progress import NoProgress, Progress
@@ -270,7 +270,7 @@ class _Receiver:
         frame = _expect(frames, self.source, "the index")
         if frame.kind != FrameKind.INDEX:
             raise StreamError(f"expected the index, got a {frame.kind.name} frame", self.source, _HINT)
-        if bytes(frame.payload) != self.index.to_bytes():
+        if Index.blob_of(bytes(frame.payload), self.source) != self.index.to_blob():
             raise StreamError("the sender's index differs from the one assembled from the shards", self.source,
                               "the two sides may run different pallet versions; rerun after aligning them")
         if frames.next() is not None:

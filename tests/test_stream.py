@@ -15,6 +15,7 @@ from array import array
 from pathlib import Path
 
 import pytest
+import zstandard
 
 from bundles import Index, PackOptions, pack
 from bundles.codecs import get_codec
@@ -178,6 +179,38 @@ def test_a_corrupted_shard_frame_fails_naming_the_shard(tmp_path):
     cut = receive_locally(encoded(src, 16 << 10)[:-100], tmp_path / "dest2")
     assert cut.returncode == 1 and "stream ends inside" in cut.stderr.decode()
     assert (tmp_path / "dest2" / ".pallet" / "INCOMPLETE").exists()
+
+
+def index_frame(stream: bytes) -> tuple[int, bytes]:
+    """Where ``stream``'s INDEX frame starts, and its payload."""
+    reader = FrameReader(io.BytesIO(stream), "test")
+    reader.shard_limit = 1 << 30
+    reader.prelude()
+    start, frame = reader.bytes_read, reader.next()
+    while frame.kind != FrameKind.INDEX:
+        start, frame = reader.bytes_read, reader.next()
+    return start, bytes(frame.payload)
+
+
+def with_index_frame(stream: bytes, payload: bytes) -> bytes:
+    """``stream`` with its INDEX frame (its last) carrying ``payload`` instead."""
+    out = io.BytesIO()
+    FrameWriter(out).frame(FrameKind.INDEX, 0, payload)
+    return stream[:index_frame(stream)[0]] + out.getvalue()
+
+
+def test_the_index_frame_is_compared_by_content_not_by_its_compressed_bytes(tmp_path):
+    src = tiny_tree(tmp_path / "src", 200, size=300)
+    stream = encoded(src, 16 << 10)
+    index = Index.from_bytes(index_frame(stream)[1])
+    other_level = zstandard.ZstdCompressor(level=19).compress(index.to_blob())
+    assert other_level != index.to_bytes()                # as another zstd version may compress it
+    done = receive_locally(with_index_frame(stream, other_level), tmp_path / "dest")
+    assert done.returncode == 0, done.stderr.decode()
+    assert_same_tree(src, tmp_path / "dest")
+    index.mtimes[0] += 1
+    altered = receive_locally(with_index_frame(stream, index.to_bytes()), tmp_path / "dest2")
+    assert altered.returncode == 1 and "index differs from the one assembled" in altered.stderr.decode()
 
 
 def test_kill_9_of_the_sender_mid_stream_then_a_rerun_resumes(sshd, tmp_path):
