@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "length in bytes and then the NUL-separated list")
     session = commands.add_parser("session", help="lock DEST, list it, then serve a push's requests",
                                   description="Serve one `pallet push` over one ssh channel (docs/bundle-format.md, "
-                                              "'Far-side session v1'): lock DEST, write a hello line and (--list) "
+                                              "'Far-side session v2'): lock DEST, write a hello line and (--list) "
                                               "DEST's listing, then serve requests read on stdin until it ends: "
-                                              "`receive` (a bundle stream follows, as for `receive`), `dirs N` "
+                                              "`receive` (a bundle stream follows, as for `receive`), `receive-new` "
+                                              "(the same into a DEST it listed empty; else the stream's skeleton "
+                                              "is dropped and the answer is `declined`), `dirs N` "
                                               "(directory modes and times) and `clear` (remove DEST/.pallet). The "
                                               "lock is released when it exits.")
     session.add_argument("dest", metavar="DEST")

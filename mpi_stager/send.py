@@ -66,8 +66,28 @@ def prepare_source(src: str, codec: str, jobs: int, shard_size: int | None = Non
     return StreamSource(tree, plan_shards(tree.index, tree.index.shard_size), chosen, jobs)
 
 
+@dataclass(frozen=True)
+class BegunStream:
+    """A bundle stream whose prelude and skeleton are written (:func:`begin_stream`): its source, the writer
+    it goes on with, and its identity."""
+
+    source: StreamSource
+    wire: FrameWriter
+    stream_id: str
+
+
+def begin_stream(source: StreamSource, out: BinaryIO) -> BegunStream:
+    """Write the stream's prelude and skeleton onto ``out`` and flush it; :func:`send_stream` sends the rest."""
+    wire = FrameWriter(out)
+    wire.prelude()
+    skeleton, stream_id = encode_skeleton(source.tree.index, source.plans)
+    wire.frame(FrameKind.SKELETON, 0, skeleton)
+    wire.flush()
+    return BegunStream(source, wire, stream_id)
+
+
 def send_stream(source: StreamSource, out: BinaryIO, resume: Callable[[str], dict[int, bytes]],
-                progress: Progress) -> SendReport:
+                progress: Progress, begun: BegunStream | None = None) -> SendReport:
     """Write the bundle stream of ``source`` onto ``out`` and return what was written.
 
     After the skeleton, ``resume(stream_id)`` says which shards (number ->
@@ -76,15 +96,12 @@ def send_stream(source: StreamSource, out: BinaryIO, resume: Callable[[str], dic
     whose built hash matches is sent as a SKIP frame, every other one in
     full. The index frame comes
     last; ``out`` is flushed but not closed. Shards are reported on
-    ``progress`` as they are sent.
+    ``progress`` as they are sent. ``begun``: the stream of ``source`` was
+    begun on ``out`` already (its skeleton is written); it goes on from there.
     """
-    index = source.tree.index
-    wire = FrameWriter(out)
-    wire.prelude()
-    skeleton, stream_id = encode_skeleton(index, source.plans)
-    wire.frame(FrameKind.SKELETON, 0, skeleton)
-    wire.flush()
-    sender = _ShardSender(source, wire, lambda: resume(stream_id))
+    begun = begun or begin_stream(source, out)
+    index, wire = source.tree.index, begun.wire
+    sender = _ShardSender(source, wire, lambda: resume(begun.stream_id))
     reset_columns(index)
     progress.start("stream", len(index), sum(index.sizes))
     try:

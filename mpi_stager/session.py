@@ -12,15 +12,18 @@ import zstandard
 from bundles.errors import DestinationError, StreamError
 from bundles.safety import path_problem, safe_mode
 from bundles.state import INCOMPLETE, STATE_DIR, holding_lock, remove_state, state_path
+from bundles.stream import FrameKind, FrameReader
 
 from .receive import receive
 from .summaries import encode
 
-SESSION_VERSION = 1
+SESSION_VERSION = 2
 HELLO = b"pallet-session %d\n" % SESSION_VERSION
+HELLO_PREFIX = b"pallet-session "
 LISTING_TAG = b"listing"
 NOT_COMPARABLE = b"INCOMPLETE"      # the listing of a DEST marked incomplete: it resumes from its journal
 OK = b"ok\n"
+DECLINED = b"declined\n"      # the answer to ``receive-new`` in a DEST that holds something
 
 # Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target,
 # inode, links, path (staging_core.plain.parse_records reads them; its far-side scripts run the same find).
@@ -31,14 +34,17 @@ LISTING_ARGV = ("find", ".", "-mindepth", "1", "-path", "./" + STATE_DIR, "-prun
 @dataclass(frozen=True)
 class SessionRequest:
     """One request line to a session: ``receive [noverify]`` (a bundle stream follows, up to its index frame),
-    ``dirs N`` (N bytes of directory metadata follow, see :func:`encode_dirs`) or ``clear``."""
+    ``receive-new [noverify]`` (the same, received only into a DEST the session listed empty: else only the
+    stream's prelude and skeleton follow, which are read and dropped), ``dirs N`` (N bytes of directory
+    metadata follow, see :func:`encode_dirs`) or ``clear``."""
 
     op: str
     verify: bool = True
     size: int = 0
 
     def encode(self) -> bytes:
-        words = {"receive": ["receive"] + ([] if self.verify else ["noverify"]),
+        receiving = [] if self.verify else ["noverify"]
+        words = {"receive": ["receive", *receiving], "receive-new": ["receive-new", *receiving],
                  "dirs": ["dirs", str(self.size)], "clear": ["clear"]}[self.op]
         return " ".join(words).encode() + b"\n"
 
@@ -46,7 +52,7 @@ class SessionRequest:
     def decode(cls, line: bytes, source: str) -> "SessionRequest":
         """The request on ``line``; StreamError for anything else."""
         op, *rest = line.decode(errors="replace").split()
-        if op == "receive" and rest in ([], ["noverify"]):
+        if op in ("receive", "receive-new") and rest in ([], ["noverify"]):
             return cls(op, verify=not rest)
         if op == "dirs" and len(rest) == 1 and rest[0].isdigit():
             return cls(op, size=int(rest[0]))
@@ -56,7 +62,7 @@ class SessionRequest:
 
 
 def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False) -> int:
-    """Serve one push into ``dest`` over ``inp``/``out`` (session protocol v1, docs/bundle-format.md §8) and return
+    """Serve one push into ``dest`` over ``inp``/``out`` (session protocol v2, docs/bundle-format.md §8) and return
     the number of requests served.
 
     DEST is made if missing and locked (the flock `pallet push` takes;
@@ -68,28 +74,36 @@ def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, lis
     incomplete. Then
     :class:`SessionRequest` lines are served until ``inp`` ends: ``receive``
     runs :func:`mpi_stager.receive.receive` on the stream that follows and
-    answers its JSON summary; ``dirs`` gives directories their mode and
-    mtime; ``clear`` removes DEST/.pallet; both answer ``ok``. A failed
+    answers its JSON summary; ``receive-new``, as the first request after
+    an empty listing, does the same, and otherwise drops the prelude and
+    skeleton that follow and answers ``declined``; ``dirs`` gives
+    directories their mode and mtime; ``clear`` removes DEST/.pallet; both
+    answer ``ok``. Requests may arrive before the hello is read. A failed
     request raises (PalletError): the session ends, and the lock with it.
     """
     source = f"session at {dest}"
     served = 0
     with _locked(dest, wait):
         out.write(HELLO)
+        listed = _listing(dest) if listing else NOT_COMPARABLE
         if listing:
-            block = zstandard.ZstdCompressor(level=1).compress(_listing(dest))
+            block = zstandard.ZstdCompressor(level=1).compress(listed)
             out.write(b"%s %d\n" % (LISTING_TAG, len(block)) + block)
         out.flush()
         for line in iter(inp.readline, b""):
-            out.write(_serve(SessionRequest.decode(line, source), dest, inp, out))
+            request = SessionRequest.decode(line, source)
+            out.write(_serve(request, dest, inp, out, empty=served == 0 and listed == b""))
             out.flush()
             served += 1
     return served
 
 
-def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO) -> bytes:
-    """Carry out ``request``; its answer line."""
-    if request.op == "receive":
+def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO, empty: bool = False) -> bytes:
+    """Carry out ``request`` (``empty``: DEST was listed empty and nothing has been served since); its answer."""
+    if request.op == "receive-new" and not empty:
+        drop_offer(inp, f"session at {dest}")
+        return DECLINED
+    if request.op in ("receive", "receive-new"):
         summary = receive(inp, out, dest, request.verify, lock_held=True, ends_at_index=True)
         return encode(summary).encode() + b"\n"
     if request.op == "dirs":
@@ -125,6 +139,17 @@ def set_directories(dest: str, entries: list[tuple[bytes, int, int]]) -> None:
         except OSError as exc:
             raise DestinationError(f"cannot set a directory's mode and time ({exc.strerror})", os.fsdecode(target),
                                    "make it yours and writable, then rerun") from None
+
+
+def drop_offer(inp: BinaryIO, source: str) -> None:
+    """Read and drop a declined stream's prelude and skeleton (all that a ``receive-new`` sender writes before
+    it reads the listing); StreamError if anything else follows the request."""
+    reader = FrameReader(inp, source)
+    reader.prelude()
+    frame = reader.next()
+    if frame is None or frame.kind != FrameKind.SKELETON:
+        raise StreamError("a receive-new request is not followed by a stream's skeleton", source,
+                          "run the same pallet version on both sides")
 
 
 def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:

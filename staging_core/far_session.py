@@ -4,13 +4,15 @@ from __future__ import annotations
 import shlex
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import zstandard
 
 from bundles.errors import DestinationLocked, PalletError, StreamError
 from bundles.stream import decode_resume_reply
-from mpi_stager.session import HELLO, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest, encode_dirs
+from mpi_stager.send import BegunStream, StreamSource, begin_stream
+from mpi_stager.session import (DECLINED, HELLO, HELLO_PREFIX, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest,
+                                encode_dirs)
 from mpi_stager.summaries import ReceiveSummary, decode
 
 from .locking import DestinationLock, locked_error
@@ -42,17 +44,29 @@ class FarSession:
     so that they cost one round trip between them, not one each; their
     errors are raised by :meth:`close`, and a session closed as failed
     drops them unsent. SessionUnavailable when the far side's pallet predates
-    sessions; FarStagerError or TransportError for other failures.
-    ``supported`` is always True: it stands in for a DestinationLock.
+    sessions (or speaks another session version); FarStagerError or
+    TransportError for other failures. ``supported`` is always True: it
+    stands in for a DestinationLock.
+
+    ``offer`` gives the stream a push would send into an empty DEST (None:
+    none), and is called once the far side is being started. That stream
+    is sent as ``receive-new`` at once, before the hello is read, so that its
+    skeleton travels while the far side starts and lists DEST;
+    :attr:`offer_taken` then says whether the far side found DEST empty and
+    receives it (the first :meth:`receiver` goes on with it) or declined
+    it; :attr:`offered_bytes` counts what the offer sent.
     """
 
     supported = True
 
     def __init__(self, transport: Transport, endpoint: Endpoint, options: StagingOptions, wait: bool = False,
-                 listing: bool = False):
+                 listing: bool = False, offer: Callable[[], StreamSource | None] | None = None):
         self.transport, self.endpoint, self.options, self.wait = transport, endpoint, options, wait
         self._listing: bytes | None = None
-        self._far = self._start(listing)
+        self._begun: BegunStream | None = None
+        self.offered_bytes = 0
+        self._far = self._start(listing, offer)
+        self.offer_taken = self._begun is not None
         self._broken = False
         self._streams = 0
         self._queued: list[bytes] = []
@@ -71,10 +85,12 @@ class FarSession:
             self._far.close()
             self._far = self._start(False)          # a retry: the last stream ended that session
         self._broken = True                         # until the stream's summary has come back
-        self._send(SessionRequest("receive", verify))
+        begun, self._begun = self._begun, None
+        if begun is None:
+            self._send(SessionRequest("receive", verify))
         self._streams += 1
         unmarked = self._listing is not None and self._listing != NOT_COMPARABLE
-        return SessionStream(self, holds_no_shards=self._streams == 1 and unmarked)
+        return SessionStream(self, holds_no_shards=self._streams == 1 and unmarked, begun=begun)
 
     def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None:
         """Queue: give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
@@ -107,21 +123,32 @@ class FarSession:
     def __exit__(self, kind, *exc) -> None:
         self.close(failed=kind is not None or self._broken)
 
-    def _start(self, listing: bool) -> FarStager:
+    def _start(self, listing: bool, offer: Callable[[], StreamSource | None] | None = None) -> FarStager:
         far = FarStager(self.transport, session_argv(self.options, self.endpoint.path, self.wait, listing),
                         self.endpoint.url())
+        offering = None
         try:
-            if far.process.stdout.readline() != HELLO:
-                raise self._refused(far)
+            source = offer() if offer is not None else None
+            offering = _Offer(far, source, self.options.verify) if source is not None else None
+            hello = far.process.stdout.readline()
+            if hello != HELLO:
+                raise self._refused(far, hello)
             if listing:
                 self._listing = _read_listing(far)
+            if offering is not None:
+                self._begun, self.offered_bytes = offering.outcome(self._listing == b"")
         except BaseException:
             far.close(0)
+            if offering is not None:
+                offering.join()
             raise
         return far
 
-    def _refused(self, far: FarStager) -> PalletError:
+    def _refused(self, far: FarStager, hello: bytes) -> PalletError:
         far.close()
+        if hello.startswith(HELLO_PREFIX):
+            return SessionUnavailable(f"the far side's pallet speaks {hello.strip().decode(errors='replace')}, not "
+                                      f"{HELLO.strip().decode()}", self.endpoint.url())
         status = far.process.returncode
         if status == DestinationLocked.exit_code:
             return locked_error(self.endpoint)
@@ -145,6 +172,40 @@ class FarSession:
         self._queued.append(request.encode() + payload)
 
 
+class _Offer:
+    """``receive-new`` and a stream's prelude and skeleton written to a session on a thread of their own (the
+    far side reads them only after it has listed DEST, and the listing may fill the pipe the other way)."""
+
+    def __init__(self, far: FarStager, source: StreamSource, verify: bool):
+        self.far, self.source, self.verify = far, source, verify
+        self.begun: BegunStream | None = None
+        self._thread = threading.Thread(target=self._write, name="pallet-offer", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            self.far.process.stdin.write(SessionRequest("receive-new", self.verify).encode())
+            self.begun = begin_stream(self.source, self.far.process.stdin)
+        except (OSError, ValueError):       # the far side went away: reading its answers says why
+            self.begun = None
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def outcome(self, taken: bool) -> tuple[BegunStream | None, int]:
+        """Once the listing is read: the begun stream when the far side takes it (``taken``: DEST listed empty),
+        else None after reading its ``declined``; and the bytes offered."""
+        self.join()
+        if self.begun is None:
+            raise self.far.failure()
+        sent = self.begun.wire.bytes_written
+        if taken:
+            return self.begun, sent
+        if self.far.process.stdout.readline() != DECLINED:
+            raise self.far.failure()
+        return None, sent
+
+
 class SessionStream:
     """The stream side of a :class:`FarSession` as :func:`staging_core.streaming.stream_push` uses a
     FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors.
@@ -157,10 +218,10 @@ class SessionStream:
     they are only received again.
     """
 
-    def __init__(self, session: FarSession, holds_no_shards: bool = False):
+    def __init__(self, session: FarSession, holds_no_shards: bool = False, begun: BegunStream | None = None):
         self.session, self.far = session, session._far
         self.process = self.far.process
-        self.holds_no_shards = holds_no_shards
+        self.holds_no_shards, self.begun = holds_no_shards, begun
         self._answer: threading.Thread | None = None
         self._answer_line = b""
         self._stream_id = ""
@@ -226,12 +287,14 @@ def _read_listing(far: FarStager) -> bytes:
 
 @contextmanager
 def destination_lock(endpoint: Endpoint, transport: Transport, options: StagingOptions, session: bool,
-                     wait: bool, listing: bool) -> Iterator[FarSession | DestinationLock]:
+                     wait: bool, listing: bool, offer: Callable[[], StreamSource | None] | None = None
+                     ) -> Iterator[FarSession | DestinationLock]:
     """DEST locked for one push: by a :class:`FarSession` when ``session`` (an ssh far side with pallet that
-    streams) and its pallet has sessions, else by a :class:`DestinationLock`."""
+    streams) and its pallet has sessions, else by a :class:`DestinationLock`. ``offer`` gives the stream the
+    session offers for an empty DEST (None: no offer; see FarSession)."""
     if session:
         try:
-            opened = FarSession(transport, endpoint, options, wait, listing)
+            opened = FarSession(transport, endpoint, options, wait, listing, offer if listing else None)
         except SessionUnavailable:
             opened = None
         if opened is not None:

@@ -65,7 +65,8 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:     # while ssh connects and locks
         walking = walker.submit(scan_and_survey, src, include, options.large_file_bytes)
         try:
-            with OpenDestination(endpoint, options, wait=items is not None, listing=include is None) as dest:
+            with OpenDestination(endpoint, options, wait=items is not None, listing=include is None,
+                                 walked=walking.result if include is None else None) as dest:
                 return _push_locked(*walking.result(), dest, progress, include, started)
         finally:
             walking.cancel()
@@ -76,7 +77,7 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
     """push, once DEST is open and locked: compare and plan (:func:`plan_push`), run the strategy with retries,
     then finish (:func:`finish_push`: deletions, directory times, DEST/.pallet cleared)."""
     transport, endpoint, options, whole = dest.transport, dest.endpoint, dest.options, include is None
-    planned = plan_push(dest, full, include, surveyed)
+    planned = dest.taken_plan or plan_push(dest, full, include, surveyed)
     inventory, comparison = planned.inventory, planned.comparison
     if not dest.lock.supported:
         transport.mkdir(endpoint.path)      # the lock made DEST otherwise
@@ -94,8 +95,9 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
         way = push_strategy(context, planned.strategy)
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
     deleted = finish_push(dest, full, comparison, whole, planned.strategy)
+    declined = dest.session.offered_bytes if dest.session is not None and not dest.session.offer_taken else 0
     result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started),
-                     in_place=comparison.in_place if comparison else 0, deleted=deleted)
+                     in_place=comparison.in_place if comparison else 0, deleted=deleted, offered_bytes=declined)
     if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,
                                                                                       options.profile):
         observe(endpoint.path, result.files, result.file_bytes, result.seconds)

@@ -150,8 +150,11 @@ class StagingResult:
     wall seconds per stage, ``skipped_shards`` shards found finished by an
     earlier run and not sent or unpacked again, ``in_place`` the source files
     a push found at DEST as they are (not sent; ``files`` counts those sent),
-    ``deleted`` DEST entries removed by ``delete``; a dry run lists in
-    ``would_send`` and ``would_delete`` what it would do.
+    ``deleted`` DEST entries removed by ``delete``; ``offered_bytes`` what a
+    push's far-side session was offered and declined (the skeleton of the
+    whole tree, sent before DEST's listing came back and found DEST not
+    empty; not in ``bytes_sent``); a dry run lists in ``would_send`` and
+    ``would_delete`` what it would do.
     """
 
     dest: str
@@ -168,6 +171,7 @@ class StagingResult:
     bytes_sent: int | None = None
     in_place: int = 0
     deleted: int = 0
+    offered_bytes: int = 0
     would_send: tuple[str, ...] | None = None
     would_delete: tuple[str, ...] = ()
 
@@ -178,6 +182,6 @@ class StagingResult:
                 "seconds": round(self.seconds, 3),
                 "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
                 "skipped_shards": self.skipped_shards, "attempts": self.attempts, "bytes_sent": self.bytes_sent,
-                "in_place": self.in_place, "deleted": self.deleted,
+                "in_place": self.in_place, "deleted": self.deleted, "offered_bytes": self.offered_bytes,
                 **({} if self.would_send is None else {"would_send": list(self.would_send),
                                                        "would_delete": list(self.would_delete)})}

@@ -6,8 +6,11 @@ import posixpath
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from typing import Callable
+
 from bundles.scan import SourceTree, scan
 from bundles.state import STATE_DIR, remove_state
+from mpi_stager.send import StreamSource, prepare_source
 
 from .far_session import FarSession, destination_lock
 from .inventory import Inventory, compress_ratio, tree_inventory
@@ -17,6 +20,7 @@ from .options import StagingOptions
 from .plain import PlainRoute
 from .planner import Plan, plan
 from .probe import far_side_options
+from .push_strategies import can_stream, stream_codec
 from .repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra, dirs_to_restore,
                      fix_directories)
 from .routes import UnpackRoute, closing, unpack_route
@@ -31,23 +35,45 @@ class OpenDestination:
     which is a far-side session (``session``) when the push may stream over ssh, else a DestinationLock.
     ``wait``: wait for another run's lock instead of failing; ``listing``: the session sends DEST's listing.
 
+    ``walked`` (the whole source, scanned and surveyed; it may wait for the
+    walk) lets a listing session offer the stream of the whole tree before
+    DEST is listed, when the plan for an empty DEST streams it; if DEST was
+    empty the session takes it, and :attr:`taken_plan` is that plan.
+
     Use it as a context manager; it releases the lock, then closes the route and the transport.
     """
 
-    def __init__(self, dest_url: str | Endpoint, options: StagingOptions, wait: bool = False, listing: bool = True):
+    def __init__(self, dest_url: str | Endpoint, options: StagingOptions, wait: bool = False, listing: bool = True,
+                 walked: Callable[[], tuple[SourceTree, SourceSurvey]] | None = None):
         self.endpoint = dest_url if isinstance(dest_url, Endpoint) else parse_url(dest_url)
         self._stack = ExitStack()
+        self.offered: PushPlan | None = None
         try:
             self.transport: Transport = self._stack.enter_context(open_endpoint(self.endpoint, options))
             self.options, self.far = far_side_options(self.transport, self.endpoint, options)
             self.route: UnpackRoute | PlainRoute | None = self._stack.enter_context(
                 closing(unpack_route(self.endpoint, self.transport, self.options, self.far)))
+            offer = (lambda: self._stream_offer(*walked())) if walked is not None else None
             self.lock: DestinationLock | FarSession = self._stack.enter_context(
                 destination_lock(self.endpoint, self.transport, self.options, self.streams, wait=wait,
-                                 listing=listing))
+                                 listing=listing, offer=offer))
         except BaseException:
             self._stack.close()
             raise
+
+    @property
+    def taken_plan(self) -> PushPlan | None:
+        """The plan whose stream the session offered and the far side took (DEST was empty), else None."""
+        return self.offered if self.session is not None and self.session.offer_taken else None
+
+    def _stream_offer(self, tree: SourceTree, surveyed: SourceSurvey) -> StreamSource | None:
+        """The stream a push of the whole ``tree`` sends into an empty DEST, when its plan there streams it."""
+        planned = plan_tree(self, tree, None, surveyed)
+        if planned.strategy != "bundle" or not can_stream(self.transport, self.route, self.options):
+            return None
+        self.offered = planned
+        return prepare_source(os.fsdecode(tree.root), stream_codec(self.options, planned.chosen), self.options.jobs,
+                              self.options.shard_size, tree)
 
     @property
     def streams(self) -> bool:
@@ -130,6 +156,13 @@ def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
     if comparison is not None and not comparison.nothing_to_send:
         include = frozenset(comparison.to_send)
         tree, surveyed = scan_and_survey(src, include, options.large_file_bytes)
+    return plan_tree(dest, tree, include, surveyed, comparison)
+
+
+def plan_tree(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes] | None,
+              surveyed: SourceSurvey | None, comparison: Comparison | None = None) -> PushPlan:
+    """The plan for sending ``tree`` (``include`` of it) to ``dest``, from its survey (made here if None)."""
+    options = dest.options
     surveyed = surveyed or survey(tree, options.large_file_bytes)
     inventory, paths = surveyed.inventory, surveyed.paths
     profile, bundle_possible = route_profile(dest.endpoint, options, dest.route is not None)

@@ -51,8 +51,12 @@ class PushContext:
 
     @property
     def codec(self) -> str:
-        """The bundle codec: the user's, else the plan's, else zstd."""
-        return self.options.codec or self.chosen.chosen.codec or "zstd"
+        return stream_codec(self.options, self.chosen)
+
+
+def stream_codec(options: StagingOptions, chosen: Plan) -> str:
+    """A push's bundle codec: the user's, else the plan's, else zstd."""
+    return options.codec or chosen.chosen.codec or "zstd"
 
 
 class IndividualPush(Strategy[PushContext]):

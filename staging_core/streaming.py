@@ -60,15 +60,17 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     SourceError) when packing fails — the far side then stops, marked incomplete.
     ``tree`` is ``src`` already scanned (the planner's walk), reused as is.
     ``receiver`` starts the far-side receiver instead (a push's far-side
-    session, staging_core.far_session), once the shards are planned.
+    session, staging_core.far_session); a stream the session offered and
+    the far side took (its ``begun``) goes on from its skeleton.
     """
     started = time.monotonic()
-    source = prepare_source(src, codec, options.jobs, options.shard_size, tree)
-    scanned = time.monotonic()
     far = receiver() if receiver is not None else FarStager(transport, receive_argv(options, endpoint.path),
                                                              endpoint.url())
+    begun = far.begun
+    source = begun.source if begun is not None else prepare_source(src, codec, options.jobs, options.shard_size, tree)
+    scanned = time.monotonic()
     try:
-        report = send_stream(source, far.process.stdin, far.handshake, progress)
+        report = send_stream(source, far.process.stdin, far.handshake, progress, begun)
         sent = time.monotonic()
         summary = far.summary()
     except (BrokenPipeError, ConnectionResetError):
@@ -187,6 +189,8 @@ def send_argv(options: StagingOptions, src: str, codec: str, selected: bool) -> 
 class FarStager:
     """``python -m mpi_stager receive``, ``send`` or ``session`` started over ``transport``: its pipes, summary
     and errors."""
+
+    begun = None        # no stream was begun on it before it became a receiver (see far_session.SessionStream)
 
     def __init__(self, transport: Transport, argv: list[str], url: str):
         self.argv, self.url = argv, url

@@ -13,8 +13,9 @@ import zstandard
 
 from bundles.errors import DestinationLocked, StreamError
 from bundles.progress import NoProgress
-from mpi_stager.send import prepare_source, send_stream
-from mpi_stager.session import HELLO, OK, encode_dirs, run_session
+from bundles.stream import FrameKind, FrameWriter
+from mpi_stager.send import begin_stream, prepare_source, send_stream
+from mpi_stager.session import DECLINED, HELLO, OK, encode_dirs, run_session
 from mpi_stager.summaries import decode
 from staging_core.far_session import FarSession
 from staging_core.options import StagingOptions
@@ -121,6 +122,25 @@ def test_individual_push_and_pull_over_ssh_keep_hard_links(sshd, tmp_path):
     assert_same_tree(src, tmp_path / "back")
 
 
+def test_the_first_stream_travels_before_the_far_side_lists_dest(sshd, tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    log = tmp_path / "stdin.log"
+    late = tmp_path / "late-python"          # the far side's Python starts a second late, then looks at its stdin
+    late.write_text(f"import os, select, sys, time\ntime.sleep(1)\n"
+                    f"ready = select.select([sys.stdin], [], [], 0)[0]\n"
+                    f"open({str(log)!r}, 'a').write('offered ' if ready else 'nothing ')\n"
+                    f"os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])\n")
+    far = f"{sys.executable} {late}"
+    first = pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle", remote_python=far)
+    assert log.read_text() == "offered " and first["route"] == "stream" and first["offered_bytes"] == 0
+    assert_same_tree(src, tmp_path / "dest")
+    os.utime(Path(src) / "with space.txt", ns=(7, 7))
+    again = pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle", remote_python=far)
+    assert log.read_text() == "offered offered " and again["files"] == 1, again
+    assert 0 < again["offered_bytes"] < first["bytes_sent"]         # the declined skeleton, said apart
+    assert_same_tree(src, tmp_path / "dest")
+
+
 def test_a_held_destination_stops_a_second_push_with_status_4(sshd, tmp_path):
     src = make_nasty_tree(str(tmp_path / "src"))
     dest = tmp_path / "dest"
@@ -159,6 +179,12 @@ def session_over(dest: Path, requests: bytes, listing: bool = True) -> bytes:
     out = io.BytesIO()
     run_session(str(dest), io.BytesIO(requests), out, listing=listing)
     return out.getvalue()
+
+
+def answers_after_listing(out: bytes) -> list[bytes]:
+    """The answer lines a session wrote after its hello and listing."""
+    header, _, rest = out[len(HELLO):].partition(b"\n")
+    return rest[int(header.split()[1]):].splitlines()
 
 
 def listing_in(out: bytes) -> bytes:
@@ -217,6 +243,31 @@ def test_a_session_receives_a_stream_then_goes_on_serving(tmp_path):
     assert json.loads(lines[0])["done"] == {}                     # the receiver's answer
     assert decode(lines[1], "receive", "session").files > 0 and lines[2] + b"\n" == OK
     assert_same_tree(src, tmp_path / "dest")
+
+
+def test_receive_new_is_received_into_an_empty_dest_and_declined_elsewhere(tmp_path):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    stream = io.BytesIO()
+    send_stream(prepare_source(src, "zstd", 1, 16 << 10), stream, lambda stream_id: {}, NoProgress())
+    out = session_over(tmp_path / "new", b"receive-new\n" + stream.getvalue() + b"clear\n")
+    answer, summary, cleared = answers_after_listing(out)
+    assert json.loads(answer)["done"] == {} and decode(summary, "receive", "session").files > 0
+    assert cleared + b"\n" == OK
+    assert_same_tree(src, tmp_path / "new")
+    offer = io.BytesIO()
+    begin_stream(prepare_source(src, "zstd", 1, 16 << 10), offer)           # prelude and skeleton only
+    (tmp_path / "held" / "old").mkdir(parents=True)
+    out = session_over(tmp_path / "held", b"receive-new\n" + offer.getvalue() + b"receive\n" + stream.getvalue())
+    declined, answer, summary = answers_after_listing(out)
+    assert declined + b"\n" == DECLINED and json.loads(answer)["done"] == {}
+    assert decode(summary, "receive", "session").files > 0
+    assert os.path.isdir(tmp_path / "held" / "old") and os.path.exists(tmp_path / "held" / "with space.txt")
+    not_a_skeleton = io.BytesIO()
+    wire = FrameWriter(not_a_skeleton)
+    wire.prelude()
+    wire.frame(FrameKind.INDEX, 0, b"")
+    with pytest.raises(StreamError, match="not followed by a stream's skeleton"):
+        session_over(tmp_path / "held", b"receive-new\n" + not_a_skeleton.getvalue())
 
 
 def test_the_session_marks_an_incomplete_dest_and_refuses_bad_requests(tmp_path):
