@@ -23,6 +23,7 @@ from .transports.base import Endpoint, Transport
 
 _USAGE_ERROR = 2
 _MAX_LISTING_HEADER = 64
+_OFFER_GRACE_S = 5
 
 
 class SessionUnavailable(PalletError):
@@ -132,23 +133,27 @@ class FarSession:
             offering = _Offer(far, source, self.options.verify) if source is not None else None
             hello = far.process.stdout.readline()
             if hello != HELLO:
+                if offering is not None:        # a far side of another version reads no offer: end it now
+                    offering.stop(kill=hello.startswith(HELLO_PREFIX))
                 raise self._refused(far, hello)
             if listing:
                 self._listing = _read_listing(far)
             if offering is not None:
                 self._begun, self.offered_bytes = offering.outcome(self._listing == b"")
         except BaseException:
+            if offering is not None:            # its write may wait on a far side that reads no more
+                offering.stop(kill=True)
             far.close(0)
-            if offering is not None:
-                offering.join()
             raise
         return far
 
     def _refused(self, far: FarStager, hello: bytes) -> PalletError:
-        far.close()
-        if hello.startswith(HELLO_PREFIX):
+        if hello.startswith(HELLO_PREFIX):      # another version: it would wait for requests it cannot serve
+            far.abandon()
+            far.close()
             return SessionUnavailable(f"the far side's pallet speaks {hello.strip().decode(errors='replace')}, not "
                                       f"{HELLO.strip().decode()}", self.endpoint.url())
+        far.close()
         status = far.process.returncode
         if status == DestinationLocked.exit_code:
             return locked_error(self.endpoint)
@@ -180,6 +185,7 @@ class _Offer:
         self.far, self.source, self.verify = far, source, verify
         self.begun: BegunStream | None = None
         self._thread = threading.Thread(target=self._write, name="pallet-offer", daemon=True)
+        far.writer = self._thread
         self._thread.start()
 
     def _write(self) -> None:
@@ -189,13 +195,19 @@ class _Offer:
         except (OSError, ValueError):       # the far side went away: reading its answers says why
             self.begun = None
 
-    def join(self) -> None:
-        self._thread.join()
+    def stop(self, kill: bool) -> None:
+        """End the offer's thread: a write blocked on a far side that will not read ends when the session is
+        abandoned (at once with ``kill``, else after a grace period in which a far side that exits ends it)."""
+        if not kill:
+            self._thread.join(_OFFER_GRACE_S)
+        if self._thread.is_alive():
+            self.far.abandon()
+        self._thread.join(_OFFER_GRACE_S)
 
     def outcome(self, taken: bool) -> tuple[BegunStream | None, int]:
         """Once the listing is read: the begun stream when the far side takes it (``taken``: DEST listed empty),
         else None after reading its ``declined``; and the bytes offered."""
-        self.join()
+        self._thread.join()
         if self.begun is None:
             raise self.far.failure()
         sent = self.begun.wire.bytes_written

@@ -191,6 +191,7 @@ class FarStager:
     and errors."""
 
     begun = None        # no stream was begun on it before it became a receiver (see far_session.SessionStream)
+    writer: threading.Thread | None = None      # a thread of the caller's that writes its input, if any
 
     def __init__(self, transport: Transport, argv: list[str], url: str):
         self.argv, self.url = argv, url
@@ -256,13 +257,23 @@ class FarStager:
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.abandon()
         self.process.stdout.close()
-        self._drain.join()
+        self._drain.join(_GRACE_SECONDS)       # a far side that lingers still holds its stderr open
+
+    def abandon(self) -> None:
+        """Stop now, whatever the far side does: kill the local ssh and close our end of its output. (A
+        ControlMaster holds copies of ssh's pipes; with its output closed it closes the channel, and the far
+        side ends at its next write.) Our input is left to :meth:`close`: a thread may be writing it."""
+        self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
 
     def close_input(self) -> None:
-        """End our side of the stream (the far side sees end of input); nothing when that has happened."""
+        """End our side of the stream (the far side sees end of input); nothing when that has happened, or while
+        ``writer`` (a thread writing our input) still runs: closing would wait for its write."""
+        if self.writer is not None and self.writer.is_alive():
+            return
         try:
             self.process.stdin.close()
         except (BrokenPipeError, ConnectionResetError, ValueError):

@@ -4,12 +4,14 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 
 import pytest
 
 from staging_core.transports import Direction, open_transport
 from staging_core.transports.errors import (AuthenticationError, HostUnreachableError, MissingDependencyError,
                                             RemoteDiskFullError, RemotePathMissingError, RemotePermissionError)
+from staging_core.transports import ssh_master
 from staging_core.transports.ssh import partition
 from tests.servers import count_invocations, free_port
 
@@ -81,6 +83,22 @@ def test_a_push_keeps_hard_links(sshd, tmp_path, parallel):
     for item in items:
         if item.endswith(".link"):
             assert os.stat(dst / item).st_ino == os.stat(dst / item.removesuffix(".link")).st_ino, item
+
+
+def test_a_master_that_idled_out_is_started_again(sshd, tmp_path, monkeypatch):
+    monkeypatch.setattr(ssh_master, "MASTER_IDLE_S", 1)
+    calls = count_invocations(tmp_path / "shim", "ssh", monkeypatch)
+    with open_transport(sshd.url(str(tmp_path)), ssh_options=sshd.ssh_options) as t:
+        assert t.run(["echo", "one"]) == b"one\n"
+        socket = os.path.join(t._control_dir, "cm")
+        deadline = time.monotonic() + 30
+        while os.path.exists(socket) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(socket), "the master did not idle out"
+        assert t.run(["echo", "two"]) == b"two\n"
+        assert os.path.exists(socket)                 # a master again, not a direct connection
+    masters = [call for call in calls() if " -N " in call]
+    assert len(masters) == 2 and all("BatchMode=yes" in call for call in calls() if " -O " not in call), calls()
 
 
 def test_unreachable_host_is_named_and_retryable(tmp_path):

@@ -13,7 +13,7 @@ from ..scratch import scratch_dir
 from .base import Endpoint
 from .errors import classify
 
-MASTER_IDLE_S = 30     # a master left by a killed pallet exits after this; later commands reconnect directly
+MASTER_IDLE_S = 30     # a master without clients exits after this (a killed pallet's too); ready() connects again
 _SOCKET_ROOT = "/tmp"  # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
 _CONNECT_TIMEOUT_S = 120
 
@@ -31,8 +31,10 @@ class SSHMaster:
     round trips overlap whatever the caller does next (`pallet push` starts
     it before loading its packer). :meth:`ready` starts it if needed and
     waits until it is authenticated, raising the TransportError that
-    ``ssh`` reported (host unreachable, key refused). :meth:`close` ends it
-    and removes its directory; it may be called more than once.
+    ``ssh`` reported (host unreachable, key refused); a master that has
+    ended meanwhile (it exits after MASTER_IDLE_S without a client, counted
+    from its start when it never had one) is started again. :meth:`close`
+    ends it and removes its directory; it may be called more than once.
     A transport takes a master over with :meth:`adopt`, which succeeds once,
     and only for the host, user, port and options it was started with.
     Its methods may be called from several threads.
@@ -51,9 +53,10 @@ class SSHMaster:
         return f"{self.endpoint.user}@{self.endpoint.host}" if self.endpoint.user else self.endpoint.host
 
     def client_argv(self) -> list[str]:
-        """``ssh`` through this master (never starting one of its own), ready for a destination and command."""
-        return ["ssh", *self._port(), "-o", f"ControlPath={self.control_dir}/cm", "-o", "ControlMaster=no",
-                *self.ssh_options]
+        """``ssh`` through this master (never starting one of its own, and never asking for a password should
+        the master be gone), ready for a destination and command."""
+        return ["ssh", *self._port(), "-o", f"ControlPath={self._socket}", "-o", "ControlMaster=no",
+                *self.ssh_options, "-o", "BatchMode=yes"]
 
     def start(self) -> "SSHMaster":
         """Launch the connection unless launched already; do not wait for it."""
@@ -64,8 +67,10 @@ class SSHMaster:
     def ready(self) -> None:
         """Launch the connection if needed and wait until it is up; TransportError if ssh failed."""
         with self._lock:
-            if self._ready:
+            if self._ready and os.path.exists(self._socket):
                 return
+            if self._ready:                 # it ended after idling: connect again
+                self._process, self._ready = None, False
             self._launch()
             try:
                 code = self._process.wait(timeout=_CONNECT_TIMEOUT_S)
@@ -111,8 +116,12 @@ class SSHMaster:
             self._process = subprocess.Popen(self._master_argv(), stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=self._errors)
 
+    @property
+    def _socket(self) -> str:
+        return os.path.join(self.control_dir, "cm")
+
     def _master_argv(self) -> list[str]:
-        return ["ssh", *self._port(), "-o", f"ControlPath={self.control_dir}/cm", "-o", "ControlMaster=yes",
+        return ["ssh", *self._port(), "-o", f"ControlPath={self._socket}", "-o", "ControlMaster=yes",
                 "-o", f"ControlPersist={MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N",
                 self.destination]
 
