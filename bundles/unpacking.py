@@ -16,7 +16,6 @@ from .reader import Bundle
 from .state import finish, holding_lock, mark_incomplete
 
 
-
 @dataclass(frozen=True)
 class UnpackOptions:
     """Workers (0: one per CPU), whether to check hashes while writing, whether the caller already holds

@@ -55,7 +55,7 @@ class FarSession:
     skeleton travels while the far side starts and lists DEST;
     :attr:`offer_taken` then says whether the far side found DEST empty and
     receives it (the first :meth:`receiver` goes on with it) or declined
-    it; :attr:`offered_bytes` counts what the offer sent.
+    it; :attr:`declined_bytes` counts what a declined offer sent.
     """
 
     supported = True
@@ -65,7 +65,7 @@ class FarSession:
         self.transport, self.endpoint, self.options, self.wait = transport, endpoint, options, wait
         self._listing: bytes | None = None
         self._begun: BegunStream | None = None
-        self.offered_bytes = 0
+        self.declined_bytes = 0
         self._far = self._start(listing, offer)
         self.offer_taken = self._begun is not None
         self._broken = False
@@ -139,7 +139,7 @@ class FarSession:
             if listing:
                 self._listing = _read_listing(far)
             if offering is not None:
-                self._begun, self.offered_bytes = offering.outcome(self._listing == b"")
+                self._begun, self.declined_bytes = offering.outcome(self._listing == b"")
         except BaseException:
             if offering is not None:            # its write may wait on a far side that reads no more
                 offering.stop(kill=True)
@@ -205,17 +205,16 @@ class _Offer:
         self._thread.join(_OFFER_GRACE_S)
 
     def outcome(self, taken: bool) -> tuple[BegunStream | None, int]:
-        """Once the listing is read: the begun stream when the far side takes it (``taken``: DEST listed empty),
-        else None after reading its ``declined``; and the bytes offered."""
+        """Once the listing is read: ``(the begun stream, 0)`` when the far side takes it (``taken``: DEST listed
+        empty), else ``(None, the bytes offered)`` after reading its ``declined``."""
         self._thread.join()
         if self.begun is None:
             raise self.far.failure()
-        sent = self.begun.wire.bytes_written
         if taken:
-            return self.begun, sent
+            return self.begun, 0
         if self.far.process.stdout.readline() != DECLINED:
             raise self.far.failure()
-        return None, sent
+        return None, self.begun.wire.bytes_written
 
 
 class SessionStream:

@@ -95,7 +95,7 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
         way = push_strategy(context, planned.strategy)
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
     deleted = finish_push(dest, full, comparison, whole, planned.strategy)
-    declined = dest.session.offered_bytes if dest.session is not None and not dest.session.offer_taken else 0
+    declined = dest.session.declined_bytes if dest.session is not None else 0
     result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started),
                      in_place=comparison.in_place if comparison else 0, deleted=deleted, offered_bytes=declined)
     if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,

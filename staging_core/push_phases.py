@@ -5,7 +5,6 @@ import os
 import posixpath
 from contextlib import ExitStack
 from dataclasses import dataclass
-
 from typing import Callable
 
 from bundles.scan import SourceTree, scan

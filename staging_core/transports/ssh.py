@@ -62,7 +62,7 @@ class SSHTransport(Transport):
 
     @property
     def destination(self) -> str:
-        return f"{self.endpoint.user}@{self.endpoint.host}" if self.endpoint.user else self.endpoint.host
+        return self._master.destination
 
     def _ssh_base(self) -> list[str]:
         return self._master.client_argv()
@@ -170,7 +170,7 @@ class SSHTransport(Transport):
 
     def _transfer_parallel(self, direction, local_root, remote_root, items) -> TransferResult:
         if direction is Direction.PUSH:
-            sizes, links = _local_sizes(local_root, items)
+            sizes, links = _sizes_and_link_keys(local_root, items)
         else:
             sizes, links = [0] * len(items), None
         parts = partition(items, sizes, self.parallel, link_keys=links)
@@ -209,7 +209,7 @@ def partition(items: list[str], sizes: list[int], parts: int, per_file_bytes: in
     return [sorted(bucket, key=order.__getitem__) for bucket in buckets if bucket]
 
 
-def _local_sizes(root: str, items: list[str]) -> tuple[list[int], list[object]]:
+def _sizes_and_link_keys(root: str, items: list[str]) -> tuple[list[int], list[object]]:
     """Each item's size, and its hard-link key: (device, inode) for a file with more than one link, else None."""
     sizes: list[int] = []
     keys: list[object] = []
