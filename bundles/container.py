@@ -40,9 +40,11 @@ def index_section(codec_name: str, payload: bytes, offset: int) -> bytes:
     """Return the bytes that follow the last shard: the wrapped index, then the locator.
 
     zstd: two skippable frames (ignored by zstd and tar). gzip: a gzip member
-    holding the index (it decompresses to bytes after tar's end-of-archive,
-    which tar ignores) and an empty member whose FEXTRA field holds the
-    locator. none: the index and the locator, raw, after end-of-archive.
+    holding the index, stored (deflate level 0: it inflates to less than its
+    stored size, which readers check), which decompresses to bytes after tar's
+    end-of-archive that tar ignores, and an empty member whose FEXTRA field
+    holds the locator. none: the index and the locator, raw, after
+    end-of-archive.
     """
     if codec_name == "zstd":
         stored = _FRAME.pack(_SKIPPABLE_MAGIC, len(payload)) + payload
@@ -51,6 +53,12 @@ def index_section(codec_name: str, payload: bytes, offset: int) -> bytes:
         stored = deflate.compress(payload) + deflate.flush()
     else:
         stored = payload
+    return located(codec_name, stored, offset)
+
+
+def located(codec_name: str, stored: bytes, offset: int) -> bytes:
+    """``stored`` (an index section as stored, its frame or member included) followed by the locator that points
+    to it at ``offset``."""
     check = _locator_bytes(Locator(offset, len(stored), content_hash(stored)))
     if codec_name == "zstd":
         tail = _FRAME.pack(_SKIPPABLE_MAGIC, len(check)) + check
@@ -158,8 +166,25 @@ def read_index_payload(fd: int | ByteSource, loc: Locator, codec_name: str, sour
             raise CorruptBundleError("the embedded index frame is malformed", source, _HINT)
         return stored[_FRAME.size:]
     if codec_name == "gzip":
-        return zlib.decompress(stored, wbits=31)
+        return _inflate_index_member(stored, source)
     return stored
+
+
+def _inflate_index_member(stored: bytes, source: str) -> bytes:
+    """The content of the gzip member that holds the index. pallet stores it (deflate level 0), so it inflates
+    to less than its stored size: a member inflating to more is refused as soon as it passes that size,
+    never held (a few MB of deflate can inflate to gigabytes)."""
+    inflate = zlib.decompressobj(31)
+    try:
+        payload = inflate.decompress(stored, len(stored) + 1)
+    except zlib.error as exc:
+        raise CorruptBundleError(f"the embedded index member is damaged ({exc})", source, _HINT) from None
+    if len(payload) > len(stored) or inflate.unconsumed_tail:
+        raise CorruptBundleError(f"the embedded index member inflates to more than its {len(stored)} stored bytes "
+                                 "(pallet stores it uncompressed): refused as a decompression bomb", source, _HINT)
+    if not inflate.eof or inflate.unused_data:
+        raise CorruptBundleError("the embedded index member is cut short or followed by other bytes", source, _HINT)
+    return payload
 
 
 def sniff_file(fd: int | ByteSource) -> str:

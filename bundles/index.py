@@ -19,6 +19,9 @@ HASH_SIZE = 16
 _MAGIC = b"PALLETIX"
 _HEAD = struct.Struct("<8sII")
 _LEN = struct.Struct("<Q")
+_REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
+_LYING_HINT = ("its index does not describe its shards: the bundle was damaged or crafted; fetch it again, or "
+               "repack the source with `pallet pack`")
 # (name, array typecode or "blob" for NUL-joined bytes or "hash" for packed digests)
 ENTRY_COLUMNS = (
     ("path", "blob"), ("kind", "B"), ("mode", "I"), ("mtime_ns", "q"), ("size", "Q"),
@@ -214,9 +217,17 @@ class Index:
 
     @classmethod
     def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
-        """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged."""
+        """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged, BundleError if it
+        does not fit in this process's memory."""
+        try:
+            return cls._decode(payload, source)
+        except MemoryError:
+            raise _out_of_memory(payload, source) from None
+
+    @classmethod
+    def _decode(cls, payload: bytes, source: str | None) -> "Index":
         blob = _decode_bounded(payload, source)
-        if len(blob) < _HEAD.size + HASH_SIZE or content_hash(blob[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
+        if len(blob) < _HEAD.size + HASH_SIZE or content_hash(memoryview(blob)[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
             raise CorruptBundleError("index is damaged (its hash does not match)", source, _REPACK_HINT)
         magic, version, header_len = _HEAD.unpack_from(blob)
         if magic != _MAGIC:
@@ -231,7 +242,51 @@ class Index:
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as exc:
             raise CorruptBundleError(f"index is damaged (its header or columns are not valid: {exc})", source,
                                      _REPACK_HINT) from None
+        index.check_shard_ranges(source)
         return index
+
+    def check_shard_ranges(self, source: str | None) -> None:
+        """Raise CorruptBundleError naming ``source`` and the first entry at fault unless every entry lies in
+        exactly one shard's entry range, and its ``shard`` column names that shard.
+
+        The shards' ranges must follow each other from entry 0 to the last
+        entry, without gap or overlap, and none may be empty unless the index
+        has no entries; otherwise an entry would be listed (and mounted, or
+        linked by unpack) although no shard's check ever reads it. One pass
+        over the shards, each shard's column compared in one step.
+        """
+        expected = 0
+        for n, shard in enumerate(self.shards):
+            if shard.number != n or shard.first_entry != expected:
+                raise self._uncovered(shard, expected, source)
+            end = expected + shard.entry_count
+            if end > len(self) or (not shard.entry_count and len(self)):
+                claims = f"entries {expected}..{end - 1}" if shard.entry_count else "no entries"
+                raise CorruptBundleError(f"shard {shard.number} claims {claims}, but the index has {len(self)} "
+                                         "entries", source, _LYING_HINT)
+            if self.shard_of[expected:end] != array("I", [shard.number]) * shard.entry_count:
+                i = next(i for i in range(expected, end) if self.shard_of[i] != shard.number)
+                raise CorruptBundleError(f"index entry {self._name(i)!r} lies in shard {shard.number}'s entry "
+                                         f"range, but its shard column says {self.shard_of[i]}", source, _LYING_HINT)
+            expected = end
+        if expected != len(self):
+            raise CorruptBundleError(f"index entry {self._name(expected)!r} (entry {expected}) lies past the last "
+                                     f"shard's entry range: no shard holds it", source, _LYING_HINT)
+
+    def _uncovered(self, shard: Shard, expected: int, source: str | None) -> CorruptBundleError:
+        """The error for ``shard`` starting elsewhere than right after the previous shard's range (``expected``)."""
+        if shard.first_entry > expected:
+            where = f"index entry {self._name(expected)!r} (entry {expected}) lies in no shard's entry range"
+        elif shard.first_entry < expected:
+            where = f"index entry {self._name(shard.first_entry)!r} lies in two shards' entry ranges"
+        else:
+            where = "the shards are not numbered in order"
+        return CorruptBundleError(f"{where} (shard {shard.number} starts at entry {shard.first_entry})", source,
+                                  _LYING_HINT)
+
+    def _name(self, i: int) -> str:
+        """Entry ``i``'s path for a message (its number when there is no such entry)."""
+        return os.fsdecode(self.paths[i]) if 0 <= i < len(self.paths) else f"#{i}"
 
     @classmethod
     def _from_header(cls, header) -> tuple["Index", int]:
@@ -291,11 +346,20 @@ _DECODE_PIECE = 16 << 20
 
 def _decode_bounded(payload: bytes, source: str | None) -> bytes:
     """The decompressed ``.pidx`` payload, refused as a bomb past decoded_size_limit (nothing larger is held)."""
+    return decode_zstd_bounded(payload, source, "index")
+
+
+def decode_zstd_bounded(payload: bytes, source: str | None, what: str, error: type[BundleError] = CorruptBundleError,
+                        hint: str = _REPACK_HINT) -> bytes:
+    """The one zstd frame ``payload`` (``what``: the index, a far side's listing) decoded, but never to more than
+    decoded_size_limit of its stored size: a frame claiming more is refused before anything is allocated, one
+    without a claim as soon as it passes the limit. ``error`` (naming ``source``, with ``hint``) for a damaged
+    or refused frame, and for one that does not fit in this process's memory."""
     limit = decoded_size_limit(len(payload))
     try:
         declared = zstandard.frame_content_size(payload)
         if 0 <= declared <= limit:
-            return zstandard.ZstdDecompressor().decompress(payload, max_output_size=declared)
+            return zstandard.ZstdDecompressor().decompress(payload, max_output_size=declared, allow_extra_data=False)
         if declared < 0:            # no size in the frame: decode in pieces, at most ``limit`` bytes
             parts, total = [], 0
             with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
@@ -305,10 +369,19 @@ def _decode_bounded(payload: bytes, source: str | None) -> bytes:
             if total <= limit:
                 return b"".join(parts)
     except zstandard.ZstdError as exc:
-        raise CorruptBundleError(f"index is damaged ({exc})", source, _REPACK_HINT) from exc
+        raise error(f"{what} is damaged ({exc})", source, hint) from exc
+    except MemoryError:
+        raise _out_of_memory(payload, source, what, error) from None
     claimed = f"claims {declared} bytes" if declared >= 0 else f"decodes to more than {limit} bytes"
-    raise CorruptBundleError(f"index is refused: it {claimed}, more than {MAX_DECODE_RATIO} times its "
-                             f"{len(payload)} stored bytes", source, _REPACK_HINT)
+    raise error(f"{what} is refused: it {claimed}, more than {MAX_DECODE_RATIO} times its {len(payload)} stored "
+                "bytes", source, hint)
+
+
+def _out_of_memory(payload: bytes, source: str | None, what: str = "index",
+                   error: type[BundleError] = BundleError) -> BundleError:
+    return error(f"the {what} ({len(payload):,} bytes stored) does not fit in this process's memory", source,
+                 "raise the memory limit (ulimit -v), or check where it comes from: one this large for its stored "
+                 "size is likely crafted")
 
 
 def decoded_size_limit(stored: int) -> int:
@@ -320,9 +393,6 @@ def decoded_size_limit(stored: int) -> int:
     the first 64 MiB, is refused as a bomb before anything is allocated.
     """
     return min(_MAX_INDEX_BYTES, max(_DECODE_FLOOR, stored * MAX_DECODE_RATIO))
-
-
-_REPACK_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"
 
 
 def little_endian(values: array) -> array:

@@ -13,8 +13,11 @@ over the whole archive against ``DIGIT_COST_LIMIT``.
 from __future__ import annotations
 
 import re
+import tarfile
 
 DIGIT_COST_LIMIT = 1 << 28          # about a second of tarfile's pax search, for the whole archive
+GLOBAL_LIMIT = 1 << 20              # the most bytes of global pax headers (typeflag g) in one archive, all together
+_APPLIED = frozenset(tarfile.PAX_FIELDS) | {"atime", "ctime", "hdrcharset"}
 SHORT_RUN = 32
 _LENGTH = re.compile(rb"([0-9]{1,20}) ")
 _LONG_DIGIT_RUN = re.compile(rb"[0-9]{%d,}" % (SHORT_RUN + 1))
@@ -41,3 +44,10 @@ def digit_cost(data: bytes) -> int:
     """The work tarfile's pax search may do on ``data``'s runs of more than SHORT_RUN digits: the sum of their
     squared lengths."""
     return sum((match.end() - match.start()) ** 2 for match in _LONG_DIGIT_RUN.finditer(data))
+
+
+def applied_records(pax: dict) -> dict:
+    """The records of ``pax`` that tarfile applies to a member (its fields, the charset of names, GNU sparse
+    maps): the others change nothing pallet writes, but tarfile copies every global record into each member
+    that follows, so keeping them would cost time and memory per member."""
+    return {key: value for key, value in pax.items() if key in _APPLIED or key.startswith("GNU.sparse.")}

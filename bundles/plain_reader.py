@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import BundleError
-from .pax_check import DIGIT_COST_LIMIT, digit_cost, framing_problem
+from .pax_check import DIGIT_COST_LIMIT, GLOBAL_LIMIT, applied_records, digit_cost, framing_problem
 from .read_ahead import ReadAhead
 
 TRUNCATED_HINT = "the archive is incomplete or not a tar file: transfer it again or check what it is"
@@ -170,6 +170,7 @@ class PlainReader:
         self.cursor = _Cursor(self.window, path)
         self._data_end = 0            # where the current member's data and padding end
         self._digit_cost = 0          # see bundles/pax_check.py
+        self._global_bytes = 0        # global pax headers read so far, at most GLOBAL_LIMIT
 
     def next_member(self) -> tarfile.TarInfo | None:
         self._skip_to(self._data_end)
@@ -186,6 +187,10 @@ class PlainReader:
         if member.size < 0 or self.cursor.offset < self.window.tell():
             raise self._damaged(f"negative size {member.size}", start)
         self._data_end = self.cursor.offset
+        if self.cursor.pax_headers:         # global records: only those tarfile applies follow later members
+            self.cursor.pax_headers = applied_records(self.cursor.pax_headers)
+        if member.pax_headers:              # a member kept for later (a link) keeps no more than those either
+            member.pax_headers = applied_records(member.pax_headers)
         return member
 
     def data_chunks(self, member: tarfile.TarInfo) -> Iterator[bytes]:
@@ -276,12 +281,22 @@ class PlainReader:
                 raise BundleError(f"a member's headers (at byte {start:,}) are longer than pallet reads "
                                   f"({HEADER_LIMIT:,} bytes) or of negative length", self.path, _CRAFTED_HINT)
             padded = -(-info.size // _BLOCK) * _BLOCK
+            if info.type == tarfile.XGLTYPE:
+                self._count_global(info.size, start + offset)
             if info.type in _PAX_TYPES:
                 data = self.window.peek(offset + _BLOCK, padded)
                 if len(data) < padded:
                     raise BundleError("archive is truncated inside an extended header", self.path, TRUNCATED_HINT)
                 self._check_pax(data, start + offset)
             offset += _BLOCK + padded
+
+    def _count_global(self, size: int, where: int) -> None:
+        """Count a global pax header of ``size`` bytes against GLOBAL_LIMIT, for the whole archive: every later
+        member inherits its records, so repeating them must not make the reader's time or memory grow."""
+        self._global_bytes += size
+        if self._global_bytes > GLOBAL_LIMIT:
+            raise BundleError(f"its global pax headers (the one at byte {where:,} and those before it) hold more "
+                              f"than {GLOBAL_LIMIT:,} bytes in all, more than pallet reads", self.path, _CRAFTED_HINT)
 
     def _check_pax(self, data: bytes, where: int) -> None:
         problem = framing_problem(data)

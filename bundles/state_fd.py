@@ -14,7 +14,10 @@ from .reserved import STATE_DIR
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+# an existing state file is opened without blocking (a FIFO planted there would wait for a writer or reader
+# forever) and without following a link, and used only if it is a regular file
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def state_dir_problem(st: os.stat_result) -> str | None:
@@ -98,19 +101,65 @@ def write_new(dir_fd: int, name: str, text: str) -> None:
         handle.write(text)
 
 
-def append_text(dir_fd: int, name: str, text: str) -> None:
-    """Append ``text`` to the file ``name`` in ``dir_fd`` (made if missing; a link there is refused: ELOOP)."""
-    with os.fdopen(os.open(name, _APPEND, 0o600, dir_fd=dir_fd), "a") as handle:
+def append_text(dir_fd: int, name: str, text: str, shown: str) -> None:
+    """Append ``text`` to the file ``name`` in ``dir_fd`` (made if missing); DestinationError naming ``shown``
+    when anything but a regular file is there (a link, a FIFO: never written through, never waited on)."""
+    with os.fdopen(open_regular(dir_fd, name, _APPEND, shown), "a") as handle:
         handle.write(text)
 
 
-def read_text(dir_fd: int, name: str) -> str:
-    """The text of the file ``name`` in ``dir_fd``, stripped; "" when it is missing, a link or unreadable."""
+def read_text(dir_fd: int, name: str, shown: str) -> str:
+    """The text of the file ``name`` in ``dir_fd``, stripped; "" when it is missing or unreadable.
+    DestinationError naming ``shown`` when anything but a regular file is there (a link, a FIFO, a device)."""
     try:
-        with os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)) as handle:
+        fd = open_regular(dir_fd, name, _READ, shown)
+    except (FileNotFoundError, PermissionError):
+        return ""
+    try:
+        with os.fdopen(fd) as handle:
             return handle.read().strip()
     except (OSError, UnicodeDecodeError):
         return ""
+
+
+def open_regular(dir_fd: int, name: str, flags: int, shown: str) -> int:
+    """``os.open`` of the state file ``name`` in ``dir_fd`` with ``flags`` (which hold O_NOFOLLOW and
+    O_NONBLOCK), refused by name unless it is a regular file: looked at before it is opened (a device is
+    never opened) and after (it may have been swapped meanwhile). OSError as ``os.open`` raises it otherwise."""
+    try:
+        kind = _file_kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+        kind = None
+    if kind:
+        raise _not_regular(shown, kind)
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):     # a link, or a FIFO with no reader, put there meanwhile
+            raise _not_regular(shown, "a symbolic link" if exc.errno == errno.ELOOP else "a FIFO") from None
+        raise
+    kind = _file_kind(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        raise _not_regular(shown, kind)
+    return fd
+
+
+def _file_kind(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file (None for one)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a device node")
+
+
+def _not_regular(shown: str, kind: str) -> DestinationError:
+    return DestinationError(f"is {kind}, not a regular file: pallet keeps its state there and will not read or "
+                            "write through it", shown, f"remove it (rm -r {shown}) if you did not make it, then run "
+                            "again")
 
 
 def remove_entry(dir_fd: int, name: str) -> None:

@@ -141,7 +141,7 @@ class Journal:
                 for name in os.listdir(journal):
                     if name.startswith("shard-") and name[6:].isdigit():
                         try:
-                            digest, _, key = read_text(journal, name).partition(" ")
+                            digest, _, key = read_text(journal, name, os.path.join(self.root, name)).partition(" ")
                             records[int(name[6:])] = bytes.fromhex(digest), bytes.fromhex(key)
                         except ValueError:
                             continue
@@ -190,7 +190,8 @@ class Journal:
             with self._directories(make=True) as (journal, runs):
                 write_new(journal, f"{name}.tmp{rank}", text)
                 os.replace(f"{name}.tmp{rank}", name, src_dir_fd=journal, dst_dir_fd=journal)
-                append_text(runs, f"{run}.rank{rank}", f"{number}\n")
+                log = f"{run}.rank{rank}"
+                append_text(runs, log, f"{number}\n", os.path.join(self.root, "runs", log))
         except OSError as exc:
             raise destination_error(exc, os.fsencode(os.path.join(self.root, name))) from None
 
@@ -201,7 +202,8 @@ class Journal:
             with self._directories() as (_, directory):
                 for name in sorted(os.listdir(directory)):
                     run = name.rsplit(".rank", 1)[0]
-                    runs.setdefault(run, []).extend(int(line) for line in read_text(directory, name).split())
+                    text = read_text(directory, name, os.path.join(self.root, "runs", name))
+                    runs.setdefault(run, []).extend(int(line) for line in text.split())
         except FileNotFoundError:
             return {}
         return runs

@@ -6,9 +6,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-import zstandard
-
 from bundles.errors import DestinationLocked, PalletError, StreamError
+from bundles.index import decode_zstd_bounded
 from bundles.stream import decode_resume_reply
 from mpi_stager.send import BegunStream, StreamSource, begin_stream
 from mpi_stager.session import (DECLINED, HELLO, HELLO_PREFIX, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest,
@@ -290,10 +289,7 @@ def _read_listing(far: FarStager) -> bytes:
     block = far.process.stdout.read(int(size))
     if len(block) != int(size):
         raise far.failure()
-    try:
-        return zstandard.ZstdDecompressor().decompress(block)
-    except zstandard.ZstdError as exc:
-        raise StreamError(f"the session's listing is damaged ({exc})", far.url, "rerun the push") from None
+    return decode_zstd_bounded(block, far.url, "the session's listing", StreamError, "rerun the push")
 
 
 @contextmanager

@@ -344,3 +344,80 @@ def test_a_journal_directory_given_as_a_link_is_refused(tmp_path):
                           stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode != 0 and "journal-link" in done.stderr and "symbolic link" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and os.listdir(elsewhere) == []
+
+
+# ---------------------------------------------------------------- a FIFO planted among the state files
+
+def _planted_fifo(tmp_path: Path, where: str) -> tuple[Path, Path, Path]:
+    """A bundle, and a DEST left as an interrupted unpack leaves it (marked, with its journal) but for a FIFO at
+    ``where`` (under DEST/.pallet; JOURNAL stands for the bundle's journal); returns bundle, dest, FIFO."""
+    from bundles import Bundle
+    from mpi_stager.journal import bundle_id
+    bundle = tmp_path / "b.tar.zst"
+    run_pallet("pack", "--quiet", small_tree(tmp_path / "src"), str(bundle), check=True)
+    with Bundle.open(str(bundle)) as opened:
+        journal = f"journal-{bundle_id(opened.index)}"
+    dest = tmp_path / "dest"
+    for name in (journal, "journal-0123456789abcdef01234567"):
+        (dest / ".pallet" / name / "runs").mkdir(parents=True, mode=0o700)
+    fifo = dest / ".pallet" / where.replace("JOURNAL", journal)
+    if fifo.name != "INCOMPLETE":
+        (dest / ".pallet" / "INCOMPLETE").write_text("pallet is unpacking here; rerun to finish\n")
+    os.mkfifo(fifo)
+    return bundle, dest, fifo
+
+
+def _unpack_within(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=user_env(), stdin=subprocess.DEVNULL,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(argv)} blocked on a FIFO planted in its state directory")
+
+
+@pytest.mark.usefixtures("each_engine")
+@pytest.mark.parametrize("where", ["JOURNAL/shard-000000", "journal-0123456789abcdef01234567/shard-000000"],
+                         ids=["its own journal's record", "an interrupted run's journal record"])
+def test_a_fifo_planted_in_a_journal_is_refused_by_name_not_waited_on(tmp_path, where):
+    bundle, dest, fifo = _planted_fifo(tmp_path, where)
+    done = _unpack_within([*python_module("mpi_stager"), "unpack", str(bundle), str(dest)])
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert str(fifo) in done.stderr and "is a FIFO, not a regular file" in done.stderr, done.stderr
+    unpacked = _unpack_within([program("pallet"), "unpack", "--quiet", str(bundle), str(dest)])
+    assert unpacked.returncode == 0, unpacked.stderr           # it keeps no journal: it drops them all
+    assert_same_tree(str(tmp_path / "src"), str(dest))
+
+
+@pytest.mark.usefixtures("each_engine")
+def test_a_fifo_planted_as_the_marker_is_not_waited_on_with_a_journal_elsewhere(tmp_path):
+    bundle, dest, fifo = _planted_fifo(tmp_path, "INCOMPLETE")
+    done = _unpack_within([*python_module("mpi_stager"), "unpack", "--journal", str(tmp_path / "journal"),
+                           str(bundle), str(dest)])
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert str(fifo) in done.stderr and "is a FIFO" in done.stderr, done.stderr
+
+
+def test_state_files_are_never_opened_unless_regular(tmp_path):
+    """The state-file helpers themselves: a FIFO with a reader waiting, a FIFO without, and a link are refused by
+    name for reading and appending; a missing file reads as empty and is made by an append."""
+    from bundles.errors import DestinationError
+    from bundles.state_fd import append_text, read_text
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.mkfifo(state / "fifo")
+    os.symlink(tmp_path / "elsewhere", state / "link")
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    reader = os.open(state / "fifo", os.O_RDONLY | os.O_NONBLOCK)      # a writer's open would now succeed
+    try:
+        for name in ("fifo", "link"):
+            with pytest.raises(DestinationError, match=f"state/{name}: is a"):
+                read_text(fd, name, str(state / name))
+            with pytest.raises(DestinationError, match=f"state/{name}: is a"):
+                append_text(fd, name, "1\n", str(state / name))
+        assert read_text(fd, "missing", str(state / "missing")) == ""
+        append_text(fd, "missing", "1\n", str(state / "missing"))
+        assert read_text(fd, "missing", str(state / "missing")) == "1"
+    finally:
+        os.close(reader)
+        os.close(fd)
+    assert not (tmp_path / "elsewhere").exists()

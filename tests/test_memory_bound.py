@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
+import zstandard
 
 from bundles import Bundle
 from bundles.memory import BASE_BYTES, peak_bytes
@@ -81,3 +83,22 @@ def test_a_shard_cut_at_a_large_shard_size_is_unpacked_and_verified_as_a_stream(
     assert_same_tree(src, tmp_path / "dest")
     verified = _limited(limit, "verify", "--jobs", "1", bundle, str(tmp_path / "dest"))
     assert verified.returncode == 0, verified.stderr
+
+
+PLAIN_ADDRESS_SPACE = 1 << 30       # docs/cli.md: a plain archive unpacks within 1 GiB, whatever its headers hold
+
+
+def test_global_pax_records_are_not_copied_into_every_member_kept(tmp_path):
+    """One global pax header of 60,000 records (within the 1 MiB budget), then 5,000 symlinks: tarfile copies
+    the global records into every member, and each symlink is kept until the end (40 KB of archive took
+    more than 1 GiB). Only the records tarfile applies are kept, and it unpacks within the bound."""
+    from tests.test_bombs import _pax_member, _pax_record
+    records = b"".join(_pax_record(f"k{n}", b"v") for n in range(60_000))
+    assert len(records) < 1 << 20
+    members = [_pax_member("pax_global_header", tarfile.XGLTYPE, records), _pax_member("t", tarfile.REGTYPE, b"x")]
+    members += [_pax_member(f"l{n}", tarfile.SYMTYPE, link="t") for n in range(5000)]
+    archive = tmp_path / "records.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor(level=19).compress(b"".join(members) + bytes(1024)))
+    done = _limited(PLAIN_ADDRESS_SPACE, "unpack", "--quiet", str(archive), str(tmp_path / "dest"))
+    assert done.returncode == 0, done.stderr
+    assert len(os.listdir(tmp_path / "dest")) == 5001 and os.readlink(tmp_path / "dest" / "l4999") == "t"
