@@ -103,8 +103,8 @@ class FarSession:
     def __enter__(self) -> "FarSession":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None)
 
     def listing(self) -> bytes:
         """The find records the session opened with."""
@@ -136,13 +136,15 @@ class FarSession:
         self._reply()
         self.close()
 
-    def close(self) -> None:
-        """End the session, waiting for the far side to exit; raise if it failed before finishing."""
+    def close(self, failed: bool = False) -> None:
+        """End the session, waiting for the far side to exit; raise if it failed before finishing, unless
+        ``failed``: an error here (a source file that changed while read, say) is on its way, and the far side's
+        failure is only its echo (its tar saw the stream end in the middle of a frame)."""
         if self.far.returncode is not None:
             return
         code = self._ended()
         self.far.stdout.close()
-        if code not in (0, 9):
+        if code not in (0, 9) and not failed:
             raise self._failure(code)
 
     def _send(self, data: bytes) -> None:

@@ -1,26 +1,67 @@
-"""One ssh ControlMaster connection: started without waiting, waited for on first use, shared by one transport."""
+"""One ssh ControlMaster connection: started at once, waited for on first use; the far commands run through it.
+
+A far command's output starts after what the far side's login printed (see login_output.py).
+"""
 from __future__ import annotations
 
+import io
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
-from typing import Sequence
+import time
+from typing import Callable, Sequence
+
+from bundles.errors import UsageError
 
 from ..scratch import scratch_dir
+from . import login_output
 from .base import Endpoint
-from .errors import classify
+from .errors import TransportError, classify
+from .login_output import AfterLogin, LoginOutput, Marker
 
 MASTER_IDLE_S = 30     # a master without clients exits after this (a killed pallet's too); ready() connects again
 _SOCKET_ROOT = "/tmp"  # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
 _CONNECT_TIMEOUT_S = 120
+_READ_BUFFER = 64 * 1024
+# A connection whose far end stops answering ends after about a minute (the user's own -o ServerAlive... win).
+_KEEPALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
+
+
+class LoginOutputError(TransportError):
+    """The far side's login (~/.bashrc, a ForceCommand) printed something and did not run pallet's command: it
+    ended, or did not start it in time. The message quotes what it printed."""
+
+
+def login_error(login: LoginOutput, url: str, command: list[str] | None = None) -> LoginOutputError:
+    return LoginOutputError(login.message(), url, login.hint(), command)
+
+
+def login_timeout(ssh_options: Sequence[str]) -> float:
+    """Seconds a far side has to start pallet's command after ssh asked for it: ssh's ``ConnectTimeout`` when
+    ``ssh_options`` set it (``-o ConnectTimeout=N``), else LOGIN_TIMEOUT_S."""
+    words = list(ssh_options)
+    for n, word in enumerate(words):
+        setting = word[2:] if word.startswith("-o") and len(word) > 2 else \
+            (words[n + 1] if word == "-o" and n + 1 < len(words) else "")
+        key, _, value = setting.replace("=", " ", 1).partition(" ")
+        if key.lower() == "connecttimeout" and value.strip().isdigit() and int(value) > 0:
+            return float(value)
+    return login_output.LOGIN_TIMEOUT_S
 
 
 def ssh_options_for(given: Sequence[str]) -> list[str]:
-    """The ssh arguments pallet uses: ``given`` (``--ssh-option``), then those of ``$PALLET_SSH_OPTIONS``."""
-    return [*given, *shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))]
+    """The ssh arguments pallet uses: ``given`` (``--ssh-option``), then those of ``$PALLET_SSH_OPTIONS``, split
+    as a shell splits them (UsageError naming the variable when they cannot be, e.g. an unbalanced quote)."""
+    try:
+        extra = shlex.split(os.environ.get("PALLET_SSH_OPTIONS", ""))
+    except ValueError as exc:
+        raise UsageError(f"$PALLET_SSH_OPTIONS cannot be split as a shell would: {exc}",
+                         hint="balance its quotes, as in PALLET_SSH_OPTIONS='-o \"ProxyJump=me@gate\"'") from None
+    return [*given, *extra]
 
 
 class SSHMaster:
@@ -47,6 +88,7 @@ class SSHMaster:
         self._process: subprocess.Popen | None = None
         self._errors = None
         self._ready = self._adopted = False
+        self.login_timeout_s = login_timeout(self.ssh_options)
 
     @property
     def destination(self) -> str:
@@ -57,6 +99,23 @@ class SSHMaster:
         the master be gone), ready for a destination and command."""
         return ["ssh", *self._port(), "-o", f"ControlPath={self._socket}", "-o", "ControlMaster=no",
                 *self.ssh_options, "-o", "BatchMode=yes"]
+
+    def command(self, argv: Sequence[str], stdin=subprocess.PIPE) -> FarProcess:
+        """Start ``argv`` there through this master (which must be ready): its stdout and stderr begin after
+        what the login printed. A login that ends, or does not start it within :attr:`login_timeout_s`, after
+        printing something is a LoginOutputError at the first read of stdout."""
+        marker = Marker.new()
+        return FarProcess([*self.client_argv(), self.destination, "--", marker.command(shlex.join(argv))], marker,
+                          self.login_timeout_s, lambda login: login_error(login, self.endpoint.url(), list(argv)),
+                          stdin=stdin)
+
+    def rsync_shell(self) -> list[str]:
+        """rsync's ``-e`` and ``--rsync-path`` through this master: the far rsync starts after a marker, and the
+        ``-e`` program (login_output.py, run with this Python) drops what the login printed before it."""
+        marker = Marker.new()
+        rsh = [sys.executable, "-I", "-S", login_output.__file__, marker.token, f"{self.login_timeout_s:g}",
+               *self.client_argv()]
+        return ["-e", shlex.join(rsh), f"--rsync-path={marker.command('rsync')}"]
 
     def start(self) -> "SSHMaster":
         """Launch the connection unless launched already; do not wait for it."""
@@ -122,8 +181,76 @@ class SSHMaster:
 
     def _master_argv(self) -> list[str]:
         return ["ssh", *self._port(), "-o", f"ControlPath={self._socket}", "-o", "ControlMaster=yes",
-                "-o", f"ControlPersist={MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, "-f", "-N",
-                self.destination]
+                "-o", f"ControlPersist={MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, *_KEEPALIVE,
+                "-f", "-N", self.destination]
 
     def _port(self) -> list[str]:
         return ["-p", str(self.endpoint.port)] if self.endpoint.port else []
+
+
+class FarProcess(subprocess.Popen):
+    """A far command started through ssh (``argv``, whose remote command prints ``marker`` first, see
+    login_output.Marker.command): ``stdout`` and ``stderr`` read from after the marker (login_output.AfterLogin).
+
+    The marker must arrive on stdout within ``timeout_s`` of the start;
+    else, or when the far side ends before it after printing something,
+    the first read of stdout kills ssh and raises ``fail(LoginOutput)``.
+    :meth:`communicate` reads through these streams too.
+    """
+
+    def __init__(self, argv: list[str], marker: Marker, timeout_s: float,
+                 fail: Callable[[LoginOutput], BaseException], stdin=subprocess.PIPE):
+        started = time.monotonic()
+        super().__init__(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._out = AfterLogin(self.stdout.detach(), marker.line, started + timeout_s, self._failed, started)
+        self._err = AfterLogin(self.stderr.detach(), marker.line)
+        self._fail = fail
+        self.stdout, self.stderr = io.BufferedReader(self._out, _READ_BUFFER), io.BufferedReader(self._err)
+
+    @property
+    def marked(self) -> bool:
+        """The far side printed the marker: pallet's command ran there."""
+        return self._out.marked
+
+    def _failed(self, login: LoginOutput) -> BaseException:
+        """Stop what is left of the command; the error to raise."""
+        self.stop()
+        return self._fail(login)
+
+    def stop(self) -> None:
+        """Kill ssh and end our reads of its stderr (a far side stuck in its login would hold it open)."""
+        self.kill()
+        self._err.cancel()
+
+    def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """Write ``input`` (then end stdin), read stdout and stderr to their ends, wait; ``(stdout, stderr)``.
+        ``timeout`` is Popen's argument and unused: the login's time is limited (see the class), the command's
+        is its own."""
+        errors: list[bytes] = []
+        threads = [threading.Thread(target=lambda: errors.append(self.stderr.read()), daemon=True,
+                                    name="pallet-ssh-stderr")]
+        if self.stdin is not None:
+            threads.append(threading.Thread(target=_feed, args=(self.stdin, input or b""), daemon=True,
+                                            name="pallet-ssh-stdin"))
+        for thread in threads:
+            thread.start()
+        try:
+            output = self.stdout.read()
+        except BaseException:
+            self.stop()
+            threads[0].join()           # stderr; a write to a far side stuck in its login may never end
+            self.wait()
+            raise
+        for thread in threads:
+            thread.join()
+        self.wait()
+        return output, b"".join(errors)
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        if data:
+            pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, ConnectionResetError, ValueError):
+        pass                            # the far side stopped reading: its status says why
