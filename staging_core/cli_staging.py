@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
+from bundles.errors import UsageError
+
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 from .planner import LARGE_FILE_BYTES
 from .transports.base import local_or_url
@@ -69,7 +71,7 @@ def _run_plan(args) -> int:
     destination = parse_url(args.dest)
     routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed, reprobe=args.reprobe,
                             remote_python=args.remote_python,
-                            ssh_options=tuple(o for opt in args.ssh_option for o in shlex.split(opt)))
+                            ssh_options=split_ssh_options(args.ssh_option))
     check_route_options(routes, Direction.PUSH)
     inventory, paths = local_inventory(args.src)
     far = _probe_for_plan(destination, routes)
@@ -129,7 +131,7 @@ def _add_push(commands) -> None:
                                    "  pallet push --dry-run --delete data/ ssh://login.hpc/scratch/me/data   "
                                    "(what a mirror would change)\n\n"
                                    + _STAGING_EPILOG)
-    p.add_argument("src", metavar="SRC")
+    p.add_argument("src", metavar="SRC", type=os.path.abspath, help="the local directory to send (only read)")
     p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
                    help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
                         "gsiftp://, ftp://, globus://")
@@ -217,6 +219,10 @@ def _staging_options(p: argparse.ArgumentParser, lacks: str, rerun: str, listed:
                         help=f"remove what DEST holds that {lacks}; without it such entries are kept. A rerun "
                              f"always {rerun} (type, size, mtime, mode, link target)")
     policy.add_argument("--dry-run", "-n", action="store_true", help=f"list what would be {listed}; change nothing")
+    policy.add_argument("--allow-root-dest", action="store_true",
+                        help="let DEST be the root directory / or a home directory itself (/root, /home, "
+                             "/home/NAME, /Users/NAME, and your own $HOME for a local DEST); refused by default, "
+                             "since pallet would list and mark all of it, and --delete would empty it of all else")
     routes = p.add_argument_group("routing: how bundles travel, and where they are unpacked or packed")
     routes.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                         help="stream bundles into the far-side unpacker when the transport can (default: auto)")
@@ -227,7 +233,7 @@ def _staging_options(p: argparse.ArgumentParser, lacks: str, rerun: str, listed:
 def staging_options(args) -> StagingOptions:
     """StagingOptions from parsed push/pull arguments."""
     from .options import StagingOptions
-    split = tuple(o for opt in args.ssh_option for o in shlex.split(opt))
+    split = split_ssh_options(args.ssh_option)
     return StagingOptions(
         strategy=args.strategy, codec=args.codec, shard_size=args.shard_size, large_file_bytes=args.large_file,
         jobs=args.jobs, ranks=args.ranks, launcher=args.launcher,
@@ -236,7 +242,20 @@ def staging_options(args) -> StagingOptions:
         job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
         pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress,
         reprobe=args.reprobe, delete=getattr(args, "delete", False), dry_run=getattr(args, "dry_run", False),
-        checksum=args.checksum)
+        checksum=args.checksum, allow_root_dest=args.allow_root_dest)
+
+
+def split_ssh_options(given: list[str]) -> tuple[str, ...]:
+    """The ``--ssh-option`` values, each split as a shell would (``"-o ConnectTimeout=5"`` is two arguments);
+    UsageError naming the value that cannot be (an unbalanced quote)."""
+    split: list[str] = []
+    for option in given:
+        try:
+            split += shlex.split(option)
+        except ValueError as exc:
+            raise UsageError(f"--ssh-option {option!r} cannot be split as a shell would: {exc}",
+                             hint="balance its quotes, as in --ssh-option='-o \"ProxyJump=me@gate\"'") from None
+    return tuple(split)
 
 
 def _run_staging(args) -> int:
@@ -313,7 +332,7 @@ def _run_calibrate(args) -> int:
     from .transports.base import parse_url
     from .transports.registry import open_endpoint
     endpoint = parse_url(args.url)
-    options = StagingOptions(ssh_options=tuple(o for opt in args.ssh_option for o in shlex.split(opt)))
+    options = StagingOptions(ssh_options=split_ssh_options(args.ssh_option))
     with open_endpoint(endpoint, options) as transport:
         profile = calibrate(transport, os.path.join(endpoint.path, f".pallet-calibrate-{os.getpid()}"), args.name,
                             args.remote_python)

@@ -53,6 +53,8 @@ class StagingOptions:
     delete        after a whole-tree push, remove what DEST holds that the source lacks.
     dry_run       push and pull: list what would be sent or fetched (and deleted), change nothing.
     checksum      when comparing with DEST, also compare by md5 the files whose size, mtime and mode match.
+    allow_root_dest  let a whole-tree push's or pull's DEST be '/' or a home directory itself (see
+                  ``transports.base.broad_destination``); refused by default (``--allow-root-dest``).
     transport_options  per scheme, keyword arguments for that scheme's transport (see
                   ``Transport.options_from``): how a transport pallet does not know gets its own options.
     """
@@ -80,6 +82,7 @@ class StagingOptions:
     delete: bool = False
     dry_run: bool = False
     checksum: bool = False
+    allow_root_dest: bool = False
     transport_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
 
     # the groups, each as its own typed record (read-only views; see OPTION_GROUPS)
@@ -127,7 +130,7 @@ TransportOptions = _group_class(
                         "transport declares in Transport.options_from.", ("ssh_options", "transport_options"))
 PolicyOptions = _group_class(
     "PolicyOptions", "What an operation guarantees and shows.",
-    ("verify", "retries", "progress", "delete", "dry_run", "checksum"))
+    ("verify", "retries", "progress", "delete", "dry_run", "checksum", "allow_root_dest"))
 OPTION_GROUPS = (PlanningOptions, RoutingOptions, FarSideOptions, TransportOptions, PolicyOptions)
 
 

@@ -106,7 +106,9 @@ class FarSide:
         age = max(0, int(time.time() - self.probed_at))
         return [f"far side {self.host} (probed {age} s ago): {pallet}; python3 {self.python3 or 'missing'}; "
                 f"{self.tar or 'no tar'}",
-                f"  tools: {tools}; free at DEST: {space}, {inodes} inodes",
+                f"  tools: {tools}; find {'with' if self.find_printf else 'LACKS'} -printf"
+                f"{'' if self.find_printf else ' (GNU findutils needed to list the far side)'}; "
+                f"free at DEST: {space}, {inodes} inodes",
                 f"  bundle routes: {', '.join(self.routes()) or 'none (files go individually)'}"]
 
     def to_json(self) -> dict:

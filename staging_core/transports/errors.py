@@ -1,7 +1,9 @@
 """Transport errors: one class per cause a user can act on, all carrying the command and its stderr."""
 from __future__ import annotations
 
-from bundles.errors import PalletError, SetupError
+from typing import Mapping
+
+from bundles.errors import PalletError, SetupError, SourceError
 
 
 _STDERR_LINES = 6     # the far side's last lines shown under a transport error
@@ -61,6 +63,45 @@ class NotSupportedError(TransportError):
     """The transport lacks the capability asked for (see its Capabilities)."""
 
 
+class SourceReadError(SourceError, TransportError):
+    """A transfer could not read a file or directory of its source (permission denied, an I/O error there): the
+    source's fault, not the transport's, so it exits as every SourceError does, on whichever route met it."""
+
+    exit_code = SourceError.exit_code
+    retryable = False
+
+
+SOURCE_READ_HINT = "make it readable (chmod u+r) or remove it from the source"
+
+
+def source_read_error(path: str, reason: str, command: list[str] | None = None,
+                      status: int | None = None) -> SourceReadError:
+    """The SourceReadError for ``path``, which could not be read for ``reason`` (e.g. 'Permission denied')."""
+    return SourceReadError(f"cannot read ({reason})", path, SOURCE_READ_HINT, command, status)
+
+
+def source_side_failure(failed: Mapping[str, PalletError], source_root: str) -> SourceReadError | None:
+    """Of a transfer's per-item failures, the first that is the source's (a SourceError, or a permission or I/O
+    error naming a path under ``source_root``) as a SourceReadError, counting the others; None if there is none."""
+    root = source_root.rstrip("/") + "/"
+    found = []
+    for item in sorted(failed):
+        error = failed[item]
+        if isinstance(error, SourceError):
+            found.append(error)
+        elif type(error) in (RemotePermissionError, TransportError) and (error.path or "").startswith(root):
+            said = getattr(error, "stderr", "").strip().splitlines()
+            found.append(source_read_error(error.path, said[-1] if said else error.message, error.command,
+                                           error.status))
+    if not found:
+        return None
+    first = found[0]
+    if len(found) > 1:
+        first = SourceReadError(f"{first.message}, and {len(found) - 1} more source file(s) cannot be read",
+                                first.path, first.hint, getattr(first, "command", None), getattr(first, "status", None))
+    return first
+
+
 class MissingDependencyError(SetupError):
     """A transport needs a program or Python package that is not installed, here or at the far side (a
     setup error, not a transport failure: nothing is retried); the hint says how to install it. ``command``,
@@ -72,10 +113,19 @@ class MissingDependencyError(SetupError):
         self.command, self.status, self.stderr = command, status, stderr.strip()[-2000:]
 
 
+_FIND_REFUSALS = ("unrecognized", "unknown", "invalid", "illegal", "bad arg", "not supported")
+
+
 def classify(stderr: str, status: int | None, command: list[str] | None, path: str | None,
-             fallback: str) -> TransportError:
-    """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError."""
+             fallback: str) -> TransportError | MissingDependencyError:
+    """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError (or the
+    MissingDependencyError of a far side whose ``find`` has no ``-printf``, as BusyBox's and BSD's have not)."""
     text = stderr.lower()
+    if "-printf" in text and any(word in text for word in _FIND_REFUSALS):
+        return MissingDependencyError(
+            "the far side's find lacks -printf (GNU findutils needed to list it)", path,
+            "install GNU findutils there (e.g. `apk add findutils`, `dnf install findutils`), or put a GNU find "
+            "first on the login shell's PATH", command, status, stderr)
     rules = [
         (("could not resolve hostname", "name or service not known", "connection refused", "connection timed out",
           "no route to host", "network is unreachable", "connection closed by", "connection reset"),
@@ -95,4 +145,4 @@ def classify(stderr: str, status: int | None, command: list[str] | None, path: s
         if any(n in text for n in needles):
             return cls(message, path, hint, command, status, stderr)
     return TransportError(fallback, path, "see the command's message above", command, status, stderr,
-                          retryable=status in (12, 30, 35, 255))
+                          retryable=status in (10, 12, 30, 35, 255))     # rsync: socket, stream, timeouts; ssh

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import shutil
 from dataclasses import dataclass

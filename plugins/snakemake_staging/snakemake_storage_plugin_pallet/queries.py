@@ -10,7 +10,7 @@ from snakemake_interface_storage_plugins.storage_provider import StorageQueryVal
 from staging_core import Endpoint, UsageError, parse_url
 
 _SCHEME = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
-_PLACEHOLDER = "0"      # stands for a wildcard while validating: fits a host, a port, a user and a path part
+_PLACEHOLDER = "1"      # stands for a wildcard while validating: fits a host, a port (1..65535), a user and a path part
 _FORMS = ("write ssh://[user@]host[:port]/abs, [user@]host:/abs, gsiftp://host[:port]/abs, ftp://host/abs, "
           "globus://COLLECTION/abs or file:///abs")
 
