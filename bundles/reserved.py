@@ -4,6 +4,7 @@ from __future__ import annotations
 STATE_DIR = ".pallet"
 PARTIAL_DIR = ".pallet-partial"  # in any directory: rsync keeps an interrupted file there until a rerun completes it
 WRITING_DIR = "writing"          # in STATE_DIR: files written from a stream, renamed into place once checked
+TRANSFER_DIR = "transfer"        # in STATE_DIR: a transport's temporaries while files go one by one (rsync --temp-dir)
 
 
 def reserved_problem(path: bytes) -> str | None:

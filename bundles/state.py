@@ -10,7 +10,7 @@ from typing import Iterator
 
 from .errors import DestinationError, DestinationLocked
 from .extract import destination_error
-from .reserved import STATE_DIR, WRITING_DIR
+from .reserved import STATE_DIR, TRANSFER_DIR, WRITING_DIR
 from .state_fd import read_text, remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
@@ -91,7 +91,7 @@ def marker_text(dest: str) -> str:
     if not os.path.lexists(state_path(dest)):
         return ""
     with state_dir_fd(dest, create=False) as state:
-        return read_text(state, INCOMPLETE)
+        return read_text(state, INCOMPLETE, state_path(dest, INCOMPLETE))
 
 
 def drop_journals(dest: str) -> None:
@@ -142,7 +142,7 @@ def finish(dest: str, *owned: str) -> None:
             remove_path(path)
     try:
         with state_dir_fd(dest, create=False) as state:
-            for name in (*inside, WRITING_DIR, INCOMPLETE):      # files a killed stream left half written too
+            for name in (*inside, WRITING_DIR, TRANSFER_DIR, INCOMPLETE):   # what a killed stream or rsync left
                 remove_entry(state, name)
     except FileNotFoundError:
         return

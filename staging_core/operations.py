@@ -25,11 +25,12 @@ from .pull_phases import OpenSource, plan_pull
 from .pull_strategies import PullContext, early_stream, pull_strategy
 from .push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
 from .push_strategies import PushContext, push_strategy
-from .repair import COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, finish_local_pull
+from .repair import (COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
+                     finish_local_pull)
 from .route_registry import check_route_options
 from .strategy_base import Attempt, check_stream_shard_size, resolve_strategy
 from .streaming import PullStream
-from .transports.base import Direction, Endpoint, Transport, parse_url
+from .transports.base import Direction, Endpoint, Transport, check_destination, parse_url
 from .transports.errors import TransportError
 from .transports.registry import open_transport
 
@@ -59,6 +60,8 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
         raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
                           "push a directory: pallet push DIR URL")
     endpoint = parse_url(dest_url)
+    if items is None:
+        check_destination(endpoint, options.allow_root_dest)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
     if options.dry_run:
         return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
@@ -91,7 +94,7 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
         context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
                               planned.paths, options, progress or NoProgress(), planned.include, receiver,
-                              unmarked=comparison is not None)
+                              selection=not whole)
         way = push_strategy(context, planned.strategy)
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
     deleted = finish_push(dest, full, comparison, whole, planned.strategy)
@@ -132,6 +135,8 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     endpoint = parse_url(src_url)
     local = Endpoint("file", os.path.abspath(dest))
     whole, comparison = items is None, None
+    if whole:
+        check_destination(local, options.allow_root_dest)
     if options.dry_run:
         return pull_dry_run(endpoint, local.path, options, started)
     with OpenSource(endpoint, options) as source, ExitStack() as stack:
@@ -154,9 +159,11 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             if comparison is not None and not comparison.to_fetch:
                 run, attempts = Attempt(route="already in place"), 0
             else:
-                context = PullContext(source, local.path, progress or NoProgress(), items)
+                context = PullContext(source, local.path, progress or NoProgress(), items, whole=whole)
                 run, attempts = _with_retries(_pull_attempts(context, early if strategy == "bundle" else None,
                                                              strategy), options.retries)
+            if comparison is None and whole and options.delete:        # a route that listed DEST itself
+                comparison = _listed_comparison(transport, endpoint, route, local.path)
             deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
             if whole:
                 remove_state(local.path)
@@ -183,6 +190,17 @@ def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
         return None
     hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if checksum else None
     return compare_with_local(transport.list(endpoint.path), dest, hashes)
+
+
+def _listed_comparison(transport: Transport, endpoint: Endpoint, route, dest: str) -> PullComparison | None:
+    """After a whole pull whose route compared nothing, DEST against the source (DEST's marker is the pull's
+    own): from the bundle's index for a published bundle, else from a listing where one carries exact times."""
+    if isinstance(route, PublishedBundle):
+        return PullComparison(extra=extra_entries(dest, route.paths))
+    listed = transport.list(endpoint.path)
+    if endpoint.scheme in COMPARABLE_SCHEMES:
+        return compare_with_local(listed, dest, own_mark=True)
+    return PullComparison(extra=extra_entries(dest, {os.fsencode(entry.path) for entry in listed}))
 
 
 def _check_options(options: StagingOptions) -> None:

@@ -183,6 +183,7 @@ class PublishedBundle(PackRoute):
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
         self.transport = transport
+        self.paths: frozenset[bytes] = frozenset()      # every entry the bundle holds, once inventory() read it
 
     def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
         if items is not None:
@@ -202,6 +203,7 @@ class PublishedBundle(PackRoute):
                 raise next(iter(fetched.failed.values()))
             with open(os.path.join(workdir, name), "rb") as handle:
                 index = Index.from_bytes(handle.read(), self.endpoint.url() + ".pidx")
+        self.paths = frozenset(index.paths)
         sizes = [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
         reason = "published bundle: fetched with its index and unpacked here as it is, without repacking"
         return Inventory(self.endpoint.path, sizes), Plan("bundle", [Candidate("bundle", 0.0, index.codec)], reason)

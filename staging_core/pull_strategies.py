@@ -10,7 +10,9 @@ from bundles.state import ensure_state_dir, prune
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
 
+from .individual import begin, fetch_until_stable, finish_selection
 from .options import StagingOptions
+from .repair import COMPARABLE_SCHEMES
 from .pack_routes import PackRoute
 from .plain import PlainRoute
 from .plain_pull import pull_plain
@@ -31,6 +33,7 @@ class PullContext:
     progress: Progress
     items: Sequence[str] | None = None
     begun: PullStream | None = None
+    whole: bool = True          # the whole tree (``items`` then only narrows it to what DEST lacks)
 
     @property
     def listed(self) -> list[str] | None:
@@ -38,15 +41,25 @@ class PullContext:
 
 
 class IndividualPull(Strategy[PullContext]):
-    """One batch transfer of the files themselves."""
+    """One batch transfer of the files themselves into a DEST marked INCOMPLETE, the transport's temporaries
+    in DEST/.pallet; files that changed while read are fetched again."""
 
     name = "individual"
 
     def run(self, ctx: PullContext) -> Attempt:
         attempt = Attempt(route="individual")
+        source, local = ctx.source, Endpoint("file", ctx.dest)
+        marked = begin(source.transport, local, f"an individual pull from {source.endpoint.url()} is unfinished: "
+                                                "run it again to finish it")
         with Stage(attempt, ctx.progress, "transfer"):
-            attempt.count(transfer_all(ctx.source.transport, Direction.PULL, ctx.dest, ctx.source.endpoint,
-                                       ctx.listed))
+            for fetched in fetch_until_stable(
+                    lambda items: transfer_all(source.transport, Direction.PULL, ctx.dest, source.endpoint, items,
+                                               marked.scratch),
+                    source.transport, source.endpoint, ctx.dest, ctx.listed,
+                    ctx.whole and source.endpoint.scheme in COMPARABLE_SCHEMES):
+                attempt.count(fetched)
+        if not ctx.whole:
+            finish_selection(source.transport, marked)
         return attempt
 
 

@@ -12,6 +12,7 @@ from bundles.state import STATE_DIR, remove_state
 from mpi_stager.send import StreamSource, prepare_source
 
 from .far_session import FarSession, destination_lock
+from .individual import uncarried_link
 from .inventory import Inventory, compress_ratio, tree_inventory
 from .locking import DestinationLock
 from .local_profile import route_profile
@@ -21,7 +22,7 @@ from .planner import Plan, plan
 from .probe import far_side_options
 from .push_strategies import can_stream, stream_codec
 from .repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra, dirs_to_restore,
-                     fix_directories)
+                     fix_directories, listed_extra)
 from .routes import UnpackRoute, closing, unpack_route
 from .strategy_base import resolve_strategy
 from .transports.base import Endpoint, Transport, parse_url
@@ -167,6 +168,9 @@ def plan_tree(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
     profile, bundle_possible = route_profile(dest.endpoint, options, dest.route is not None)
     chosen = plan(inventory.stats, profile, surveyed.ratio, max(1, options.ranks), bundle_possible)
     strategy = resolve_strategy(chosen, options, dest.route, dest.endpoint)
+    if strategy == "individual" and options.strategy == "auto" and dest.route is not None \
+            and uncarried_link(tree, dest.transport) is not None:
+        strategy = "bundle"                 # one by one, the transport would leave the links out
     if strategy == "hybrid" and (include is not None or isinstance(dest.route, PlainRoute)):
         strategy = "bundle"
     return PushPlan(tree, include, inventory, paths, chosen, strategy, comparison)
@@ -179,8 +183,10 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
     is still held; a plain-tools session has cleared it itself); return the entries deleted."""
     deleted = 0
     if whole and dest.options.delete:
-        comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full) or Comparison()
-        delete_extra(dest.transport, dest.endpoint, comparison.extra)
+        comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full, own_mark=True) \
+            or Comparison(extra=listed_extra(dest.transport, dest.endpoint, set(full.index.paths)))
+        run_there = dest.route.run_there if isinstance(dest.route, UnpackRoute) else None
+        delete_extra(dest.transport, dest.endpoint, comparison.extra, run_there)
         deleted = len(comparison.extra)
     if comparison is not None:
         fix_directories(dest.session or dest.transport, dest.endpoint, full,

@@ -9,10 +9,11 @@ from typing import Callable
 
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree
-from bundles.state import JOURNAL_KINDS, drop_journals, ensure_state_dir
+from bundles.state import ensure_state_dir
 from bundles.writer import PackOptions, pack
 
 from .far_session import SessionStream
+from .individual import Marked, begin, check_carried, finish_selection, send_until_stable
 from .inventory import Inventory
 from .options import StagingOptions
 from .plain import PlainRoute
@@ -23,7 +24,6 @@ from .scratch import scratch_dir
 from .strategy_base import Attempt, Stage, Strategy, streams_where, transfer_all
 from .streaming import stream_push
 from .transports.base import Direction, Endpoint, Transport
-from .transports.errors import NotSupportedError
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class PushContext:
     progress: Progress
     include: frozenset[bytes] | None = None
     receiver: Callable[[], SessionStream] | None = None
-    unmarked: bool = False      # DEST was listed without an INCOMPLETE marker: no journal there can be trusted
+    selection: bool = False     # only some files were asked for (their state is cleared here, not all of .pallet)
 
     @property
     def src(self) -> str:
@@ -60,18 +60,25 @@ def stream_codec(options: StagingOptions, chosen: Plan) -> str:
 
 
 class IndividualPush(Strategy[PushContext]):
-    """One batch transfer of the files themselves (rsync over ssh, a parallel copy locally ...)."""
+    """One batch transfer of the entries themselves (rsync over ssh, a parallel copy locally ...), of every
+    kind the source has, into a DEST marked INCOMPLETE; files that changed while read are sent again."""
 
     name = "individual"
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt(route="individual")
-        drop_writer_journals(ctx)
-        listed = None if ctx.include is None else [os.fsdecode(p) for p in ctx.paths]
-        if listed is None and ctx.transport.scheme == "file":        # the scan's names: no second walk of SRC
+        check_carried(ctx.tree, ctx.transport)
+        marked = begin_writing(ctx, "an individual push")
+        listed = None
+        if ctx.include is not None or ctx.transport.scheme == "file":       # the scan's names: no second walk
             listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
         with Stage(attempt, ctx.progress, "transfer", len(ctx.inventory.sizes), ctx.inventory.stats.bytes):
-            attempt.count(transfer_all(ctx.transport, Direction.PUSH, ctx.src, ctx.endpoint, listed))
+            for sent in send_until_stable(lambda items: transfer_all(ctx.transport, Direction.PUSH, ctx.src,
+                                                                     ctx.endpoint, items, marked.scratch),
+                                          ctx.tree, listed):
+                attempt.count(sent)
+        if ctx.selection:
+            finish_selection(ctx.transport, marked, _run_there(ctx))
         return attempt
 
 
@@ -120,47 +127,31 @@ class HybridPush(Strategy[PushContext]):
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt()
-        drop_writer_journals(ctx)           # the large files go one by one
+        marked = begin_writing(ctx, "a hybrid push")           # the large files go one by one
         large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes) if size >= ctx.options.large_file_bytes]
         with ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(transfer_all, ctx.transport, Direction.PUSH, ctx.src, ctx.endpoint,
-                                  [os.fsdecode(p) for p in large])
+            sending = pool.submit(send_until_stable, lambda items: transfer_all(ctx.transport, Direction.PUSH,
+                                                                                ctx.src, ctx.endpoint, items,
+                                                                                marked.scratch),
+                                  ctx.tree, [os.fsdecode(p) for p in large])
             push_bundle(ctx, frozenset(large), attempt)
-            attempt.count(sending.result())
+            for sent in sending.result():
+                attempt.count(sent)
         attempt.route = f"hybrid: {len(large)} large file(s) individually, the rest {ctx.route.description}"
         return attempt
 
 
-# $1 DEST: remove the journals in DEST/.pallet, entered only if it is a real directory (no link followed).
-_DROP_JOURNALS = r"""
-unset CDPATH
-cd -- "$1" 2>/dev/null && [ -d .pallet ] && [ ! -L .pallet ] || exit 0
-here=$(pwd -P; echo .) && cd ./.pallet && there=$(pwd -P; echo .) || exit 0
-here=${here%?.}; [ "$here" = / ] && here=
-[ "${there%?.}" = "$here/.pallet" ] || exit 0
-rm -rf -- JOURNALS
-""".replace("JOURNALS", " ".join(f"{kind}*" for kind in JOURNAL_KINDS))
+def begin_writing(ctx: PushContext, what: str) -> Marked:
+    """Mark DEST INCOMPLETE before entries are written into it one by one, and drop the journals an interrupted
+    unpack or stream left there (those files would make them lie; bundles.state.untrusted_journals): one
+    command over ssh or on the ``--unpack-via`` host; where nothing runs at the far side, no unpack runs
+    there either, so there is no journal to drop."""
+    return begin(ctx.transport, ctx.endpoint, f"{what} from {ctx.src} is unfinished: run it again to finish it",
+                 _run_there(ctx))
 
 
-def drop_writer_journals(ctx: PushContext) -> None:
-    """Before files are written into DEST one by one, remove the journals an interrupted unpack or stream left
-    there: those files would make the journals lie (bundles.state.untrusted_journals). A remote DEST listed
-    without the INCOMPLETE marker (``ctx.unmarked``) needs nothing: the next run that keeps a journal drops
-    them itself. Remotely it is one command, over ssh or on the ``--unpack-via`` host; where nothing runs at
-    the far side, no unpack runs there either, so there is no journal to drop."""
-    if ctx.endpoint.is_local:
-        drop_journals(ctx.endpoint.path)
-        return
-    if ctx.unmarked:
-        return
-    argv = ["sh", "-c", _DROP_JOURNALS, "pallet-drop-journals", ctx.endpoint.path]
-    if ctx.transport.capabilities.remote_exec:
-        ctx.transport.run(argv)
-    elif ctx.route is not None:
-        try:
-            ctx.route.run_there(argv)
-        except NotSupportedError:
-            pass
+def _run_there(ctx: PushContext) -> Callable[[list[str]], bytes] | None:
+    return ctx.route.run_there if isinstance(ctx.route, UnpackRoute) else None
 
 
 def push_strategy(ctx: PushContext, planned: str) -> Strategy[PushContext]:

@@ -5,9 +5,9 @@ import os
 import shlex
 import stat
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
-from bundles.errors import DestinationError
+from bundles.errors import DestinationError, UsageError
 from bundles.safety import safe_mode
 from bundles.scan import SourceTree
 from bundles.state import STATE_DIR, remove_path
@@ -16,6 +16,7 @@ from bundles.tarformat import Kind
 from .plain import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files, md5_of, parse_records,
                     unchanged_files, with_link_groups)
 from .transports.base import Endpoint, RemoteEntry, Transport
+from .transports.local import SafeTree
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
 
@@ -45,13 +46,15 @@ class Comparison:
 
 
 def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree,
-                      checksum: bool = False) -> Comparison | None:
+                      checksum: bool = False, own_mark: bool = False) -> Comparison | None:
     """Compare ``tree`` with the tree at ``endpoint`` (DEST/.pallet left out): None when DEST cannot be listed
     with its metadata here (only local paths and ssh hosts can), or when it is empty or missing. With
     ``checksum`` the files whose metadata match are compared by md5 too (md5sum there over ssh); those that
     differ are ``stale``: removed before they are sent again, since a transport that skips files whose size
-    and mtime match would skip them."""
-    return compare_with_dest_entries(dest_entries(transport, endpoint), transport, endpoint, tree, checksum)
+    and mtime match would skip them. ``own_mark``: DEST's INCOMPLETE marker is this operation's own (it is
+    finishing), so DEST is listed all the same."""
+    return compare_with_dest_entries(dest_entries(transport, endpoint, own_mark), transport, endpoint, tree,
+                                     checksum)
 
 
 def compare_with_dest_entries(entries: dict[bytes, FarEntry] | None, transport: Transport, endpoint: Endpoint,
@@ -127,22 +130,24 @@ def dest_md5(transport: Transport, endpoint: Endpoint, paths: list[bytes]) -> di
     return far_tree(transport, endpoint.path, paths).md5
 
 
-# $1 DEST: its find records (type, mode, mtime, size, link target, inode, links, path), or INCOMPLETE.
+# $1 DEST, $2 "own" when its marker is the caller's: its find records (type, mode, mtime, size, link target, inode,
+# links, path), or INCOMPLETE.
 _LISTING = r"""
 cd -- "$1" 2>/dev/null || exit 0
-if [ -e .pallet/INCOMPLETE ] || [ -L .pallet/INCOMPLETE ]; then printf INCOMPLETE; exit 0; fi
+if [ "$2" != own ] && { [ -e .pallet/INCOMPLETE ] || [ -L .pallet/INCOMPLETE ]; }; then printf INCOMPLETE; exit 0; fi
 """ + FIND_RECORDS + "\n"
 
 
-def dest_entries(transport: Transport, endpoint: Endpoint) -> dict[bytes, FarEntry] | None:
+def dest_entries(transport: Transport, endpoint: Endpoint, own_mark: bool = False) -> dict[bytes, FarEntry] | None:
     """DEST's entries (relative paths) with type, mode, mtime, size and link target; None if they cannot be
-    listed this way, or if DEST is marked INCOMPLETE (an interrupted operation resumes from its journal)."""
+    listed this way, or if DEST is marked INCOMPLETE (an interrupted operation resumes from its journal) by
+    another run than the caller's (``own_mark``)."""
     if endpoint.is_local:
-        if os.path.lexists(os.path.join(endpoint.path, STATE_DIR, "INCOMPLETE")):
+        if not own_mark and os.path.lexists(os.path.join(endpoint.path, STATE_DIR, "INCOMPLETE")):
             return None
         return _local_entries(os.fsencode(endpoint.path))
     if transport.capabilities.remote_exec and endpoint.scheme == "ssh":
-        listed = transport.run(["sh", "-c", _LISTING, "pallet-listing", endpoint.path])
+        listed = transport.run(["sh", "-c", _LISTING, "pallet-listing", endpoint.path, "own" if own_mark else ""])
         return None if listed == b"INCOMPLETE" else parse_records(listed)
     return None
 
@@ -167,8 +172,10 @@ def _local_entries(root: bytes) -> dict[bytes, FarEntry]:
     return entries
 
 
-def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes]) -> None:
-    """Remove DEST's entries ``extra`` (relative; directories with what they hold), never following a link."""
+def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes],
+                 run_there: Callable[..., bytes] | None = None) -> None:
+    """Remove DEST's entries ``extra`` (relative; directories with what they hold), never following a link:
+    here, over ssh, or with ``run_there`` (a route's host that mounts DEST). UsageError where none can."""
     if not extra:
         return
     if endpoint.is_local:
@@ -177,7 +184,25 @@ def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes]) -
             _remove_local(os.path.join(root, path))
         return
     names = b"".join(b"./" + path + b"\0" for path in extra)
-    transport.run(["sh", "-c", 'cd -- "$1" && xargs -0 -r rm -rf --', "pallet-delete", endpoint.path], stdin=names)
+    argv = ["sh", "-c", 'cd -- "$1" && xargs -0 -r rm -rf --', "pallet-delete", endpoint.path]
+    if transport.capabilities.remote_exec:
+        transport.run(argv, stdin=names)
+    elif run_there is not None:
+        run_there(argv, stdin=names)
+    else:
+        raise UsageError(f"--delete: nothing can remove files at {endpoint.url()}",
+                         os.fsdecode(os.path.join(os.fsencode(endpoint.path), extra[0])),
+                         "add --unpack-via ssh://HOST (a host that mounts it), or push without --delete")
+
+
+def listed_extra(transport: Transport, endpoint: Endpoint, sources: set[bytes] | frozenset[bytes]) -> list[bytes]:
+    """The topmost entries of the tree at ``endpoint`` (DEST/.pallet left out) not in ``sources``, from the
+    transport's listing: names alone decide what --delete removes, so any listing serves."""
+    listed = {os.fsencode(entry.path): entry for entry in transport.list(endpoint.path)}
+    kept = {path: entry for path, entry in listed.items()
+            if path != STATE_DIR.encode() and not path.startswith(STATE_DIR.encode() + b"/")}
+    extra = {path for path in kept if path not in sources}
+    return sorted(path for path in extra if os.path.dirname(path) not in extra)
 
 
 def _remove_local(path: bytes) -> None:
@@ -206,12 +231,13 @@ COMPARABLE_SCHEMES = ("file", "ssh")    # pull sources whose listings carry exac
 
 
 def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,
-                       dry_run: bool = False) -> PullComparison | None:
+                       dry_run: bool = False, own_mark: bool = False) -> PullComparison | None:
     """Compare a pull source's listing with the local ``dest``: None when DEST is missing, empty or marked
     INCOMPLETE (an interrupted pull resumes from its journal). With ``source_md5`` (relative paths -> md5
     of those files at the source) the files whose metadata match are compared by md5 too, and those that
-    differ are removed here so the fetch cannot skip them (not with ``dry_run``)."""
-    if os.path.lexists(os.path.join(dest, STATE_DIR, "INCOMPLETE")):
+    differ are removed here so the fetch cannot skip them (not with ``dry_run``). ``own_mark``: DEST's marker
+    is the caller's own (it is finishing)."""
+    if not own_mark and os.path.lexists(os.path.join(dest, STATE_DIR, "INCOMPLETE")):
         return None
     local = _local_entries(os.fsencode(dest))
     if not local:
@@ -231,10 +257,18 @@ def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,
             found.sizes.append(entry.size if entry.kind == "f" else 0)
     if source_md5 is not None:
         _fetch_differing_content(found, listed, dest, source_md5, dry_run)
-    sources = {os.fsencode(entry.path) for entry in listed}
-    extra = {path for path in local if path not in sources}
-    found.extra = sorted(path for path in extra if os.path.dirname(path) not in extra)
+    found.extra = extra_entries(dest, {os.fsencode(entry.path) for entry in listed}, local)
     return found
+
+
+def extra_entries(dest: str, sources: set[bytes] | frozenset[bytes],
+                  local: dict[bytes, FarEntry] | None = None) -> list[bytes]:
+    """The topmost entries of the local ``dest`` (``local``: its listing, made here when None) that are not in
+    ``sources`` (relative paths)."""
+    if local is None:
+        local = _local_entries(os.fsencode(dest))
+    extra = {path for path in local if path not in sources}
+    return sorted(path for path in extra if os.path.dirname(path) not in extra)
 
 
 def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], dest: str, source_md5,
@@ -268,11 +302,13 @@ def finish_local_pull(dest: str, comparison: PullComparison, delete: bool) -> in
     if delete:
         for path in comparison.extra:
             _remove_local(os.path.join(root, path))
+    tree = SafeTree(dest)
     for entry in comparison.dirs_to_fix:
-        path = os.path.join(root, os.fsencode(entry.path))
-        if not os.path.isdir(path) or os.path.islink(path):
-            _remove_local(path)
-            os.makedirs(path, exist_ok=True)
+        try:
+            tree.directory(entry.path)      # a link or file there is replaced, never followed
+        except OSError as exc:
+            raise DestinationError(f"cannot create directory ({exc.strerror})", os.fsdecode(exc.filename or dest),
+                                   "check the destination's permissions") from None
     touched = {os.path.dirname(os.fsencode(p)) for p in comparison.to_fetch}
     if delete:
         touched.update(os.path.dirname(p) for p in comparison.extra)

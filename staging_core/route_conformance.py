@@ -5,7 +5,12 @@ Route authors subclass RouteConformance in a pytest module, set ``route``
 fixture returning a :class:`RouteCase` that reaches a far side where that
 route is the one chosen. The cases run the installed ``pallet`` command
 (``push`` for a push route, ``pull`` for a pull route) with
-``--strategy bundle``, as a user would, and compare trees strictly.
+``--strategy bundle``, as a user would, and compare trees strictly. The
+cases about what DEST already holds (planted links at every level, extra
+entries, every kind of entry, kill -9 and rerun) run with
+``--strategy individual`` too on routes that carry files one by one
+(``individual`` True): whatever the planner picks, nothing is written
+outside DEST and nothing of the source is left out.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from .testing import assert_same_tree, make_nasty_tree
+import pytest
+
+from .testing import assert_same_tree, make_nasty_tree, normalize_groups, snapshot
 from .transports.base import Direction
 
 KILL_PATIENCE_S = 60          # the kill case kills a run that left no state by then
@@ -62,6 +69,8 @@ class RouteConformance:
 
     route: ClassVar[str] = ""
     direction: ClassVar[Direction] = Direction.PUSH
+    individual: ClassVar[bool] = True       # the route also sends files one by one (--strategy individual)
+    tree_at_dest: ClassVar[bool] = True     # DEST receives the tree itself (not a kept bundle)
     tested_routes: ClassVar[set[tuple[Direction, str]]] = set()
 
     def __init_subclass__(cls, **kwargs):
@@ -71,10 +80,17 @@ class RouteConformance:
 
     # ------------------------------------------------------------ running the installed command
 
-    def _argv(self, case: RouteCase, src: str, dest: str, *extra: str) -> list[str]:
+    def _argv(self, case: RouteCase, src: str, dest: str, *extra: str, strategy: str = "bundle") -> list[str]:
         if self.direction is Direction.PUSH:
-            return [case.pallet, "push", "--json", "--strategy", "bundle", *extra, *case.flags, src, case.far(dest)]
-        return [case.pallet, "pull", "--json", "--strategy", "bundle", *extra, *case.flags, case.far(src), dest]
+            return [case.pallet, "push", "--json", "--strategy", strategy, *extra, *case.flags, src, case.far(dest)]
+        return [case.pallet, "pull", "--json", "--strategy", strategy, *extra, *case.flags, case.far(src), dest]
+
+    def _strategy(self, name: str) -> str:
+        if not self.tree_at_dest:
+            pytest.skip(f"the {self.route} route leaves a bundle at DEST, not the tree")
+        if name == "individual" and not self.individual:
+            pytest.skip(f"the {self.route} route sends no files one by one")
+        return name
 
     def _run(self, case: RouteCase, argv: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
@@ -84,7 +100,8 @@ class RouteConformance:
         done = self._run(case, argv)
         assert done.returncode == 0, f"{' '.join(argv)}\nexited {done.returncode}:\n{done.stderr[-3000:]}"
         summary = json.loads(done.stdout.strip().splitlines()[-1])
-        assert case.expect_route in summary.get("route", ""), summary
+        if argv[argv.index("--strategy") + 1] == "bundle":       # files one by one take no route's tools
+            assert case.expect_route in summary.get("route", ""), summary
         return summary
 
     def _kill_midway(self, case: RouteCase, argv: list[str], dest: str) -> bool:
@@ -156,3 +173,108 @@ class RouteConformance:
         assert "Traceback" not in done.stderr
         with open(dest, "rb") as handle:
             assert handle.read() == b"not a directory"
+
+    # ------------------------------------------------------------ what DEST already holds
+
+    @pytest.mark.parametrize("strategy", ["bundle", "individual"])
+    def test_links_planted_in_dest_are_never_followed(self, route_case: RouteCase, tmp_path, strategy):
+        tree = _planted_source(str(tmp_path / "src"))
+        outside = _outside(str(tmp_path / "outside"))
+        before = snapshot(outside)
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        _plant_links(dest, outside)
+        done = self._run(route_case, self._argv(route_case, src, dest, strategy=self._strategy(strategy)))
+        assert snapshot(outside) == before, f"{strategy}: pallet wrote through a link planted in DEST"
+        assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+        if done.returncode == 0:
+            assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        else:
+            assert any(name in done.stderr for name in _PLANTED), f"{strategy}: refused without naming the link:\n" \
+                                                                   f"{done.stderr[-2000:]}"
+
+    @pytest.mark.parametrize("strategy", ["bundle", "individual"])
+    def test_a_dest_with_extra_and_other_kinds_is_repaired(self, route_case: RouteCase, tmp_path, strategy):
+        tree = _kinds_source(str(tmp_path / "src"))
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        _other_kinds(dest)
+        argv = self._argv(route_case, src, dest, strategy=self._strategy(strategy))
+        self._succeeds(route_case, argv)
+        landed = normalize_groups(snapshot(route_case.landed(dest, str(tmp_path / "landed"))))
+        assert landed.pop(b"extra.txt")[0] == "f" and landed.pop(b"extra-dir")[0] == "d", "extras lost"
+        landed.pop(b"extra-dir/inside.txt")
+        assert landed == normalize_groups(snapshot(tree)), f"{strategy}: DEST not repaired"
+        self._succeeds(route_case, self._argv(route_case, src, dest, "--delete", strategy=strategy))
+        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed-again")))
+
+    def test_an_individual_run_killed_midway_is_finished_by_a_rerun(self, route_case: RouteCase, tmp_path):
+        tree = str(tmp_path / "src")
+        for n in range(3000):
+            path = os.path.join(tree, f"d{n % 15:02d}", f"f{n:05d}")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if n % 10 == 9:
+                os.link(os.path.join(tree, f"d{(n - 1) % 15:02d}", f"f{n - 1:05d}"), path)
+                continue
+            with open(path, "wb") as handle:
+                handle.write(os.urandom(300).hex().encode())
+        os.makedirs(os.path.join(tree, "empty", "deeper"))
+        os.symlink("d00/f00000", os.path.join(tree, "link"))
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        argv = self._argv(route_case, src, dest, strategy=self._strategy("individual"))
+        killed = self._kill_midway(route_case, argv, dest)
+        assert killed, "the run finished before it left any state to kill it in: give the case a bigger tree"
+        self._rerun(route_case, argv)
+        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+
+
+_PLANTED = ("h", "top.txt", "d/e", "d/g.txt")
+
+
+def _write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def _planted_source(root: str) -> str:
+    """A source whose directories and files stand where _plant_links puts links."""
+    for rel in ("top.txt", "h/in-h.txt", "d/e/in-e.txt", "d/g.txt", "d/other.txt"):
+        _write(os.path.join(root, rel), f"source {rel}\n".encode())
+    return root
+
+
+def _outside(root: str) -> str:
+    """Directories and a file outside DEST that planted links point to; nothing may change them."""
+    for rel in ("dir-a/keep.txt", "dir-b/keep.txt", "file.txt"):
+        _write(os.path.join(root, rel), b"precious\n")
+    return root
+
+
+def _plant_links(dest: str, outside: str) -> None:
+    """Links at every level of DEST where the source has a directory or a file."""
+    os.makedirs(os.path.join(dest, "d"))
+    os.symlink(os.path.join(outside, "dir-a"), os.path.join(dest, "h"))
+    os.symlink(os.path.join(outside, "file.txt"), os.path.join(dest, "top.txt"))
+    os.symlink(os.path.join(outside, "dir-b"), os.path.join(dest, "d", "e"))
+    os.symlink(os.path.join(outside, "file.txt"), os.path.join(dest, "d", "g.txt"))
+
+
+def _kinds_source(root: str) -> str:
+    """Files, a symlink, a hard-link pair and an empty directory."""
+    _write(os.path.join(root, "file.txt"), b"file\n")
+    _write(os.path.join(root, "sub", "linked-a"), b"one inode, two names\n")
+    os.link(os.path.join(root, "sub", "linked-a"), os.path.join(root, "sub", "linked-b"))
+    os.symlink("file.txt", os.path.join(root, "link"))
+    os.symlink("sub/linked-a", os.path.join(root, "as-file"))
+    os.makedirs(os.path.join(root, "empty", "deeper"))
+    _write(os.path.join(root, "was-link.txt"), b"a file here\n")
+    return root
+
+
+def _other_kinds(dest: str) -> None:
+    """DEST holding extras, and the source's names as other kinds or with names missing."""
+    _write(os.path.join(dest, "extra.txt"), b"extra\n")
+    _write(os.path.join(dest, "extra-dir", "inside.txt"), b"extra\n")
+    _write(os.path.join(dest, "file.txt"), b"file\n")
+    _write(os.path.join(dest, "link"), b"a file where the source has a link\n")
+    _write(os.path.join(dest, "sub", "linked-a"), b"one inode, two names\n")
+    os.symlink("file.txt", os.path.join(dest, "was-link.txt"))

@@ -124,8 +124,9 @@ class UnpackRoute(AbstractContextManager, ABC):
         if self.removes_bundle:
             self.run_there(["sh", "-c", _DISCARD_SCRIPT, "sh", self.incoming, *paths])
 
-    def run_there(self, argv: list[str]) -> bytes:
-        """Run ``argv`` on a host that sees the destination's files (NotSupportedError where none does)."""
+    def run_there(self, argv: list[str], stdin: bytes | None = None) -> bytes:
+        """Run ``argv`` (fed ``stdin``) on a host that sees the destination's files (NotSupportedError where none
+        does)."""
         raise NotSupportedError(f"nothing runs where {self.endpoint.url()} is", self.endpoint.url())
 
     def close(self) -> None:
@@ -169,8 +170,8 @@ class RemoteExecUnpack(UnpackRoute):
         return _skipped(self.transport.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
                                                        locked=True)), self.endpoint.url())
 
-    def run_there(self, argv: list[str]) -> bytes:
-        return self.transport.run(argv)
+    def run_there(self, argv: list[str], stdin: bytes | None = None) -> bytes:
+        return self.transport.run(argv, stdin)
 
 
 class ViaUnpack(UnpackRoute):
@@ -190,8 +191,8 @@ class ViaUnpack(UnpackRoute):
         return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)),
                         self.options.unpack_via)
 
-    def run_there(self, argv: list[str]) -> bytes:
-        return self.via.run(argv)
+    def run_there(self, argv: list[str], stdin: bytes | None = None) -> bytes:
+        return self.via.run(argv, stdin)
 
     def close(self) -> None:
         self.via.close()
@@ -361,7 +362,7 @@ def register_unpack_routes() -> None:
 def open_via_endpoint(text: str, flag: str) -> Endpoint:
     """The ssh endpoint of a via option (``--unpack-via``/``--pack-via``); UsageError naming the flag otherwise."""
     hint = f"{flag} ssh://[user@]host[:port]: a host that mounts the same file system"
-    endpoint = parse_url(text) if text.startswith("ssh://") else None
+    endpoint = parse_url(text, path_required=False) if text.startswith("ssh://") else None
     if endpoint is None or endpoint.scheme != "ssh":
         raise UsageError(f"{flag} takes an ssh:// URL, not {text!r}", hint=hint)
     return endpoint

@@ -12,7 +12,7 @@ from bundles.stream import MAX_STREAMED_SHARD_SIZE
 
 from .options import StagingOptions
 from .transports.base import Direction, Endpoint, Transport, TransferResult
-from .transports.errors import TransportError
+from .transports.errors import TransportError, source_side_failure
 
 Context = TypeVar("Context")
 
@@ -115,10 +115,14 @@ def _above_streamed_shards(options: StagingOptions) -> bool:
 
 
 def transfer_all(transport: Transport, direction: Direction, local: str, endpoint: Endpoint,
-                 items: list[str] | None) -> TransferResult:
-    """One batch transfer; raise a TransportError naming the files, and the first one's error, if any failed."""
-    result = transport.transfer(direction, local, endpoint.path, items)
+                 items: list[str] | None, temp_dir: str | None = None) -> TransferResult:
+    """One batch transfer (the transport's temporaries in ``temp_dir``, relative to the destination root); raise
+    a TransportError naming the files, and the first one's error, if any failed."""
+    result = transport.transfer(direction, local, endpoint.path, items, temp_dir)
     if not result.ok:
+        unreadable = source_side_failure(result.failed, local if direction is Direction.PUSH else endpoint.path)
+        if unreadable is not None:          # the source's fault: exits as the bundle routes' SourceError does
+            raise unreadable
         first = sorted(result.failed)[0]
         names = ", ".join(sorted(result.failed)[:10])
         rest = "send" if direction is Direction.PUSH else "fetch"

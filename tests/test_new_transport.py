@@ -33,7 +33,7 @@ class VaultTransport(Transport):
         return os.path.join(self.root, path.lstrip("/"))
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: list[str] | None = None) -> TransferResult:
+                 items: list[str] | None = None, temp_dir: str | None = None) -> TransferResult:
         result = TransferResult()
         source, target = ((local_root, self._here(remote_root)) if direction is Direction.PUSH
                           else (self._here(remote_root), local_root))

@@ -95,6 +95,7 @@ class TestPlainToolsPush(RouteConformance):
 
 class TestKeepPackedPush(RouteConformance):
     route, direction = "keep-packed", Direction.PUSH
+    tree_at_dest = False
 
     @pytest.fixture
     def route_case(self):
@@ -104,6 +105,7 @@ class TestKeepPackedPush(RouteConformance):
 @needs_gridftp
 class TestUnpackViaPush(RouteConformance):
     route, direction = "unpack-via", Direction.PUSH
+    individual = False      # GridFTP carries no symbolic links one by one (an individual push refuses them)
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd):  # noqa: F811
@@ -113,6 +115,7 @@ class TestUnpackViaPush(RouteConformance):
 @needs_gridftp
 class TestSlurmJobPush(RouteConformance):
     route, direction = "slurm-job", Direction.PUSH
+    individual = False      # as unpack-via
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd, slurm):  # noqa: F811
@@ -148,6 +151,7 @@ class TestPlainToolsPull(RouteConformance):
 
 class TestPublishedBundlePull(RouteConformance):
     route, direction = "published-bundle", Direction.PULL
+    individual = False      # a bundle is always unpacked
 
     @pytest.fixture
     def route_case(self, sshd):
@@ -157,6 +161,7 @@ class TestPublishedBundlePull(RouteConformance):
 @needs_gridftp
 class TestPackViaPull(RouteConformance):
     route, direction = "pack-via", Direction.PULL
+    individual = False      # as unpack-via
 
     @pytest.fixture
     def route_case(self, gsiftp_server, sshd):  # noqa: F811

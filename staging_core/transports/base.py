@@ -13,9 +13,15 @@ from bundles.errors import UsageError
 
 from .errors import NotSupportedError, TransportError
 
-_SCP_STYLE = re.compile(r"^(?:(?P<user>[^@/:]+)@)?(?P<host>[A-Za-z0-9._-]+):(?P<path>.*)$")
-_URL = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?:(?P<user>[^@/]+)@)?(?P<host>[^/:]*)(?::(?P<port>\d+))?"
-                  r"(?P<path>/.*)?$")
+_SCP_STYLE = re.compile(r"^(?:(?P<user>[^@/:-][^@/:]*)@)?(?P<host>[A-Za-z0-9_][A-Za-z0-9._-]*):(?P<path>.*)$")
+_URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<authority>[^/]*)(?P<path>/.*)?$", re.DOTALL)
+_AUTHORITY = re.compile(r"^(?:(?P<user>[^@]*)@)?(?P<host>[^@:]*)(?::(?P<port>[^@]*))?$", re.DOTALL)
+_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_PORT = re.compile(r"^[0-9]{1,5}$")
+_FORMS = ("use /abs/path, file:///abs, ssh://[user@]host[:port]/abs, host:/abs, gsiftp://host:port/abs, "
+          "ftp://host:port/abs or globus://ENDPOINT/abs")
+_HOMES = re.compile(r"^/(?:root|home|Users)(?:/[^/]+)?$")    # /root, /home, /home/NAME, /Users, /Users/NAME
 
 
 @dataclass(frozen=True)
@@ -45,44 +51,126 @@ class Endpoint:
 
 
 def local_or_url(text: str) -> str:
-    """A location as a command line gives it: a URL or ``host:path`` stays as it is; anything else is a
-    local path, made absolute (``pallet push data/ backup/`` reads as rsync and cp read it)."""
-    if _URL.match(text) or _SCP_STYLE.match(text):
+    """A location as a command line gives it: a URL (anything that starts ``scheme://``) or ``host:path`` stays as
+    it is, for :func:`parse_url` to check; anything else is a local path, made absolute (``pallet push data/
+    backup/`` reads as rsync and cp read it)."""
+    if _URL_START.match(text) or _SCP_STYLE.match(text):
         return text
     return os.path.abspath(text)
 
 
-def parse_url(text: str) -> Endpoint:
+def parse_url(text: str, path_required: bool = True) -> Endpoint:
     """Parse '/abs', 'file:///abs', 'ssh://[user@]host[:port]/abs', '[user@]host:/abs',
     'gsiftp://host:port/abs', 'ftp://host:port/abs' or 'globus://ENDPOINT_UUID/abs'.
 
     Any other scheme registered in staging_core.transports.registry (the
     only list of schemes) parses as ``scheme://[user@]host[:port]/abs``.
-    Raises UsageError naming the URL for anything else (relative remote
-    paths, unknown schemes, missing hosts). Performs no I/O.
+    A remote URL names its path: ``ssh://host`` never means the far side's
+    root (``path_required=False`` lets a URL that names only a host, as
+    ``--unpack-via ssh://host`` does, stand for its '/'). Raises UsageError
+    naming the URL and the fix for anything else: relative or missing
+    paths, ``file://`` with a host (``file://relative/x``), unknown schemes,
+    missing or malformed hosts and users, ports that are not 1..65535.
+    Performs no I/O.
     """
-    from .registry import schemes          # the registry imports this module
     if text.startswith("/"):
-        return Endpoint("file", posixpath.normpath(text))
+        return Endpoint("file", _normal(text))
     match = _URL.match(text)
     if match:
-        scheme = match["scheme"]
-        if scheme not in schemes():
-            raise UsageError(f"unknown URL scheme {scheme!r} in {text!r}",
-                             hint=f"use /path, host:/path or one of {', '.join(s + '://' for s in schemes())}")
-        if scheme != "file" and not match["host"]:
-            raise UsageError(f"{text!r} has no host", hint=f"write {scheme}://HOST/absolute/path")
-        path = match["path"] or "/"
-        return Endpoint(scheme, posixpath.normpath(path), match["host"] or None,
-                        int(match["port"]) if match["port"] else None, match["user"])
+        return _scheme_url(text, match["scheme"].lower(), match["authority"], match["path"], path_required)
     scp = _SCP_STYLE.match(text)
     if scp and scp["path"].startswith("/"):
-        return Endpoint("ssh", posixpath.normpath(scp["path"]), scp["host"], None, scp["user"])
+        return Endpoint("ssh", _normal(scp["path"]), scp["host"], None, scp["user"])
     if scp:
         raise UsageError(f"remote path in {text!r} must be absolute", hint=f"write {scp['host']}:/absolute/path")
-    raise UsageError(f"not a pallet URL or absolute path: {text!r}",
-                     hint="use /abs/path, file:///abs, ssh://[user@]host[:port]/abs, host:/abs, "
-                          "gsiftp://host:port/abs, ftp://host:port/abs or globus://ENDPOINT/abs")
+    raise UsageError(f"not a pallet URL or absolute path: {text!r}", hint=_FORMS)
+
+
+def _scheme_url(text: str, scheme: str, authority: str, path: str | None, path_required: bool) -> Endpoint:
+    """The Endpoint of ``scheme://AUTHORITY[/PATH]`` (see :func:`parse_url`)."""
+    from .registry import schemes          # the registry imports this module
+    if scheme not in schemes():
+        raise UsageError(f"unknown URL scheme {scheme!r} in {text!r}",
+                         hint=f"use /path, host:/path or one of {', '.join(s + '://' for s in schemes())}")
+    parts = _AUTHORITY.match(authority)
+    if scheme == "file":
+        return _file_url(text, parts, path)
+    if parts is None or not parts["host"]:
+        raise UsageError(f"{text!r} has no host" if parts else f"malformed host part {authority!r} in {text!r}",
+                         hint=f"write {scheme}://[user@]HOST[:PORT]/absolute/path")
+    user, host, port = parts["user"], parts["host"], parts["port"]
+    if not _HOST.match(host):
+        raise UsageError(f"{host!r} in {text!r} is not a host name",
+                         hint=f"write {scheme}://[user@]HOST[:PORT]/absolute/path (letters, digits, . _ -)")
+    if user is not None and (not user or user.startswith("-")):
+        raise UsageError(f"{user!r} in {text!r} is not a user name", hint=f"write {scheme}://USER@{host}/absolute/path")
+    if path is None and path_required:
+        raise UsageError(f"{text!r} names no path: a remote URL needs an absolute path",
+                         hint=f"write {scheme}://{authority}/absolute/path (the far side's root is never implied)")
+    return Endpoint(scheme, _normal(path or "/"), host, _port(port, text), user or None)
+
+
+def _file_url(text: str, parts, path: str | None) -> Endpoint:
+    """The Endpoint of a ``file://`` URL: ``file:///abs`` (or ``file://localhost/abs``), nothing else."""
+    if parts is None or parts["user"] is not None or parts["port"] is not None \
+            or parts["host"] not in ("", "localhost"):
+        raise UsageError(f"{text!r}: a file URL takes no host (file://relative/x would mean /x)",
+                         hint="write file:///absolute/path (three slashes) or a plain path")
+    if path is None:
+        raise UsageError(f"{text!r} names no path", hint="write file:///absolute/path or a plain path")
+    return Endpoint("file", _normal(path))
+
+
+def _port(text: str | None, url: str) -> int | None:
+    """The port written after ``host:`` (None when none is); UsageError naming it unless it is 1..65535."""
+    if text is None:
+        return None
+    if not _PORT.match(text) or not 1 <= int(text) <= 65535:
+        raise UsageError(f"bad port {text!r} in {url!r}: a port is a number from 1 to 65535",
+                         hint="write HOST:PORT with a number, e.g. ssh://login.hpc:2222/absolute/path")
+    return int(text)
+
+
+def _normal(path: str) -> str:
+    """``path`` normalised, with a leading '//' made '/' (POSIX keeps it, and then '//' would not be '/')."""
+    normal = posixpath.normpath(path)
+    return "/" + normal.lstrip("/") if normal.startswith("//") else normal
+
+
+def broad_destination(endpoint: Endpoint) -> str | None:
+    """Why ``endpoint`` is too broad to be a push's or pull's DEST (None when it is not): the root directory,
+    or a home directory itself — '/root', '/home', '/home/NAME', '/Users', '/Users/NAME' anywhere, and, for a
+    local path, also $HOME and the user's home in the password database (the path and where it leads)."""
+    paths = {endpoint.path}
+    homes: set[str] = set()
+    if endpoint.is_local:
+        paths.add(os.path.realpath(endpoint.path))
+        homes = {_normal(home) for home in (os.environ.get("HOME", ""), _password_home()) if home.startswith("/")}
+    for path in sorted(paths):
+        where = "" if path == endpoint.path else f" (it leads to {path})"
+        if path == "/":
+            return f"the root directory{where}"
+        if path in homes or _HOMES.match(path):
+            return f"a home directory itself{where}"
+    return None
+
+
+def check_destination(endpoint: Endpoint, allow_broad: bool) -> None:
+    """UsageError when ``endpoint`` is the root or a home directory itself (:func:`broad_destination`), unless
+    ``allow_broad`` (``--allow-root-dest``) says the user means it."""
+    why = broad_destination(endpoint)
+    if why is not None and not allow_broad:
+        raise UsageError(f"DEST {endpoint.url()} is {why}; pallet refuses it unless told",
+                         hint="name a directory below it (e.g. .../data), or pass --allow-root-dest if you mean "
+                              "it (--delete would then remove everything else there)")
+
+
+def _password_home() -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError):
+        return ""
 
 
 @dataclass(frozen=True)
@@ -180,7 +268,11 @@ class Transport(ABC):
       destination files are replaced. It returns a TransferResult naming
       every item that failed; it raises only when the whole batch cannot
       run (unreachable host, authentication). Mode and mtime are preserved
-      when the capabilities say so.
+      when the capabilities say so. ``temp_dir`` (optional) names a directory,
+      relative to the destination root, that the caller has made and will
+      remove: a transport that writes a file under a temporary name first
+      (rsync) keeps that temporary there, so none outlives an interrupted
+      run in the destination tree; others ignore it.
     - ``list(path)`` returns every entry under ``path`` recursively, paths
       relative to it; ``stat(path)`` one entry (path '') or None if missing.
     - ``mkdir(path)`` creates a directory and its parents; existing is fine.
@@ -210,7 +302,7 @@ class Transport(ABC):
 
     @abstractmethod
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str] | None = None) -> TransferResult: ...
+                 items: Sequence[str] | None = None, temp_dir: str | None = None) -> TransferResult: ...
 
     def all_items(self, direction: Direction, local_root: str, remote_root: str) -> list[str]:
         """Every entry under the source root, parents first: what ``items=None`` stands for."""

@@ -71,8 +71,12 @@ class GlobusTransport(Transport):
                  poll_interval: float = 2.0, poll_max_interval: float = 60.0, submit_attempts: int = 3,
                  fail_fast: bool = True, label: str = "pallet", data_access: Sequence[str] = ()):
         super().__init__(endpoint)
-        self.collection = _uuid(endpoint.host, "collection in the URL")
-        self.local_endpoint = _uuid(local_endpoint or os.environ.get(LOCAL_ENDPOINT_ENV, ""), "local_endpoint")
+        self.collection = _uuid(endpoint.host, f"collection in {endpoint.url()}",
+                                "write globus://COLLECTION_UUID/absolute/path; find the UUID with "
+                                "`globus endpoint search` or in the Globus web app")
+        self.local_endpoint = _uuid(local_endpoint or os.environ.get(LOCAL_ENDPOINT_ENV, ""), "local_endpoint",
+                                    f"set {LOCAL_ENDPOINT_ENV} to the UUID of this machine's collection "
+                                    "(Globus Connect Personal), or pass local_endpoint")
         if sync_level not in (None, "exists", "size", "mtime", "checksum"):
             raise UsageError(f"sync_level must be exists, size, mtime or checksum, not {sync_level!r}")
         self.local_collection_root = os.path.abspath(local_collection_root)
@@ -88,7 +92,7 @@ class GlobusTransport(Transport):
     # ------------------------------------------------------------ transfers
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str] | None = None) -> TransferResult:
+                 items: Sequence[str] | None = None, temp_dir: str | None = None) -> TransferResult:
         items = None if items is None else list(items)
         batch = self._plan(direction, local_root, remote_root, items)
         done = self._make_dirs(batch)
@@ -320,13 +324,12 @@ class GlobusTransport(Transport):
             self._owns_client = False
 
 
-def _uuid(text: str, what: str) -> str:
+def _uuid(text: str, what: str, hint: str) -> str:
+    """``text`` as a canonical UUID; UsageError naming ``what`` and ``text`` otherwise."""
     try:
         return str(uuid.UUID(text))
     except ValueError:
-        raise UsageError(f"the {what} must be a Globus collection UUID, not {text!r}",
-                         hint="find it with `globus endpoint search` or in the Globus web app; "
-                              f"for the local side set {LOCAL_ENDPOINT_ENV}") from None
+        raise UsageError(f"the {what} must be a Globus collection UUID, not {text!r}", hint=hint) from None
 
 
 def _ancestors(items: list[str]) -> set[str]:

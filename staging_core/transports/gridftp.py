@@ -185,7 +185,7 @@ class GridFTPTransport(Transport):
     # ------------------------------------------------------------ transfers
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str] | None = None) -> TransferResult:
+                 items: Sequence[str] | None = None, temp_dir: str | None = None) -> TransferResult:
         """One globus-url-copy run for the batch; ``items=None`` is the whole tree, its symlinks skipped."""
         whole = items is None
         items = self.all_items(direction, local_root, remote_root) if whole else list(items)

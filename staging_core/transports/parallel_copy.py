@@ -52,14 +52,19 @@ def _inode(path: str) -> tuple[int, int] | str:
     return st.st_dev, st.st_ino
 
 
-def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: TransferResult, threads: int) -> None:
-    """Copy ``copy_plan.files`` from ``source`` to ``target`` on ``threads`` native threads and record each in
+def copy(engine, source: str, tree, copy_plan: CopyPlan, result: TransferResult, threads: int) -> None:
+    """Copy ``copy_plan.files`` from ``source`` into ``tree`` (a transports.local.SafeTree: parent directories
+    are made or checked there without following a link) on ``threads`` native threads and record each in
     ``result``, a failure with the path it concerns."""
+    target = tree.root
+    unplaced = {}
     for parent in sorted({item.rpartition("/")[0] for item in copy_plan.files}):
         try:
-            os.makedirs(os.path.join(target, parent), exist_ok=True)
-        except OSError:
-            pass                    # the copies into it fail and are reported, each with its path
+            tree.directory(parent)
+        except OSError as exc:
+            unplaced[parent] = exc          # the files meant for it fail, each with its path
+    if unplaced:
+        copy_plan = _without_unplaced(copy_plan, unplaced, result, target)
     names = [os.fsencode(item) for item in copy_plan.files]
     _, failures = engine.copy_files(os.fsencode(source) + b"/", os.fsencode(target) + b"/", len(names),
                                     native.blob(names), threads)
@@ -75,11 +80,26 @@ def copy(engine, source: str, target: str, copy_plan: CopyPlan, result: Transfer
             result.failed[item] = result.failed[first]
             continue
         try:
-            link_anew(os.path.join(target, first), os.path.join(target, item))
+            parent = tree.directory(item.rpartition("/")[0])
+            link_anew(os.path.join(target, first), os.path.join(parent, item.rpartition("/")[2]))
             result.done.append(item)
         except OSError as exc:
             result.failed[item] = classify(exc.strerror or "", exc.errno, None, os.path.join(target, item),
                                            "hard link failed")
+
+
+def _without_unplaced(copy_plan: CopyPlan, unplaced: dict[str, OSError], result: TransferResult,
+                      target: str) -> CopyPlan:
+    """``copy_plan`` without the files whose parent directory could not be made; each is recorded failed."""
+    kept = []
+    for item in copy_plan.files:
+        exc = unplaced.get(item.rpartition("/")[0])
+        if exc is None:
+            kept.append(item)
+        else:
+            result.failed[item] = classify(exc.strerror or "", exc.errno, None,
+                                           os.fsdecode(exc.filename or os.path.join(target, item)), "copy failed")
+    return CopyPlan(copy_plan.one_by_one, kept, copy_plan.followers)
 
 
 def link_anew(existing: str, path: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import stat
 import subprocess
 import tempfile
@@ -14,12 +13,15 @@ from bundles.errors import UsageError
 from bundles.reserved import PARTIAL_DIR
 
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
-from .errors import MissingDependencyError, RemotePathMissingError, classify
-from .ssh_master import SSHMaster, ssh_options_for
+from .errors import MissingDependencyError, RemotePathMissingError, SourceReadError, classify, source_read_error
+from .login_output import FILTER_TAG, LoginOutput
+from .ssh_master import LoginOutputError, SSHMaster, login_error, ssh_options_for
 
 _FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
 _FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
 _PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
+_UNREADABLE = re.compile(r'\[sender\] (?:send_files failed to open|opendir|read errors mapping) "([^"]+)"'
+                         r'(?: failed)?: (.*?)(?: \(\d+\))?$')
 
 
 class SSHTransport(Transport):
@@ -64,9 +66,6 @@ class SSHTransport(Transport):
     def destination(self) -> str:
         return self._master.destination
 
-    def _ssh_base(self) -> list[str]:
-        return self._master.client_argv()
-
     def _connect(self) -> None:
         self._master.ready()
 
@@ -74,10 +73,14 @@ class SSHTransport(Transport):
         self._master.close()
 
     def _ssh(self, remote_argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess:
+        """Run ``remote_argv`` there to its end: its output after what the login printed (see SSHMaster.command);
+        LoginOutputError when the login did not run it."""
         self._connect()
-        command = [*self._ssh_base(), self.destination, "--", shlex.join(remote_argv)]
-        return subprocess.run(command, input=stdin, capture_output=True,
-                              stdin=None if stdin is not None else subprocess.DEVNULL)
+        process = self._master.command(remote_argv, subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+        stdout, stderr = process.communicate(stdin)
+        if process.returncode == 0 and not process.marked:
+            raise login_error(LoginOutput(b"", 0, False, 0.0), self.endpoint.url(), remote_argv)
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
     # ------------------------------------------------------------ remote commands
 
@@ -93,10 +96,11 @@ class SSHTransport(Transport):
         return done.stdout
 
     def stream_into(self, argv: list[str]) -> subprocess.Popen:
-        """Start ``argv`` on the far side reading our pipe; the caller writes to ``.stdin`` and waits."""
+        """Start ``argv`` on the far side reading our pipe; the caller writes to ``.stdin`` and waits. Its
+        ``.stdout`` and ``.stderr`` begin after what the login printed; a login that does not run it is a
+        LoginOutputError at the first read of ``.stdout`` (see SSHMaster.command)."""
         self._connect()
-        return subprocess.Popen([*self._ssh_base(), self.destination, "--", shlex.join(argv)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return self._master.command(argv)
 
     # ------------------------------------------------------------ listing
 
@@ -123,18 +127,19 @@ class SSHTransport(Transport):
     # ------------------------------------------------------------ transfers
 
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
-                 items: Sequence[str] | None = None) -> TransferResult:
+                 items: Sequence[str] | None = None, temp_dir: str | None = None) -> TransferResult:
         self._connect()
         if items is None and self.parallel == 1:
-            return self._rsync(direction, local_root, remote_root, None)
+            return self._rsync(direction, local_root, remote_root, None, temp_dir)
         items = list(items) if items is not None else self.all_items(direction, local_root, remote_root)
         if self.parallel > 1 and len(items) > 1:
-            return self._transfer_parallel(direction, local_root, remote_root, items)
-        return self._rsync(direction, local_root, remote_root, items)
+            return self._transfer_parallel(direction, local_root, remote_root, items, temp_dir)
+        return self._rsync(direction, local_root, remote_root, items, temp_dir)
 
     def _rsync(self, direction: Direction, local_root: str, remote_root: str,
-               items: list[str] | None) -> TransferResult:
-        """One rsync: of the listed items (--files-from), or of the whole tree when ``items`` is None."""
+               items: list[str] | None, temp_dir: str | None = None) -> TransferResult:
+        """One rsync: of the listed items (--files-from), or of the whole tree when ``items`` is None; its
+        temporaries in ``temp_dir`` (relative to the destination root) when given."""
         if not os.path.isabs(local_root):
             raise UsageError("the local side of a transfer must be an absolute path", local_root or "(empty)",
                              "pass an absolute directory")
@@ -144,7 +149,9 @@ class SSHTransport(Transport):
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
         base = ["rsync", "-a", "-H", "-s", "--modify-window=-1", f"--partial-dir={PARTIAL_DIR}", "--stats",
-                "-e", shlex.join(self._ssh_base())]
+                *self._master.rsync_shell()]
+        if temp_dir is not None:
+            base.append(f"--temp-dir={temp_dir}")
         with tempfile.NamedTemporaryFile(prefix="files-", dir=self._control_dir) as listing:
             if items is not None:
                 listing.write(b"\0".join(os.fsencode(i) for i in items))
@@ -157,25 +164,29 @@ class SSHTransport(Transport):
 
     def _result(self, items: list[str] | None, done, command: list[str], source_root: str) -> TransferResult:
         stderr = done.stderr.decode(errors="replace")
+        _raise_login_output(stderr, self.endpoint.url(), command)
         if done.returncode == 0:
             return TransferResult(done=items if items is not None else ["."], bytes_sent=_literal_bytes(done.stdout))
         failures = _failed_items(stderr, source_root, set(items or ()))
-        if done.returncode not in _PARTIAL or not failures:
+        unreadable = _unreadable_sources(stderr, source_root, command, done.returncode)
+        if done.returncode not in _PARTIAL or not (failures or unreadable):
             raise classify(stderr, done.returncode, command, self.endpoint.url(),
                            f"rsync failed with status {done.returncode}")
-        result = TransferResult(done=[i for i in items if i not in failures])
+        result = TransferResult(done=[i for i in items or () if i not in failures and i not in unreadable])
         for item, reason in failures.items():
             result.failed[item] = classify(reason, done.returncode, command, item, f"cannot transfer {item}")
+        result.failed.update(unreadable)       # the sender could not read them: the source's fault (exit 1)
         return result
 
-    def _transfer_parallel(self, direction, local_root, remote_root, items) -> TransferResult:
+    def _transfer_parallel(self, direction, local_root, remote_root, items, temp_dir) -> TransferResult:
         if direction is Direction.PUSH:
             sizes, links = _sizes_and_link_keys(local_root, items)
         else:
             sizes, links = [0] * len(items), None
         parts = partition(items, sizes, self.parallel, link_keys=links)
         with ThreadPoolExecutor(len(parts)) as pool:
-            results = list(pool.map(lambda part: self._rsync(direction, local_root, remote_root, part), parts))
+            results = list(pool.map(lambda part: self._rsync(direction, local_root, remote_root, part, temp_dir),
+                                    parts))
         merged = TransferResult()
         for result in results:
             merged.done += result.done
@@ -237,6 +248,29 @@ def _failed_items(stderr: str, source_root: str, items: set[str]) -> dict[str, s
         if rel in items:
             failures[rel] = f"{match[2]} ({rel})"
     return failures
+
+
+def _unreadable_sources(stderr: str, source_root: str, command: list[str],
+                        status: int) -> dict[str, SourceReadError]:
+    """The source files and directories rsync's sender could not read, by path relative to ``source_root``."""
+    root = source_root.rstrip("/") + "/"
+    found: dict[str, SourceReadError] = {}
+    for line in stderr.splitlines():
+        match = _UNREADABLE.search(line)
+        if match:
+            path = match[1]
+            found[path[len(root):] if path.startswith(root) else path] = source_read_error(path, match[2], command,
+                                                                                            status)
+    return found
+
+
+def _raise_login_output(stderr: str, url: str, command: list[str]) -> None:
+    """Raise the LoginOutputError that rsync's -e filter reported on stderr (login_output.filter_line), if any."""
+    for line in stderr.splitlines():
+        kind, tab, message = line.removeprefix(FILTER_TAG).strip().partition("\t")
+        if line.startswith(FILTER_TAG) and tab:
+            hint = LoginOutput(b"", 0, kind == "timeout", 0.0).hint()
+            raise LoginOutputError(message, url, hint, command)
 
 
 def _literal_bytes(stats: bytes) -> int | None:
