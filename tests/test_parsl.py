@@ -46,6 +46,10 @@ def size_of(inputs=()):
     return os.path.getsize(inputs[0])
 
 
+def total_size(inputs=()):
+    return sum(os.path.getsize(path) for path in inputs)
+
+
 def write_text(text, outputs=()):
     if text == "fail":
         raise ValueError("this app fails on purpose")
@@ -55,7 +59,8 @@ def write_text(text, outputs=()):
 """
 APPS_NAMESPACE: dict = {"__name__": "__main__"}
 exec(compile(APP_SOURCE, "<workflow apps>", "exec"), APPS_NAMESPACE)
-read_text, size_of, write_text = (APPS_NAMESPACE[name] for name in ("read_text", "size_of", "write_text"))
+read_text, size_of, total_size, write_text = (APPS_NAMESPACE[name]
+                                              for name in ("read_text", "size_of", "total_size", "write_text"))
 
 
 def remote_files(root, count: int, size: int = 0) -> list[str]:
@@ -129,6 +134,45 @@ def test_many_apps_read_tiny_remote_files_in_few_transfers(sshd, tmp_path, monke
     assert {b.strategy for b in batches} <= {"bundle", "individual"}
     kept = tmp_path / "work" / f"127.0.0.1:{sshd.port}" / paths[-1].lstrip("/")
     assert kept.read_text() == f"file {APPS - 1}\n"            # the remote tree is kept below working_dir
+
+
+def test_one_wave_of_submissions_is_one_batch_by_default(sshd, tmp_path, monkeypatch, htex_programs):
+    """50 apps x 20 inputs, submitted by a loop that does a little work of its own per app (60 ms, as a loop
+    reading a manifest does; Parsl's own per-File submit cost does the same with 100 inputs per app): the wave
+    takes longer to submit than any fixed window, and is still one batch, with no flush() and no option set."""
+    apps, per_app = 50, 20
+    paths = remote_files(str(tmp_path / "remote"), apps * per_app)
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
+    staging = PalletStaging(options=ssh_options(sshd))
+    executor = htex(tmp_path, staging)
+    with workflow(tmp_path, executor):
+        total = python_app(total_size, executors=[executor.label])
+        futures = []
+        for n in range(apps):
+            futures.append(total(inputs=[File(sshd.url(path)) for path in paths[n * per_app:(n + 1) * per_app]]))
+            time.sleep(0.06)
+        sizes = [future.result(timeout=300) for future in futures]
+        batches = finished(staging)
+    assert sizes == [sum(os.path.getsize(path) for path in paths[n * per_app:(n + 1) * per_app]) for n in range(apps)]
+    assert [b.files for b in batches] == [apps * per_app]
+    assert len(transfers()) == 1 == batches[0].transfers
+
+
+def test_a_batch_stays_open_while_an_app_is_being_submitted(sshd, tmp_path):
+    """Each file's size_hint reads a slow manifest (0.8 s, longer than the 0.5 s pause): while Parsl is inside
+    one app's submission the wave has not paused, so 3 apps x 2 inputs are still one batch."""
+    paths = remote_files(str(tmp_path / "remote"), 6)
+
+    def slow_manifest(url: str) -> None:
+        time.sleep(0.8)
+
+    staging = PalletStaging(options=ssh_options(sshd), size_hint=slow_manifest)
+    with workflow(tmp_path, threads(tmp_path, staging)):
+        total = python_app(total_size, executors=["threads"])
+        futures = [total(inputs=[File(sshd.url(path)) for path in paths[n:n + 2]]) for n in (0, 2, 4)]
+        assert [f.result(timeout=120) for f in futures] == [len("file 0\n") * 2] * 3
+        batches = finished(staging)
+    assert [b.files for b in batches] == [6]
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from parsl import python_app
@@ -12,7 +13,7 @@ from parsl.dataflow.errors import DependencyError
 
 from bundles import CorruptBundleError
 from pallet_parsl import BatchError, PalletStaging
-from staging_core import DestinationError, SourceError, copy_out
+from staging_core import DestinationError, SourceError, copy_out, missing_members
 from tests.conftest import make_files, run_pallet
 from tests.servers import count_transfers
 from tests.test_parsl import htex, htex_programs, remote_files, ssh_options, threads, workflow  # noqa: F401
@@ -34,13 +35,21 @@ read_with_stat = APPS_NAMESPACE["read_with_stat"]
 FILES = 300
 
 
-def _run(tmp_path, staging, executor, paths, server) -> list:
+def _run(tmp_path, staging, executor, paths, server, flush: bool = False) -> list:
     with workflow(tmp_path, executor):
         read = python_app(read_with_stat, executors=[executor.label])
         futures = [read(inputs=[File(server.url(path))]) for path in paths]
+        if flush:
+            staging.flush()
         results = [future.result(timeout=300) for future in futures]
         batches = [future.result(timeout=120) for future in staging.batches()]
     return results, batches
+
+
+def _flushed(sshd, tmp_path, **kwargs) -> PalletStaging:
+    """A keep-packed provider whose batches close only at ``max_files`` or on flush(), never on the clock."""
+    return PalletStaging(options=ssh_options(sshd), window=None, idle=3600.0, keep_packed=True,
+                         scratch=str(tmp_path / "s"), **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["threads", "htex"])
@@ -70,13 +79,35 @@ def test_a_kept_batch_is_one_bundle_and_each_app_reads_its_own_checked_copy(sshd
 
 def test_a_rerun_reads_the_kept_bundles_again_without_a_transfer(sshd, tmp_path, monkeypatch):
     paths = remote_files(str(tmp_path / "remote"), 50)
-    staging = PalletStaging(options=ssh_options(sshd), window=1.0, keep_packed=True, scratch=str(tmp_path / "s"))
-    first, _ = _run(tmp_path, staging, threads(tmp_path, staging), paths, sshd)
+    staging = _flushed(sshd, tmp_path)
+    first, _ = _run(tmp_path, staging, threads(tmp_path, staging), paths, sshd, flush=True)
     transfers = count_transfers(tmp_path / "shim", monkeypatch)
-    again = PalletStaging(options=ssh_options(sshd), window=1.0, keep_packed=True, scratch=str(tmp_path / "s"))
-    second, batches = _run(tmp_path, again, threads(tmp_path, again), paths, sshd)
+    again = _flushed(sshd, tmp_path)
+    second, batches = _run(tmp_path, again, threads(tmp_path, again), paths, sshd, flush=True)
     assert [r[1:] for r in second] == [r[1:] for r in first]
     assert {b.strategy for b in batches} == {"done before"} and transfers() == []
+
+
+def test_kept_bundles_are_found_per_file_whatever_the_batching(sshd, tmp_path, monkeypatch):
+    """A first run in batches of 7, a rerun in one batch: each file is read from the kept bundle holding it, with
+    no transfer; a rerun with 10 more files brings just those 10, in one transfer."""
+    paths = remote_files(str(tmp_path / "remote"), 60)
+    staging = _flushed(sshd, tmp_path, max_files=7)
+    first, batches = _run(tmp_path, staging, threads(tmp_path, staging), paths, sshd, flush=True)
+    assert [b.files for b in batches] == [7] * 8 + [4]
+    transfers = count_transfers(tmp_path / "shim", monkeypatch)
+    again = _flushed(sshd, tmp_path)
+    second, (done,) = _run(tmp_path, again, threads(tmp_path, again), paths, sshd, flush=True)
+    assert [r[1:] for r in second] == [r[1:] for r in first]
+    assert (done.files, done.strategy, done.transfers) == (60, "done before", 0) and transfers() == []
+    assert sorted(kept.bundle for kept in done.bundles) == sorted(b.bundle for b in batches)
+    more = paths + remote_files(str(tmp_path / "remote" / "more"), 10)
+    third = _flushed(sshd, tmp_path)
+    results, (done,) = _run(tmp_path, third, threads(tmp_path, third), more, sshd, flush=True)
+    assert [text for _, text, *_ in results] == [Path(path).read_text() for path in more]
+    assert (done.files, done.strategy, done.transfers) == (70, "kept packed", 1) and len(transfers()) == 1
+    assert missing_members(done.bundle, [f"more/d000/f{n:05d}.txt" for n in range(10)]) == []
+    assert len(done.bundles) == 10 and missing_members(done.bundle, ["d000/f00000.txt"]) == ["d000/f00000.txt"]
 
 
 def test_a_link_planted_as_the_scratch_directory_is_refused(sshd, tmp_path):

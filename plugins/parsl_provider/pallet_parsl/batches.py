@@ -1,9 +1,10 @@
-"""Open batches, one per direction, executor and remote host; sealed on a window, a count, a byte cap or flush."""
+"""Open batches, one per direction, executor and remote host; sealed when submission pauses, at a cap, or on flush."""
 from __future__ import annotations
 
 import os
 import posixpath
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,6 +13,19 @@ from staging_core import StagingOptions
 
 from .kept import PackedBatch
 from .tasks import BatchSpec
+
+IDLE_FACTOR = 4        # a pause ends a wave only if it is also this many times the longest gap between its files
+IDLE_CAP = 10          # ... up to this many times ``idle``
+MIN_TICK = 0.02        # seconds: the shortest wait between two looks at an open batch
+
+
+@dataclass(frozen=True)
+class Activity:
+    """How the batcher sees whether a wave of submissions goes on: ``count()``, the submissions made so far (it
+    moves while apps are submitted), and ``ongoing()``, whether a submission is in progress right now."""
+
+    count: Callable[[], int]
+    ongoing: Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,13 @@ class Batch:
     done: Future | None = None
     timer: threading.Timer | None = None
     kept: PackedBatch = field(default_factory=PackedBatch)
+    activity: Activity | None = None
+    opened: float = 0.0         # time.monotonic() when it opened
+    last: float = 0.0           # ... of the latest sign of submission: a file added or submissions seen going on
+    arrived: float = 0.0        # ... of its latest file
+    longest: float = 0.0        # the longest gap between two of its files with no submission seen in between
+    busy_between: bool = False  # submissions were seen going on since its latest file
+    submitted: int = 0          # activity.count() at the latest look
 
 
 class Batcher:
@@ -67,25 +88,36 @@ class Batcher:
     when there is none (its ``opener(batch)`` submits the batch's tasks —
     on the caller's thread, which is the user's submitting thread under
     Parsl — and returns the future of the last one). A batch is sealed
-    when it reaches ``max_files`` members or ``max_bytes`` of known sizes,
-    ``window`` seconds after it opened, or on ``flush``. A sealed batch is
-    released — its manifest resolved to a BatchSpec of the members whose
-    gate succeeded — when every gate is done; members whose gate failed
-    fail with the gate's error.
+    when submission pauses: no file added and no submission seen going on
+    (``activity``) for ``idle`` seconds, or for ``IDLE_FACTOR`` times the
+    longest gap between its files if that is longer (at most ``IDLE_CAP``
+    times ``idle``); when it reaches ``max_files`` members or ``max_bytes``
+    of known sizes; ``window`` seconds after it opened (None: no age
+    limit); or on ``flush``. A timer thread looks at an open batch now and
+    then; adding a file only notes the time. A sealed batch is released —
+    its manifest resolved to a BatchSpec of the members whose gate
+    succeeded — when every gate is done; members whose gate failed fail
+    with the gate's error.
     """
 
-    def __init__(self, window: float, max_files: int, max_bytes: int, options: StagingOptions):
-        self.window, self.max_files, self.max_bytes, self.options = window, max_files, max_bytes, options
+    def __init__(self, idle: float, window: float | None, max_files: int, max_bytes: int, options: StagingOptions):
+        self.idle, self.window, self.max_files, self.max_bytes = idle, window, max_files, max_bytes
+        self.options = options
         self.batches: list[Batch] = []
         self._open: dict[BatchKey, Batch] = {}
         self._lock = threading.Lock()
 
-    def add(self, key: BatchKey, host_root: str, member: Member,
-            opener: Callable[[Batch], Future]) -> tuple[Future, int, PackedBatch]:
+    def add(self, key: BatchKey, host_root: str, member: Member, opener: Callable[[Batch], Future],
+            activity: Activity | None = None) -> tuple[Future, int, PackedBatch]:
         """Add ``member``; return the future its DataFuture follows, the Parsl task id that stands for it and
-        where a packed batch's bundle will be."""
+        where a packed batch's bundle will be. ``activity`` tells a new batch whether submission goes on."""
         with self._lock:
-            batch = self._open.get(key) or self._start(key, host_root, opener)
+            now = time.monotonic()
+            batch = self._open.get(key) or self._start(key, host_root, opener, activity, now)
+            if batch.members and not batch.busy_between:
+                batch.longest = max(batch.longest, now - batch.arrived)
+            batch.arrived = batch.last = now
+            batch.busy_between = False
             batch.members.append(member)
             batch.nbytes += member.size or 0
             batch.waiting += member.gate is not None
@@ -113,17 +145,50 @@ class Batcher:
         for batch in pending:
             self.seal(batch)
 
-    def _start(self, key: BatchKey, host_root: str, opener: Callable[[Batch], Future]) -> Batch:
-        batch = Batch(len(self.batches) + 1, key, host_root)
+    def pause(self, batch: Batch) -> float:
+        """How long submission must pause to end ``batch``'s wave."""
+        return min(max(self.idle, IDLE_FACTOR * batch.longest), IDLE_CAP * self.idle)
+
+    def _start(self, key: BatchKey, host_root: str, opener: Callable[[Batch], Future], activity: Activity | None,
+               now: float) -> Batch:
+        batch = Batch(len(self.batches) + 1, key, host_root, activity=activity, opened=now, last=now, arrived=now)
         batch.done = opener(batch)
+        batch.submitted = activity.count() if activity else 0      # its own tasks are not the user's submissions
         if key.packed:                      # before any DataFuture over it: filled before its apps launch
             batch.done.add_done_callback(batch.kept.fill)
-        batch.timer = threading.Timer(self.window, self.seal, (batch,))
-        batch.timer.daemon = True
-        batch.timer.start()
         self.batches.append(batch)
         self._open[key] = batch
+        self._look_again(batch, now)
         return batch
+
+    def _look_again(self, batch: Batch, now: float) -> None:
+        """Arm ``batch``'s timer: at the end of the pause counted from its latest sign of submission, or sooner
+        (half a pause) while submissions go on, never past its age limit."""
+        pause = self.pause(batch)
+        delay = min(pause / 2 if batch.last >= now else batch.last + pause - now, pause)
+        if self.window is not None:
+            delay = min(delay, batch.opened + self.window - now)
+        batch.timer = threading.Timer(max(delay, MIN_TICK), self._look, (batch,))
+        batch.timer.daemon = True
+        batch.timer.start()
+
+    def _look(self, batch: Batch) -> None:
+        """The timer's look at an open batch: seal it once submission has paused long enough, or it is too old."""
+        activity = batch.activity
+        submitted = activity.count() if activity else 0
+        ongoing = activity is not None and (submitted != batch.submitted or activity.ongoing())
+        with self._lock:
+            if batch.sealed:
+                return
+            now = time.monotonic()
+            batch.submitted = submitted
+            if ongoing:
+                batch.last, batch.busy_between = now, True
+            old = self.window is not None and now - batch.opened >= self.window
+            if not old and now - batch.last < self.pause(batch):
+                self._look_again(batch, now)
+                return
+        self.seal(batch)
 
     def _gate_done(self, batch: Batch) -> None:
         with self._lock:

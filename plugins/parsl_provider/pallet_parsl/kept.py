@@ -1,4 +1,4 @@
-"""keep_packed: a batch lands as one bundle, and each app copies only its own inputs out of it onto node-local scratch."""
+"""keep_packed: batches land as bundles that stay; each app copies just its own inputs out onto node-local scratch."""
 from __future__ import annotations
 
 import functools
@@ -15,38 +15,46 @@ from staging_core import SetupError, copy_out, open_bundle, parse_url, private_d
 
 
 class PackedBatch:
-    """Where the apps of one keep-packed batch find their inputs: the local ``bundle`` and the remote directory
-    (``root``) its paths are relative to. Both are None until the batch's tasks have finished; they are filled
-    on the submitting side before Parsl launches any app reading the batch (its apps wait for the batch), so a
-    wrapper pickled at launch carries them. Apps that share this object (threads of one process) share one
-    open view of the bundle, whose index is read once; a pickled copy opens its own."""
+    """Where the apps of one keep-packed batch find their inputs: ``bundles``, pairs of a local bundle and the
+    remote directory its paths are relative to — the one the batch brought, then those kept before that hold
+    the rest of its files. Empty until the batch's tasks have finished; filled on the submitting side before
+    Parsl launches any app reading the batch (its apps wait for the batch), so a wrapper pickled at launch
+    carries them. Apps that share this object (threads of one process) share one open view of each bundle,
+    whose index is read once; a pickled copy opens its own."""
 
     def __init__(self):
-        self.bundle: str | None = None
-        self.root: str | None = None
-        self._view = None
+        self.bundles: tuple[tuple[str, str], ...] = ()
+        self._views: dict[str, object] = {}
         self._lock = threading.Lock()
 
     def fill(self, done: Future) -> None:
         """The done-callback of the batch's last task (registered before any app's DataFuture)."""
-        if done.exception() is None and done.result().bundle:
-            result = done.result()
-            self.bundle, self.root = result.bundle, parse_url(result.remote_root).path
+        if done.exception() is None:
+            self.bundles = tuple((kept.bundle, parse_url(kept.remote_root).path) for kept in done.result().bundles)
 
-    def view(self):
-        """The bundle, opened once for every app sharing this object; it closes when this object goes."""
+    def find(self, remote_path: str) -> tuple[object, str] | None:
+        """The open view of the bundle holding ``remote_path`` and the path's name in it; None if none does."""
+        for bundle, root in self.bundles:
+            if remote_path.startswith(root.rstrip("/") + "/"):
+                view, relative = self.view(bundle), posixpath.relpath(remote_path, root)
+                if view.lookup(relative) is not None:
+                    return view, relative
+        return None
+
+    def view(self, bundle: str):
+        """``bundle``, opened once for every app sharing this object; it closes when this object goes."""
         with self._lock:
-            if self._view is None:
-                self._view = open_bundle(self.bundle)
-                weakref.finalize(self, self._view.close)
-            return self._view
+            if bundle not in self._views:
+                self._views[bundle] = open_bundle(bundle)
+                weakref.finalize(self, self._views[bundle].close)
+            return self._views[bundle]
 
     def __getstate__(self) -> dict:
-        return {"bundle": self.bundle, "root": self.root}
+        return {"bundles": self.bundles}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
-        self.bundle, self.root = state["bundle"], state["root"]
+        self.bundles = state["bundles"]
 
 
 def private_copy_path(scratch: str, remote_path: str) -> str:
@@ -68,10 +76,11 @@ class ReadsKeptInputs:
         private = os.path.dirname(self.local_path)
         _make_private_directory(private)
         try:
-            if self.batch.bundle is None or self.batch.root is None:
-                raise SetupError("the kept bundle of this input's batch is not known to the app",
-                                 self.remote_path, "the batch did not finish; see its error")
-            copy_out(self.batch.view(), posixpath.relpath(self.remote_path, self.batch.root), self.local_path)
+            found = self.batch.find(self.remote_path)
+            if found is None:
+                raise SetupError("no kept bundle of this input's batch is known to hold it", self.remote_path,
+                                 "the batch did not finish; see its error")
+            copy_out(*found, self.local_path)
             return self.func(*args, **kwargs)
         finally:
             shutil.rmtree(private, ignore_errors=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import sys
 import tempfile
 import threading
 from concurrent.futures import Future
@@ -12,15 +13,17 @@ import parsl
 from parsl.app.futures import DataFuture
 from parsl.data_provider.files import File
 from parsl.data_provider.staging import Staging
+from parsl.dataflow.dflow import DataFlowKernel
 from parsl.utils import RepresentationMixin
 
 from staging_core import StagingOptions, UsageError
 
-from .batches import Batch, Batcher, BatchKey, Member
+from .batches import Activity, Batch, Batcher, BatchKey, Member
 from .kept import PackedBatch, ReadsKeptInputs, private_copy_path
 from .tasks import UnpackPlan, move_batch, send_batch, unpack_batch
 
 DEFAULT_SCHEMES = ("ssh", "gsiftp", "globus")
+_SUBMIT = DataFlowKernel.submit.__code__       # a thread running this is submitting an app
 
 
 class PalletStaging(Staging, RepresentationMixin):
@@ -37,10 +40,15 @@ class PalletStaging(Staging, RepresentationMixin):
       file at ``scheme://host[:port]/a/b`` is at ``ROOT/host[:port]/a/b``:
       the remote tree is kept, so equal names in different directories
       never collide. It must be visible to the workers (shared file system).
-    - ``window``, ``max_files``, ``max_bytes``: a batch closes that many
-      seconds after its first file, at that many files, or at that many
-      bytes of known sizes (``size_hint``), whichever comes first; ``flush()``
-      closes every open batch now.
+    - ``idle``: a batch closes when submission pauses — no app submitted,
+      none being submitted and no file staged for ``idle`` seconds (longer,
+      up to 10 × ``idle``, when its files have come more slowly: 4 × the
+      longest gap between them) — so one wave of submissions is one batch,
+      however long Parsl takes to submit it.
+    - ``window``, ``max_files``, ``max_bytes``: a batch also closes that many
+      seconds after its first file (None: no age limit), at that many
+      files, or at that many bytes of known sizes (``size_hint``), whichever
+      comes first; ``flush()`` closes every open batch now.
     - ``size_hint(url)``: the size of a file when the workflow knows it
       without I/O (e.g. from a manifest), else None; with every size of a
       batch known, the plan needs no remote listing.
@@ -66,6 +74,8 @@ class PalletStaging(Staging, RepresentationMixin):
       on its node, and that copy is removed when the app ends. ``inputs[0]``
       is that copy. Needs pallet at an ssh source (or ``pack_via`` for
       GridFTP/Globus); inputs that are upstream outputs are staged as usual.
+      A rerun reads each file from the bundle kept before that holds it,
+      however the runs were batched; only files none holds are brought.
     - ``scratch``: node-local directory for those copies (default: the
       system temporary directory's ``pallet-parsl-UID``); the same path on
       every worker node, a real directory only this user can write into.
@@ -83,26 +93,28 @@ class PalletStaging(Staging, RepresentationMixin):
     """
 
     def __init__(self, schemes: Sequence[str] = DEFAULT_SCHEMES, local_root: str | None = None,
-                 window: float = 2.0, max_files: int = 10_000, max_bytes: int = 1 << 30,
+                 window: float | None = 60.0, max_files: int = 10_000, max_bytes: int = 1 << 30,
                  size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = StagingOptions(),
                  mover: str | None = None, unpack_executor: str | None = None, mpi_ranks: int = 2,
                  mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1, keep_packed: bool = False,
-                 scratch: str | None = None):
-        if window <= 0 or max_files < 1 or max_bytes < 1 or mpi_ranks < 1 or unpack_workers < 1:
-            raise UsageError("window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
+                 scratch: str | None = None, idle: float = 0.5):
+        counts = (max_files, max_bytes, mpi_ranks, unpack_workers)
+        if idle <= 0 or (window is not None and window <= 0) or min(counts) < 1:
+            raise UsageError("idle, window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
         self.schemes, self.local_root, self.size_hint = tuple(schemes), local_root, size_hint
-        self.window, self.max_files, self.max_bytes = window, max_files, max_bytes
+        self.idle, self.window, self.max_files, self.max_bytes = idle, window, max_files, max_bytes
         self.options, self.mover, self.unpack_executor = options, mover, unpack_executor
         self.mpi_ranks, self.mpi_launcher, self.unpack_workers = mpi_ranks, mpi_launcher, unpack_workers
         self.keep_packed = keep_packed
         self.scratch = os.path.abspath(scratch or os.path.join(tempfile.gettempdir(), f"pallet-parsl-{os.getuid()}"))
-        self._batcher = Batcher(window, max_files, max_bytes, options)
+        self._batcher = Batcher(idle, window, max_files, max_bytes, options)
         self._lock = threading.Lock()
         self._staged: dict[tuple[str, bool], tuple] = {}       # (local path, kept) -> what its DataFutures follow
         self._to_wrap: dict[str, tuple[PackedBatch, str]] = {}   # a kept input's copy -> its batch, remote path
         self._produced: set[str] = set()                       # local paths of outputs staged out here
         self._made_dirs: set[str] = set()
         self._apps: dict[tuple, object] = {}
+        self._watches: dict[int, SubmitWatch] = {}             # id(dfk) -> its submissions, as batches see them
 
     # ------------------------------------------------------------ the Staging interface
 
@@ -127,7 +139,8 @@ class PalletStaging(Staging, RepresentationMixin):
             member = Member(file.path, mirrored, self._size(file), parent_fut if gated else None,
                             Future() if gated else None)
             key = BatchKey("in", executor, file.scheme, file.netloc, gated, kept)
-            known = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
+            known = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch),
+                                      self._activity(dm.dfk))
             self._remember((mirrored, kept), known)
         file.local_path = mirrored
         if kept:
@@ -151,7 +164,8 @@ class PalletStaging(Staging, RepresentationMixin):
         self._make_parent(file.local_path)
         member = Member(file.path, file.local_path, self._size(file), app_fu, Future())
         key = BatchKey("out", executor, file.scheme, file.netloc, True)
-        future, _, _ = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch))
+        future, _, _ = self._batcher.add(key, host_root, member, lambda batch: self._open_batch(dm.dfk, batch),
+                                         self._activity(dm.dfk))
         self._produced.add(file.local_path)
         return future
 
@@ -183,6 +197,15 @@ class PalletStaging(Staging, RepresentationMixin):
         how = UnpackPlan(self.mpi_launcher if _is_mpi(dfk, unpacker) else None, self.unpack_workers)
         return self._app(dfk, unpack_batch, unpacker)(moved, how, _parsl_staging_inhibit=True,
                                                       **_resources(dfk, unpacker, self.mpi_ranks))
+
+    def _activity(self, dfk) -> Activity:
+        """How ``dfk``'s submissions look to a batch; notes the calling thread (the submitting one)."""
+        with self._lock:
+            watch = self._watches.get(id(dfk))
+            if watch is None or watch.dfk is not dfk:
+                watch = self._watches[id(dfk)] = SubmitWatch(dfk)
+        watch.note(threading.get_ident())
+        return watch.activity
 
     def _app(self, dfk, function, label: str):
         key = (id(dfk), function.__name__, label)
@@ -219,6 +242,40 @@ class PalletStaging(Staging, RepresentationMixin):
         if parent not in self._made_dirs:
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
+
+
+class SubmitWatch:
+    """Whether apps are being submitted to ``dfk``: ``count()`` moves with each app submitted, and ``ongoing()``
+    is true while a thread that staged a file here is inside ``DataFlowKernel.submit`` (Parsl's own per-File
+    work there can outlast any fixed pause). Thread-safe; it only reads."""
+
+    def __init__(self, dfk):
+        self.dfk = dfk
+        self.activity = Activity(self.count, self.ongoing)
+        self._threads: set[int] = set()
+        self._lock = threading.Lock()
+
+    def note(self, thread: int) -> None:
+        with self._lock:
+            self._threads.add(thread)
+
+    def count(self) -> int:
+        return self.dfk.task_count
+
+    def ongoing(self) -> bool:
+        with self._lock:
+            threads = tuple(self._threads)
+        frames = sys._current_frames()
+        return any(_submitting(frames.get(thread)) for thread in threads)
+
+
+def _submitting(frame) -> bool:
+    """Whether the stack ending at ``frame`` runs DataFlowKernel.submit."""
+    while frame is not None:
+        if frame.f_code is _SUBMIT:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _below(host_root: str, remote_path: str) -> str:

@@ -5,9 +5,11 @@ keyword arguments to its function, these two included.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import posixpath
 import shlex
 import shutil
 import sys
@@ -15,8 +17,8 @@ import time
 from dataclasses import dataclass, replace
 
 from staging_core import (DestinationLock, Endpoint, OpenSource, PalletError, RemoteEntry, SourceError,
-                          StagingOptions, UsageError, fetch, missing_members, move_packed, open_transport, plan_pull,
-                          run_local, send, unpack_summary)
+                          StagingOptions, UsageError, fetch, missing_members, move_packed, open_bundle, open_transport,
+                          parse_url, plan_pull, run_local, send, unpack_summary)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -83,11 +85,20 @@ class UnpackPlan:
 
 
 @dataclass(frozen=True)
+class KeptBundle:
+    """A kept bundle (a local path) and the remote directory, as a URL, that its paths are relative to."""
+
+    bundle: str
+    remote_root: str
+
+
+@dataclass(frozen=True)
 class Moved:
     """What the move task did: 'individual' (files already in place), 'bundle' (``bundle`` fetched, to be
-    unpacked), 'kept packed' (``bundle`` fetched, to be kept) or 'done before' (the completion marker was
-    there; ``bundle`` is then a kept batch's bundle); transport transfers made; file bytes sent; its wall
-    seconds."""
+    unpacked), 'kept packed' (``bundle`` fetched, holding the ``fresh`` items, to be kept) or 'done before' (the
+    completion marker was there, or every file of a keep-packed batch is in a bundle kept before); transport
+    transfers made; file bytes sent; its wall seconds; for a keep-packed batch, the bundles kept before that
+    hold the rest of its items (``kept``)."""
 
     spec: BatchSpec
     strategy: str
@@ -95,13 +106,16 @@ class Moved:
     bundle: str | None = None
     bytes_sent: int | None = None
     seconds: float = 0.0
+    kept: tuple[KeptBundle, ...] = ()
+    fresh: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class BatchDone:
     """A finished batch: its number, direction, files, strategy, transfers made, file bytes the transport sent
     (None when it cannot tell), shards an earlier run had unpacked, unpack ranks and wall seconds of its tasks;
-    for a keep-packed batch, its local ``bundle`` and the ``remote_root`` URL its paths are relative to."""
+    for a keep-packed batch, the kept ``bundles`` its apps read (the one it brought first, then those kept
+    before that hold the rest of its files), and the first of them as ``bundle`` and its ``remote_root``."""
 
     number: int
     direction: str
@@ -114,6 +128,7 @@ class BatchDone:
     seconds: float = 0.0
     bundle: str | None = None
     remote_root: str = ""
+    bundles: tuple[KeptBundle, ...] = ()
 
 
 def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: bool = True,
@@ -130,11 +145,12 @@ def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: boo
     transfer into ``state_root/incoming-ID/`` (a rerun finds it there: rsync
     sends no data again), for the unpack task. Sources with no pack route
     (GridFTP, Globus without ``pack_via``) go individually. A ``packed``
-    batch is always packed at the source and brought into
-    ``state_root/packed-ID/``, where it stays. Raises BatchError naming the
-    batch and the cause.
+    batch finds, for each item, a bundle kept before (by any batch of any
+    run into this ROOT) that holds it; only the items none holds are packed
+    at the source and brought into ``state_root/packed-ID/``, where they
+    stay. Raises BatchError naming the batch and the cause.
     """
-    done = _done_before(spec)
+    done = None if spec.packed else _done_before(spec)
     if done is not None:
         return done
     started = time.monotonic()
@@ -277,18 +293,65 @@ def _write_marker(spec: BatchSpec, strategy: str, bundle: str | None = None) -> 
 
 
 def _done_before(spec: BatchSpec) -> Moved | None:
-    """A Moved saying 'done before' when the batch's completion marker is there (and, for a kept batch, its
-    bundle still is); None when the batch must run."""
+    """A Moved saying 'done before' when the batch's completion marker is there; None when the batch must run."""
     if not spec.items:
         return Moved(spec, "done before", 0)
     try:
         with open(os.path.join(spec.state_root, MARKER.format(spec.batch_id))) as handle:
-            bundle = json.load(handle).get("bundle")
-    except (OSError, ValueError, AttributeError):
+            json.load(handle)
+    except (OSError, ValueError):
         return None
-    if spec.packed and not (isinstance(bundle, str) and os.path.isfile(bundle)):
-        return None
-    return Moved(spec, "done before", 0, bundle if spec.packed else None)
+    return Moved(spec, "done before", 0)
+
+
+def kept_before(spec: BatchSpec) -> tuple[tuple[KeptBundle, ...], tuple[str, ...]]:
+    """The bundles kept before under ``spec.state_root`` that hold items of ``spec`` (newest first, each item
+    taken from the first that holds it; a bundle is trusted for what its index shows) and the items none
+    holds. Kept bundles are named by the markers of the keep-packed batches that brought them."""
+    origin, root = _origin(spec.remote_root), parse_url(spec.remote_root).path
+    wanted = {posixpath.join(root, item): item for item in spec.items}
+    found: list[KeptBundle] = []
+    for kept in _kept_bundles(spec.state_root):
+        if not wanted or _origin(kept.remote_root) != origin:
+            continue
+        top = parse_url(kept.remote_root).path
+        below = {path: posixpath.relpath(path, top) for path in wanted if path.startswith(top.rstrip("/") + "/")}
+        if not below:
+            continue
+        try:
+            with open_bundle(kept.bundle) as view:
+                held = [path for path, relative in below.items() if view.lookup(relative) is not None]
+        except (PalletError, OSError):
+            continue                        # a damaged or vanished bundle is passed over: its files come again
+        if held:
+            found.append(kept)
+            for path in held:
+                del wanted[path]
+    return tuple(found), tuple(item for item in spec.items if posixpath.join(root, item) in wanted)
+
+
+def _kept_bundles(state_root: str) -> list[KeptBundle]:
+    """Every kept bundle recorded under ``state_root`` that is still there, newest marker first."""
+    kept = []
+    for marker in glob.glob(os.path.join(glob.escape(state_root), MARKER.format("*"))):
+        try:
+            with open(marker) as handle:
+                record = json.load(handle)
+            when = os.stat(marker).st_mtime_ns
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("bundle"), str) and os.path.isfile(record["bundle"]):
+            kept.append((when, marker, KeptBundle(record["bundle"], str(record.get("remote_root", "")))))
+    return [bundle for *_, bundle in sorted(kept, key=lambda found: (-found[0], found[1]))]
+
+
+def _origin(url: str) -> tuple:
+    """What two URLs must share for one's files to stand for the other's: scheme, host, port and user."""
+    try:
+        where = parse_url(url)
+    except PalletError:
+        return ()
+    return where.scheme, where.host, where.port, where.user
 
 
 def _fetch_options(spec: BatchSpec) -> StagingOptions:
@@ -297,7 +360,11 @@ def _fetch_options(spec: BatchSpec) -> StagingOptions:
 
 
 def _move_kept(spec: BatchSpec) -> Moved:
-    """A keep-packed batch's move: its items packed at the source and brought into ``state_root/packed-ID/``."""
+    """A keep-packed batch's move: the items no bundle kept before holds packed at the source and brought into
+    ``state_root/packed-ID/`` (ID: of those items); nothing opened when every item is held already."""
+    kept, fresh = kept_before(spec)
+    if not fresh:
+        return Moved(spec, "done before", 0, kept=kept)
     options = _fetch_options(spec)
     with OpenSource(spec.remote_root, options) as source:
         if source.route is None or source.plain:
@@ -305,26 +372,35 @@ def _move_kept(spec: BatchSpec) -> Moved:
                              "for a GridFTP/Globus one", spec.remote_root,
                              "install pallet there (pallet remote install HOST), set options.pack_via, or drop "
                              "keep_packed")
-        kept = os.path.join(spec.state_root, KEPT.format(spec.batch_id))
-        os.makedirs(kept, exist_ok=True)
-        moved = move_packed(source, kept, spec.items)
-    return Moved(spec, "kept packed", 1, moved.path, moved.transfer.bytes_sent)
+        into = os.path.join(spec.state_root, KEPT.format(_fresh_spec(spec, fresh).batch_id))
+        os.makedirs(into, exist_ok=True)
+        moved = move_packed(source, into, fresh)
+    return Moved(spec, "kept packed", 1, moved.path, moved.transfer.bytes_sent, kept=kept, fresh=fresh)
+
+
+def _fresh_spec(spec: BatchSpec, fresh: tuple[str, ...]) -> BatchSpec:
+    """``spec`` narrowed to the items it packs: its id names their bundle's directory and marker."""
+    ident = BatchSpec.ident(spec.direction, spec.remote_root, spec.local_root, fresh, spec.packed)
+    return replace(spec, batch_id=ident, items=fresh, sizes=None)
 
 
 def _check_kept(moved: Moved, started: float) -> BatchDone:
-    """A keep-packed batch's second task: every item is in the bundle; the marker names the bundle."""
+    """A keep-packed batch's second task: the bundle it brought holds its fresh items, and its marker names that
+    bundle for later runs."""
     spec = moved.spec
     if not spec.items:
         return BatchDone(spec.number, "in", 0, moved.strategy, 0, 0)
-    try:
-        missing = missing_members(moved.bundle, spec.items)
-        if missing:
-            raise SourceError(f"{len(missing)} file(s) not in the kept bundle: {', '.join(missing[:10])}",
-                              moved.bundle, "check the URLs given to the apps")
-    except PalletError as exc:
-        raise _failed(spec, exc) from exc
-    if moved.strategy != "done before":
-        _write_marker(spec, moved.strategy, moved.bundle)
+    bundles = moved.kept
+    if moved.bundle:
+        try:
+            missing = missing_members(moved.bundle, moved.fresh)
+            if missing:
+                raise SourceError(f"{len(missing)} file(s) not in the kept bundle: {', '.join(missing[:10])}",
+                                  moved.bundle, "check the URLs given to the apps")
+        except PalletError as exc:
+            raise _failed(spec, exc) from exc
+        _write_marker(_fresh_spec(spec, moved.fresh), moved.strategy, moved.bundle)
+        bundles = (KeptBundle(moved.bundle, spec.remote_root), *bundles)
     return BatchDone(spec.number, "in", len(spec.items), moved.strategy, moved.transfers, moved.bytes_sent,
-                     seconds=moved.seconds + time.monotonic() - started, bundle=moved.bundle,
-                     remote_root=spec.remote_root)
+                     seconds=moved.seconds + time.monotonic() - started, bundle=bundles[0].bundle,
+                     remote_root=bundles[0].remote_root, bundles=bundles)
