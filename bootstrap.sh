@@ -35,10 +35,15 @@ install_apt() {
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# What an install depends on: the package metadata and the list of modules (a strict editable install links
-# each module, so a new one needs a reinstall; edits to existing ones are seen at once).
+# pallet's build requirements, installed into the venv too: `pallet remote install` then builds pallet's wheel
+# here without the package index
+build_tools=(pip setuptools wheel setuptools-rust)
+
+# What an install depends on: the package metadata, the build tools and the list of modules (a strict editable
+# install links each module, so a new one needs a reinstall; edits to existing ones are seen at once).
 install_fingerprint() {
-    (cd "$here" && cat setup.cfg pyproject.toml && find bundles staging_core mpi_stager plugins -name '*.py' | sort \
+    (cd "$here" && echo "${build_tools[*]}" && cat setup.cfg pyproject.toml \
+                    && find bundles staging_core mpi_stager plugins -name '*.py' | sort \
                     && cat bundles/native/Cargo.toml bundles/native/src/*.rs) \
         | sha256sum | cut -d' ' -f1
 }
@@ -76,7 +81,7 @@ install_python() {
     fingerprint=$(install_fingerprint)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
         log "installing pallet and its extras into $venv"
-        "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+        "$venv/bin/python" -m pip install -q --upgrade "${build_tools[@]}"
         # strict mode puts a tree of links on sys.path: Snakemake's plugin scan (pkgutil) cannot see the
         # import hook of the default editable mode, so the plugin would not be found
         "$venv/bin/python" -m pip install -q --config-settings editable_mode=strict -e "$here[all,test,bench]"

@@ -20,7 +20,8 @@ from .probe import forget_probes
 from .scratch import scratch
 from .transports.base import Endpoint
 from .transports.errors import classify
-from .wheels import WheelTarget, build_pallet_wheel, details, fetch_dependencies, pallet_source, requirements
+from .wheels import (WheelTarget, build_pallet_wheel, details, fetch_dependencies, installed_wheel, pallet_source,
+                     requirements)
 
 DEFAULT_PREFIX = "~/.local/share/pallet/venv"
 RECORD = "~/.config/pallet/python"      # the far side's file naming PREFIX/bin/python; staging_core.probe reads it
@@ -134,6 +135,7 @@ class InstallResult:
     wheels: int
     wheel_bytes: int
     downloaded: bool
+    wheel_from: str         # pallet's own wheel: 'installed' (this install's files), 'wheel' (it came from) or 'built'
     seconds: float
 
 
@@ -252,14 +254,16 @@ def install(host: str, python: str = "python3", prefix: str = DEFAULT_PREFIX, ss
     if not words:
         raise RemoteInstallError("--python is empty: name a Python command there, e.g. --python python3")
     prefix = prefix.rstrip("/") or "/"
-    source = pallet_source()                        # fails before anything is contacted
-    with _open(endpoint, ssh_options) as transport:
-        say(f"pallet: checking {python} on {name} ...")
-        far = query_python(transport, words, name, python)
-        check_python(far, name, python)
-        with scratch("pallet-wheels-") as work:
+    with scratch("pallet-wheels-") as work:
+        wheel = installed_wheel(work)                   # this install's own files, packed again: no build
+        source = None if wheel else pallet_source()     # else built from its source: fails before any contact
+        with _open(endpoint, ssh_options) as transport:
+            say(f"pallet: checking {python} on {name} ...")
+            far = query_python(transport, words, name, python)
+            check_python(far, name, python)
             say(f"pallet: {name} has Python {far.version_text} ({far.platform_tags()[0]}); gathering wheels ...")
-            wheel = build_pallet_wheel(work, source)
+            wheel_from = "installed" if wheel else "wheel" if source.endswith(".whl") else "built"
+            wheel = wheel or build_pallet_wheel(work, source)
             cache, downloaded = fetch_dependencies(requirements(wheel), far)
             files = [wheel, *sorted(glob.glob(os.path.join(cache, "*.whl")))]
             size = sum(os.path.getsize(f) for f in files)
@@ -273,7 +277,8 @@ def install(host: str, python: str = "python3", prefix: str = DEFAULT_PREFIX, ss
         say(f"pallet: note: the source tree this pallet {metadata.version('pallet')} was installed from is now "
             f"version {version}; reinstall pallet here to match")
     return InstallResult(name, python, far.version_text, where, values["recorded"], RECORD, version, int(stream),
-                         values.get("venv", ""), len(files), size, downloaded, round(time.monotonic() - started, 3))
+                         values.get("venv", ""), len(files), size, downloaded, wheel_from,
+                         round(time.monotonic() - started, 3))
 
 
 def ship_and_install(transport, files: list[str], prefix: str, far: FarPython, words: list[str]) -> dict[str, str]:
@@ -337,8 +342,10 @@ def status(host: str, ssh_options: Sequence[str] = ()) -> RemoteStatus:
 
 _EPILOG = """\
 The far side needs ssh, sh, tar and a CPython that meets pallet's Requires-Python, with venv; it
-needs no network: the wheels of pallet and its dependencies are gathered here (pallet's own built
-from its source tree, the others downloaded once into $XDG_CACHE_HOME/pallet/wheels) and shipped.
+needs no network: the wheels of pallet and its dependencies are gathered here and shipped. pallet's
+own is this install's files packed again; an editable install's is built from its source tree (by
+pip, which fetches setuptools, wheel and setuptools-rust for the build when this Python lacks them).
+The others are downloaded once into $XDG_CACHE_HOME/pallet/wheels.
 exit status: 0 done, 1 failure, 2 usage error, 3 transport failure. See docs/cli.md."""
 
 

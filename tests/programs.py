@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,23 @@ def python_module(module: str) -> list[str]:
     return [program("python"), "-m", module]
 
 
+def copy_of_source(dest: Path) -> Path:
+    """``dest``, a copy of the source tree's tracked and untracked-but-not-ignored files (uncommitted work
+    included, no build output): an install builds there, never in the checkout other tests run from."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=SOURCE,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        path = Path(SOURCE, name)
+        if path.is_file() or path.is_symlink():          # a tracked file deleted in the work tree is skipped
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest / name, follow_symlinks=False)
+    return dest
+
+
 def fresh_install(root: Path, install_command: str) -> Path:
     """A new virtualenv at ``root`` in which ``install_command`` (a shell line such as the docs' ``pip install
-    '.[snakemake]'``) ran in the source tree, with the new environment first on PATH: the project installed as
-    users install it, not editable.
+    '.[snakemake]'``) ran in a copy of the source tree (:func:`copy_of_source`, at ROOT-source, kept for an
+    editable install), with the new environment first on PATH: the project installed as users install it.
 
     It is made with a system Python when there is one, and left readable by every user, so a test can
     also run it as another user. Returns the environment's bin directory.
@@ -45,7 +59,8 @@ def fresh_install(root: Path, install_command: str) -> Path:
     subprocess.run([base, "-m", "venv", str(root)], check=True, capture_output=True)
     env = {"PATH": f"{root / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": os.environ.get("HOME", "/root"),
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_QUIET": "1"}
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install_command], cwd=SOURCE, env=env,
+    source = copy_of_source(root.with_name(f"{root.name}-source"))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install_command], cwd=source, env=env,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"{install_command.strip()} failed:\n{done.stderr[-3000:]}"
     for directory, _, _ in os.walk(root):
