@@ -10,7 +10,7 @@ import time
 
 from bundles import Bundle, PackOptions, UnpackOptions, pack, unpack, verify_bundle, verify_tree
 
-from .display import human_bytes, make_progress
+from .display import human_bytes, make_progress, seconds_range
 from .operations import push
 from .options import StagingOptions
 
@@ -72,7 +72,8 @@ def run(args) -> int:
         summary = {"workdir": workdir, "files": args.files, "data_bytes": data_bytes,
                    "bundle_bytes": packed.bundle_bytes, "shards": len(packed.index.shards),
                    "seconds": {k: round(v, 3) for k, v in timings.items()}, "problems": problems,
-                   "push": {"strategy": pushed.strategy, "reason": pushed.plan.reason}}
+                   "push": {"strategy": pushed.strategy, "reason": pushed.plan.reason,
+                            "predicted_range": pushed.to_json()["predicted_range"]}}
         _print_summary(summary, args.json)
         return 0 if not problems else 1
     finally:
@@ -91,7 +92,10 @@ def _print_summary(summary: dict, as_json: bool) -> None:
     print(f"  pack      {t['pack']:7.2f} s  -> {human_bytes(summary['bundle_bytes'])} in {summary['shards']} "
           f"shard(s), {ratio:.1f}x smaller")
     print(f"  unpack    {t['unpack']:7.2f} s  ({summary['files'] / max(t['unpack'], 1e-9):,.0f} files/s, every file verified)")
-    print(f"  push      {t['push']:7.2f} s  (planned: {summary['push']['strategy']}; {summary['push']['reason']})")
+    predicted = summary["push"]["predicted_range"]
+    expected = f"predicted {seconds_range(*predicted)}; " if predicted else ""
+    print(f"  push      {t['push']:7.2f} s  ({expected}planned: {summary['push']['strategy']}; "
+          f"{summary['push']['reason']})")
     print(f"  verify    {t['verify']:7.2f} s  (bundle and both copies checked against the index)")
     if summary["problems"]:
         print(f"  PROBLEMS: {len(summary['problems'])}")

@@ -97,6 +97,40 @@ def jobs_arg(text: str) -> int:
     return jobs
 
 
+def seconds_range(low: float, high: float) -> str:
+    """A predicted range of seconds as ``1.2–2.0 s`` (two decimals below a second, none from 100 s; a range
+    that ends below 0.01 s is ``under 0.01 s``)."""
+    if high < 0.01:
+        return "under 0.01 s"
+    digits = 2 if high < 1 else 1 if high < 100 else 0
+    return f"{low:.{digits}f}–{high:.{digits}f} s"
+
+
+def summary_line(command: str, result) -> str:
+    """The summary of a push or pull (a StagingResult) in words, by the rule its ``--json`` follows: the files
+    sent, the files already in place (together, the source's files), the entries deleted; the time taken
+    beside the range predicted for what was sent; a dry run's list of what it would do."""
+    verb = "pushed" if command == "push" else "pulled"
+    if result.would_send is not None:
+        would, where = ("send", "to") if command == "push" else ("fetch", "into")
+        lines = [f"would {would} {len(result.would_send)} entries ({result.files} files, "
+                 f"{human_bytes(result.file_bytes)}) {where} {result.dest}; {result.in_place} files already in place",
+                 *(f"  {would} {name}" for name in result.would_send),
+                 *(f"  delete {name}" for name in result.would_delete)]
+        return "\n".join(lines)
+    if result.sent_nothing:
+        text = f"{verb} nothing: all {result.in_place} files already in place at {result.dest}"
+    else:
+        predicted = result.predicted
+        text = (f"{verb} {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} as "
+                f"{result.strategy} ({result.route}) in {result.seconds:.2f} s"
+                + (f" (predicted {seconds_range(predicted.low_seconds, predicted.high_seconds)})" if predicted else "")
+                + f", {result.transfers} transfer(s)")
+        text += f", {result.skipped_shards} shard(s) already done" if result.skipped_shards else ""
+        text += f", {result.in_place} files already in place" if result.in_place else ""
+    return text + (f", {result.deleted} entries deleted" if result.deleted else "")
+
+
 def report(as_json: bool, summary: dict, line: str) -> None:
     """Print the command's summary: ``summary`` as one JSON object, or the human ``line``."""
     import json

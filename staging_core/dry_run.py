@@ -25,12 +25,24 @@ def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, 
         comparison = Comparison(to_send=list(tree.index.paths))
     index = tree.index
     sending = set(comparison.to_send)
-    files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] != Kind.DIR]
+    files = [i for i, path in enumerate(index.paths) if path in sending and index.kinds[i] == Kind.FILE]
     inventory = Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], options.large_file_bytes)
     shown = [os.fsdecode(p) for p in comparison.to_send] + [os.fsdecode(index.paths[i]) + "/"
                                                              for i in comparison.dirs_to_fix]
     return _result(endpoint, endpoint.url(), inventory, len(files), comparison.in_place, shown,
                    [os.fsdecode(p) for p in comparison.extra], options, started)
+
+
+def planned_files(tree: SourceTree, comparison: Comparison | None, large_file_bytes: int
+                  ) -> tuple[Inventory, list[bytes]]:
+    """The inventory and paths of the regular files of ``tree`` a push sends: those ``comparison`` (DEST
+    compared with the tree as push compares it) found differing, or all when DEST was not compared."""
+    index = tree.index
+    sending = None if comparison is None else set(comparison.to_send)
+    files = [i for i, kind in enumerate(index.kinds) if kind == Kind.FILE
+             and (sending is None or index.paths[i] in sending)]
+    return (Inventory(os.fsdecode(tree.root), [index.sizes[i] for i in files], large_file_bytes),
+            [index.paths[i] for i in files])
 
 
 def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started: float) -> StagingResult:
@@ -47,7 +59,7 @@ def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started
         comparison = _everything(listed)
     inventory = Inventory(endpoint.path, list(comparison.sizes), options.large_file_bytes)
     shown = list(comparison.to_fetch) + [entry.path + "/" for entry in comparison.dirs_to_fix]
-    return _result(endpoint, dest, inventory, len(comparison.to_fetch), comparison.in_place, shown,
+    return _result(endpoint, dest, inventory, len(inventory.sizes), comparison.in_place, shown,
                    [os.fsdecode(p) for p in comparison.extra], options, started)
 
 
@@ -65,8 +77,12 @@ def _everything(listed: list[RemoteEntry]) -> PullComparison:
 
 def _result(endpoint: Endpoint, dest: str, inventory: Inventory, files: int, in_place: int, shown: list[str],
             extra: list[str], options: StagingOptions, started: float) -> StagingResult:
+    """The dry run's summary, counted as a run's: ``files`` it would send, ``in_place`` it found; its route is
+    'already in place' when it would change nothing, else 'dry run' (it changed nothing, but DEST differs)."""
     profile, bundle_possible = route_profile(endpoint, options, True, measure=False)
     chosen = plan(inventory.stats, profile, 0.5, max(1, options.ranks), bundle_possible)
-    return StagingResult(dest, chosen, "dry run", "nothing changed", files, inventory.stats.bytes, 0,
+    would_delete = tuple(extra) if options.delete else ()
+    route = "dry run" if shown or would_delete else "already in place"
+    return StagingResult(dest, chosen, "dry run", route, files, inventory.stats.bytes, 0,
                          time.monotonic() - started, in_place=in_place, would_send=tuple(shown),
-                         would_delete=tuple(extra) if options.delete else ())
+                         would_delete=would_delete)

@@ -12,7 +12,7 @@ from bundles.errors import PalletError, UsageError
 from bundles.scan import scan
 from bundles.state import ensure_state_dir, prune
 
-from .planner import LOCAL_PROFILE_PREFIX, LinkProfile
+from .planner import LOCAL_PROFILE_PREFIX, MIN_SPREAD, LinkProfile, spread_of, typical
 from .profiles import load_profile, save_profile
 from .options import StagingOptions
 from .transports.base import Direction, Endpoint, parse_url
@@ -21,6 +21,9 @@ from .transports.local import LocalTransport
 SAMPLE_FILES = 1000
 SAMPLE_DIRS = 10
 SAMPLE_BIG_BYTES = 16 << 20
+SAMPLE_COPIES = 3                 # copies of the small sample when a file system is first measured
+SAMPLE_WINDOW = 10                # per-file costs kept (measured, then observed): the plan's centre and range
+FIRST_SPREAD = (0.4, 3.0)         # a first measurement's range at least: one copy on a busy disk varies that much
 
 
 def uses_local_copy(scheme: str, profile: str | None) -> bool:
@@ -55,12 +58,21 @@ def measure(directory: str, name: str) -> LinkProfile:
     try:
         small = _sample(os.path.join(scratch, "small"), [1024] * SAMPLE_FILES)
         big = _sample(os.path.join(scratch, "big"), [SAMPLE_BIG_BYTES])
-        per_file = min(_copy_seconds(small, os.path.join(scratch, f"small-copy{n}")) for n in range(2)) / SAMPLE_FILES
+        samples = [_copy_seconds(small, os.path.join(scratch, f"small-copy{n}")) / SAMPLE_FILES
+                   for n in range(SAMPLE_COPIES)]
         bandwidth = SAMPLE_BIG_BYTES / max(_copy_seconds(big, os.path.join(scratch, "big-copy")), 1e-6)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=bandwidth, per_file_s=per_file,
-                   create_rate=float("inf"), concurrency=1, is_default=False)
+    return with_samples(replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=bandwidth, create_rate=float("inf"),
+                                concurrency=1, is_default=False), samples, FIRST_SPREAD)
+
+
+def with_samples(profile: LinkProfile, samples: list[float], floor: tuple[float, float]) -> LinkProfile:
+    """``profile`` with per-file cost and spread from the per-file ``samples`` (the last SAMPLE_WINDOW): their
+    typical value and the range one more copy falls in 9 times in 10 (:func:`spread_of`, at least ``floor``)."""
+    kept = samples[-SAMPLE_WINDOW:]
+    low, high = spread_of(kept, floor)
+    return replace(profile, per_file_s=typical(kept), spread_low=low, spread_high=high, per_file_samples=tuple(kept))
 
 
 def _measure_beside(directory: str, is_dest: bool, name: str) -> LinkProfile:
@@ -78,9 +90,12 @@ def _measure_beside(directory: str, is_dest: bool, name: str) -> LinkProfile:
 
 def observe(dest: str, files: int, nbytes: int, seconds: float) -> None:
     """Fold a finished local copy of ``files`` files (``nbytes``) into ``dest``'s profile, if it has one: its
-    per-file cost moves halfway to the one this copy showed. A first measurement taken while the file
-    system was busy (write-back after a large copy, say) is so corrected by the next real copies. Copies
-    of fewer than SAMPLE_FILES files say too little and are ignored."""
+    per-file cost this copy showed joins the samples of earlier real copies, which replace the measured
+    sample's (:func:`with_samples`: the typical one of the last SAMPLE_WINDOW is the cost planned with,
+    their spread the range predicted; FIRST_SPREAD at least until three copies were seen). A first
+    measurement taken while the file system was busy (write-back after a large copy, say) is so corrected
+    by the first real copy, and a slow copy widens the range until it leaves the window. Copies of fewer
+    than SAMPLE_FILES files say too little and are ignored."""
     if files < SAMPLE_FILES:
         return
     try:
@@ -88,8 +103,10 @@ def observe(dest: str, files: int, nbytes: int, seconds: float) -> None:
     except (UsageError, OSError):
         return
     shown = max(seconds - nbytes / profile.bandwidth, 0.0) / files
+    samples = list(profile.per_file_samples) if profile.observed else []     # a real copy outweighs the sample's
+    observed = replace(profile, observed=profile.observed + 1)
     try:
-        save_profile(replace(profile, per_file_s=(profile.per_file_s + shown) / 2))
+        save_profile(with_samples(observed, [*samples, shown], MIN_SPREAD if samples[2:] else FIRST_SPREAD))
     except OSError:
         pass                            # the profile directory is not writable: keep planning with the old one
 

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .planner import LARGE_FILE_BYTES, Plan
+from .planner import LARGE_FILE_BYTES, Candidate, Plan
 
 STRATEGIES = ("auto", "individual", "bundle", "hybrid")
 STREAM_MODES = ("auto", "on", "off")
@@ -148,12 +148,15 @@ class StagingResult:
 
     ``strategy`` is what ran (the plan may have proposed another when
     overridden), ``route`` how the bundle was packed/unpacked (e.g.
-    'stream', 'in-place', 'via ssh://host', 'slurm job 123', 'kept packed'),
-    ``transfers`` the number of transport transfers made, ``stage_seconds``
-    wall seconds per stage, ``skipped_shards`` shards found finished by an
-    earlier run and not sent or unpacked again, ``in_place`` the source files
-    a push found at DEST as they are (not sent; ``files`` counts those sent),
-    ``deleted`` DEST entries removed by ``delete``; ``offered_bytes`` what a
+    'stream', 'in-place', 'via ssh://host', 'slurm job 123', 'kept packed';
+    'already in place' when DEST needed nothing; 'dry run'), ``transfers``
+    the number of transport transfers made, ``stage_seconds`` wall seconds
+    per stage, ``skipped_shards`` shards found finished by an earlier run and
+    not sent or unpacked again. One rule on every route: ``files`` (of
+    ``file_bytes``) are the source's regular files sent, ``in_place`` those
+    found at DEST as they are (together, the source's regular files; links
+    and directories are entries, not files), ``deleted`` DEST entries removed
+    by ``delete``; ``offered_bytes`` what a
     push's far-side session was offered and declined (the skeleton of the
     whole tree, sent before DEST's listing came back and found DEST not
     empty; not in ``bytes_sent``); a dry run lists in ``would_send`` and
@@ -178,9 +181,24 @@ class StagingResult:
     would_send: tuple[str, ...] | None = None
     would_delete: tuple[str, ...] = ()
 
+    @property
+    def sent_nothing(self) -> bool:
+        """True when no file was sent and no transfer made: DEST held the source's files already."""
+        return self.files == 0 and self.transfers == 0 and self.would_send is None
+
+    @property
+    def predicted(self) -> Candidate | None:
+        """The plan's candidate for the strategy that ran (its predicted range), None when nothing was sent."""
+        if self.sent_nothing or self.would_send is not None:
+            return None
+        return next((c for c in self.plan.candidates if c.strategy == self.strategy), None)
+
     def to_json(self) -> dict:
         """The ``--json`` summary."""
+        predicted = self.predicted
         return {"dest": self.dest, "strategy": self.strategy, "planned": self.plan.strategy, "route": self.route,
+                "predicted_range": None if predicted is None else [round(predicted.low_seconds, 3),
+                                                                   round(predicted.high_seconds, 3)],
                 "files": self.files, "file_bytes": self.file_bytes, "transfers": self.transfers,
                 "seconds": round(self.seconds, 3),
                 "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},

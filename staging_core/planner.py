@@ -1,7 +1,8 @@
 """The cost model: from tree statistics and a link profile to a plan with predicted seconds per strategy."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 LARGE_FILE_BYTES = 64 << 20       # hybrid: files at least this big travel individually
 SIMPLER_WINS_WITHIN = 0.05        # individual is chosen unless another strategy is >5 % faster
@@ -12,6 +13,8 @@ SIMPLER_WINS_WITHIN = 0.05        # individual is chosen unless another strategy
 # files pack to 4.29 MB with zstd, of which 4.10 MB is their data (about 47 bytes per member).
 TAR_BYTES_PER_MEMBER = 512 * 3 + 256
 HEADER_RATIO = 0.05
+DEFAULT_SPREAD = (0.5, 3.0)       # a generic profile's predictions: measured time within 0.5x to 3x of them
+MIN_SPREAD = (0.6, 1.6)           # the narrowest range a measured profile gives (other work on the machine, write-back)
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,11 @@ class LinkProfile:
 
     Rates are bytes/s per process; ``per_file_s`` is what one more file
     costs the individual transport in a batch; ``create_rate`` is files/s
-    one writer creates at the destination.
+    one writer creates at the destination. ``spread_low`` and
+    ``spread_high`` bound the measured time as factors of the predicted one
+    (from repeated measurements of the route; the default's are generic),
+    so a prediction is the range predicted × [low, high];
+    ``per_file_samples`` are the recent per-file costs they come from.
     """
 
     name: str = "default"
@@ -50,7 +57,32 @@ class LinkProfile:
     concurrency: int = 4             # streams the individual transport runs at once
     cores: int = 2
     create_rate_measured: bool = False
+    spread_low: float = DEFAULT_SPREAD[0]
+    spread_high: float = DEFAULT_SPREAD[1]
+    per_file_samples: tuple[float, ...] = ()
+    observed: int = 0                # real copies folded into the samples (local profiles)
     is_default: bool = True
+
+
+def spread_of(samples: list[float], floor: tuple[float, float] = MIN_SPREAD) -> tuple[float, float]:
+    """The range, as factors of the samples' geometric mean, in which one more measurement of the same cost
+    falls 9 times in 10: a prediction interval of the samples' logarithms (Student's t, so few samples give
+    a wide range), at least ``floor`` wide."""
+    logs = [math.log(max(sample, 1e-12)) for sample in samples]
+    if len(logs) < 2:
+        return floor
+    mean = sum(logs) / len(logs)
+    deviation = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    k = _T_95[min(len(logs) - 1, len(_T_95)) - 1] * deviation * math.sqrt(1 + 1 / len(logs))
+    return min(floor[0], math.exp(-k)), max(floor[1], math.exp(k))
+
+
+def typical(samples: list[float]) -> float:
+    """The samples' geometric mean: the centre of :func:`spread_of`'s range."""
+    return math.exp(sum(math.log(max(sample, 1e-12)) for sample in samples) / len(samples))
+
+
+_T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812)    # one-sided 95 %, 1..10 df
 
 
 LOCAL_PROFILE_PREFIX = "local-"      # profiles measured by the first local copy to a file system
@@ -65,6 +97,8 @@ class Candidate:
     codec: str = ""
     ranks: int = 1
     note: str = ""
+    low_seconds: float = 0.0        # the range the measured time should fall in (the profile's spread)
+    high_seconds: float = 0.0
 
 
 @dataclass
@@ -120,12 +154,15 @@ def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, 
 
 
 def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ranks: int = 1,
-         bundle_possible: bool = True) -> Plan:
+         bundle_possible: bool = True, in_place: int | None = None) -> Plan:
     """Choose how to move a tree. Pure: the same inputs always give the same plan.
 
     ``compress_ratio`` is compressed/original size measured on a sample
     (1.0 = incompressible); ``bundle_possible`` is False when no route can
     unpack at the destination, which leaves only individual transfer.
+    ``in_place``: DEST was compared with the source, ``stats`` are what
+    differs and ``in_place`` files are there already (the plan is the
+    incremental one, and says so); None: DEST was not compared.
     """
     raw, compressed = bundle_bytes(stats.files, stats.bytes, compress_ratio, True)
     bundle_ratio = compressed / raw if raw else 1.0
@@ -142,13 +179,27 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
                          stats.bytes / stream_rate(profile, profile.concurrency + 1))
             candidates.append(Candidate("hybrid", hybrid, codec, ranks,
                                         f"{stats.large_files} large file(s) individually"))
+    candidates = [replace(c, low_seconds=c.predicted_seconds * profile.spread_low,
+                          high_seconds=c.predicted_seconds * profile.spread_high) for c in candidates]
     best = min(candidates, key=lambda c: c.predicted_seconds)
     if candidates[0].predicted_seconds <= best.predicted_seconds * (1 + SIMPLER_WINS_WITHIN):
         best = candidates[0]          # bundling must pay for its extra machinery
-    return Plan(best.strategy, candidates, _reason(best, candidates, stats, profile, compress, compress_ratio),
+    reason = _reason(best, candidates, stats, profile, compress, compress_ratio)
+    if in_place is not None:
+        reason = _incremental(stats, in_place, reason)
+    return Plan(best.strategy, candidates, reason,
                 {"compress": compress, "compress_ratio": compress_ratio, "bundle_ratio": round(bundle_ratio, 4),
-                 "profile": profile.name,
-                 "default_profile": profile.is_default})
+                 "profile": profile.name, "default_profile": profile.is_default,
+                 "spread": [profile.spread_low, profile.spread_high],
+                 **({} if in_place is None else {"incremental": True, "in_place": in_place})})
+
+
+def _incremental(stats: TreeStats, in_place: int, reason: str) -> str:
+    """The reason of a plan made after comparing DEST: what differs, and the plan for it."""
+    if stats.files == 0:
+        return f"no file to send: DEST holds all {in_place} files as they are"
+    return (f"incremental: {stats.files} of {stats.files + in_place} files differ from DEST "
+            f"({in_place} already in place); {reason}")
 
 
 def _compression_pays(profile: LinkProfile, ratio: float) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 import shutil
 import subprocess
@@ -16,11 +17,12 @@ import zstandard
 from bundles.errors import UsageError
 from bundles.writer import PackOptions, pack
 
-from .planner import LinkProfile
+from .planner import LinkProfile, spread_of, typical
 from .scratch import scratch_dir
 from .transports.base import Direction, Transport
 
 PROBE_FILES = 400
+PER_FILE_RUNS = 3                # the per-file probe's repeats: their spread bounds the plan's ranges
 PROBE_BYTES = 32 << 20
 CREATE_PROBE_FILES = 2000
 _CREATE_PROBE = """\
@@ -57,6 +59,8 @@ def save_profile(profile: LinkProfile) -> str:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else repr(value)
@@ -73,11 +77,15 @@ def load_profile(name: str | None) -> LinkProfile:
     except FileNotFoundError:
         raise UsageError(f"no link profile named {name!r}", path, f"measure one: pallet calibrate --name {name} URL") \
             from None
+    except OSError as exc:
+        raise UsageError(f"cannot read link profile {name!r} ({exc.strerror})", path,
+                         "make it readable, or point $XDG_CONFIG_HOME at a profile directory of your own") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"link profile {name!r} is not valid TOML ({exc})", path,
                          f"fix the file or measure it again: pallet calibrate --name {name} URL") from None
     known = {f.name for f in fields(LinkProfile)}
-    return replace(LinkProfile(), **{k: v for k, v in values.items() if k in known}, is_default=False)
+    return replace(LinkProfile(), **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()
+                                     if k in known}, is_default=False)
 
 
 def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: str = "python3") -> LinkProfile:
@@ -96,7 +104,7 @@ def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: s
         transport.mkdir(remote_dir)
         rtt = _round_trip(transport, remote_dir)
         bandwidth = _bandwidth(transport, local, remote_dir)
-        per_file = _per_file(transport, local, remote_dir, bandwidth)
+        per_file_samples = _per_file(transport, local, remote_dir, bandwidth)
         create_rate = _create_rate(transport, os.path.join(remote_dir, "create"), remote_python)
         pack_per_file = _pack_per_file(local)
         compress, decompress = _codec_rates()
@@ -104,11 +112,14 @@ def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: s
         shutil.rmtree(local, ignore_errors=True)
         _remove_scratch(transport, remote_dir)
     default = LinkProfile()
+    low, high = spread_of(per_file_samples)
+    per_file = typical(per_file_samples)
     return LinkProfile(name=name, rtt_s=rtt, bandwidth=bandwidth, per_file_s=per_file,
                        create_rate=create_rate or default.create_rate, compress_rate=compress,
                        decompress_rate=decompress, pack_per_file_s=pack_per_file,
                        concurrency=transport.capabilities.concurrency, cores=len(os.sched_getaffinity(0)),
-                       create_rate_measured=create_rate is not None, is_default=False)
+                       create_rate_measured=create_rate is not None, spread_low=low, spread_high=high,
+                       per_file_samples=tuple(per_file_samples), is_default=False)
 
 
 def _remove_scratch(transport: Transport, remote_dir: str) -> None:
@@ -135,16 +146,23 @@ def _bandwidth(transport: Transport, local: str, remote_dir: str) -> float:
     return PROBE_BYTES / max(time.perf_counter() - started, 1e-6)
 
 
-def _per_file(transport: Transport, local: str, remote_dir: str, bandwidth: float) -> float:
+def _per_file(transport: Transport, local: str, remote_dir: str, bandwidth: float) -> list[float]:
+    """Seconds per file of a batch of PROBE_FILES tiny files, measured PER_FILE_RUNS times (each into a
+    directory of its own, so none finds the files there already): their spread is the profile's."""
     tiny = os.path.join(local, "tiny")
     os.makedirs(tiny)
     for n in range(PROBE_FILES):
         with open(os.path.join(tiny, f"f{n:04d}"), "wb") as handle:
             handle.write(b"x" * 1024)
-    started = time.perf_counter()
-    transport.transfer(Direction.PUSH, local, remote_dir, ["tiny", *(f"tiny/f{n:04d}" for n in range(PROBE_FILES))])
-    elapsed = time.perf_counter() - started - PROBE_FILES * 1024 / bandwidth
-    return max(elapsed, 0.0) / PROBE_FILES
+    samples = []
+    for run in range(PER_FILE_RUNS):
+        target = posixpath.join(remote_dir, f"per-file-{run}")
+        transport.mkdir(target)
+        started = time.perf_counter()
+        transport.transfer(Direction.PUSH, local, target, ["tiny", *(f"tiny/f{n:04d}" for n in range(PROBE_FILES))])
+        elapsed = time.perf_counter() - started - PROBE_FILES * 1024 / bandwidth
+        samples.append(max(elapsed, 0.0) / PROBE_FILES)
+    return samples
 
 
 def _create_rate(transport: Transport, directory: str, remote_python: str) -> float | None:

@@ -299,8 +299,9 @@ def test_parsl_example_runs(world):
                                               "python examples/parsl/many_inputs.py ssh://localhost/tmp/kept"),
                        doc_block("examples/parsl/README.md", "2000 apps, total 2004995, 12.0"))
     assert Path(world.moved("/tmp/kept/total.txt")).read_text() == f"{total}\n"
-    mirrored = work / "parsl-work" / "localhost" / world.moved("/tmp/kept").lstrip("/")
+    mirrored = world.root / f"pallet-parsl-{os.getuid()}" / "localhost" / world.moved("/tmp/kept").lstrip("/")
     assert os.listdir(mirrored) == ["total.txt"]              # the output only: no input was unpacked
+    assert sorted(os.listdir(work)) == ["examples"]           # no runinfo/ or parsl-work/ left where it ran
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Planner decisions on tables of cases: bundle many tiny files on slow links, individual for a few big files."""
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 
 import pytest
 
-from staging_core.planner import LinkProfile, TreeStats, plan
+from staging_core.planner import DEFAULT_SPREAD, MIN_SPREAD, LinkProfile, TreeStats, plan, spread_of, typical
 
 LOOPBACK = LinkProfile("loopback", rtt_s=0.0001, bandwidth=1e9, per_file_s=9e-5, create_rate=30_000, is_default=False)
 WAN_40MS = LinkProfile("wan-40ms", rtt_s=0.04, bandwidth=100e6, per_file_s=2e-3, create_rate=30_000,
@@ -99,3 +101,56 @@ def test_calibrate_over_ssh_stores_a_profile_that_plan_uses(sshd, tmp_path, monk
     assert planned["details"]["profile"] == "loop" and planned["details"]["default_profile"] is False
     missing = run_pallet("plan", "--profile", "nope", str(src), "/tmp/x")
     assert missing.returncode == 2 and "pallet calibrate --name nope" in missing.stderr
+
+
+def test_every_candidate_is_a_range_from_the_profiles_spread():
+    profile = replace(LOOPBACK, spread_low=0.7, spread_high=1.5)
+    for candidate in plan(W1, profile, 0.3).candidates:
+        assert candidate.low_seconds == pytest.approx(candidate.predicted_seconds * 0.7)
+        assert candidate.high_seconds == pytest.approx(candidate.predicted_seconds * 1.5)
+    assert plan(W1, LinkProfile(), 0.3).details["spread"] == list(DEFAULT_SPREAD)
+
+
+def test_spread_of_repeated_measurements_is_a_prediction_interval_at_least_the_floor():
+    assert spread_of([1.0, 1.0, 1.0]) == MIN_SPREAD                   # steady samples: the floor
+    low, high = spread_of([1.0, 2.0, 4.0])
+    assert low < 0.25 and high > 4                                     # three scattered samples: wide
+    few, many = spread_of([1.0, 1.5]), spread_of([1.0, 1.5] * 5)
+    assert few[1] > many[1] and few[0] < many[0]                       # more samples, a narrower range
+    assert typical([1.0, 4.0]) == pytest.approx(2.0)
+    assert spread_of([1.0]) == MIN_SPREAD
+
+
+def test_a_plan_after_comparing_dest_says_what_is_left():
+    nothing = plan(TreeStats(0, 0), LOOPBACK, in_place=400)
+    assert nothing.reason.startswith("no file to send: DEST holds all 400 files") and nothing.chosen.predicted_seconds == 0
+    assert nothing.details["in_place"] == 400 and nothing.details["incremental"] is True
+    some = plan(TreeStats.from_sizes([1024] * 3), LOOPBACK, in_place=397)
+    assert some.reason.startswith("incremental: 3 of 400 files differ from DEST (397 already in place)")
+    assert "incremental" not in plan(W1, LOOPBACK).details
+
+
+def test_a_profile_keeps_its_spread_and_samples_through_toml(tmp_path, monkeypatch):
+    from staging_core.profiles import load_profile, save_profile
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    saved = replace(LOOPBACK, spread_low=0.6, spread_high=2.5, per_file_samples=(1e-4, 2e-4), observed=2)
+    save_profile(saved)
+    assert load_profile("loopback") == saved
+
+
+def test_observed_copies_replace_the_first_measurement_and_set_the_range(tmp_path, monkeypatch):
+    from staging_core.local_profile import FIRST_SPREAD, SAMPLE_WINDOW, observe
+    from staging_core.profiles import load_profile, save_profile
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    name = f"local-{os.stat(tmp_path).st_dev}"
+    save_profile(replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=1e12, per_file_s=1e-3,
+                         per_file_samples=(1e-3, 1e-3, 1e-3), is_default=False))
+    observe(str(tmp_path), 10_000, 0, 1.0)                              # 1e-4 s per file: 10x the sample's
+    first = load_profile(name)
+    assert first.per_file_samples == pytest.approx((1e-4,)) and first.observed == 1
+    assert (first.spread_low, first.spread_high) == FIRST_SPREAD
+    for seconds in (1.1, 0.9, 1.0) * 5:
+        observe(str(tmp_path), 10_000, 0, seconds)
+    steady = load_profile(name)
+    assert len(steady.per_file_samples) == SAMPLE_WINDOW and steady.per_file_s == pytest.approx(1e-4, rel=0.1)
+    assert (steady.spread_low, steady.spread_high) == MIN_SPREAD

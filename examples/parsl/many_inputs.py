@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import parsl
@@ -43,13 +44,15 @@ def generate(directory: str, count: int) -> None:
 
 
 def config(args, staging: PalletStaging) -> Config:
+    """Parsl's configuration: its run records (runinfo/) and the local copies both under ``args.workdir``, so a
+    run leaves nothing in the directory it was started from."""
     providers = [staging, *default_staging]
     if args.executor == "threads":
         executor = ThreadPoolExecutor(label="work", max_threads=8, working_dir=args.workdir, storage_access=providers)
     else:
         executor = HighThroughputExecutor(label="work", working_dir=args.workdir, storage_access=providers,
                                           provider=LocalProvider(init_blocks=1, max_blocks=1))
-    return Config(executors=[executor])
+    return Config(executors=[executor], run_dir=os.path.join(args.workdir, "runinfo"))
 
 
 def main() -> int:
@@ -60,7 +63,8 @@ def main() -> int:
     parser.add_argument("--generate", metavar="DIR", help="first write the inputs into local DIR "
                                                           "(the remote directory, when trying ssh://localhost)")
     parser.add_argument("--executor", choices=("threads", "htex"), default="threads")
-    parser.add_argument("--workdir", default=os.path.abspath("parsl-work"), help="where local copies go")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), f"pallet-parsl-{os.getuid()}"),
+                        help="where local copies and Parsl's runinfo/ go (default: %(default)s)")
     parser.add_argument("--remote-python", default="python3", help="Python with pallet on the remote host")
     parser.add_argument("--keep-packed", action="store_true",
                         help="keep each batch as one bundle; every app copies its own input out of it")
