@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 
 class PalletError(Exception):
@@ -106,3 +107,14 @@ class SummaryError(PalletError):
 
 class SetupError(PalletError):
     """Something pallet needs on this machine is missing (a library, a kernel feature, an optional extra)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """pallet was stopped by SIGINT (Ctrl-C) or SIGTERM; ``exit_code`` is 128 + the signal's number (130, 143).
+    A KeyboardInterrupt, so that no ``except Exception`` takes it for a failure; what was done is kept (DEST stays
+    marked INCOMPLETE) and a rerun resumes."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -5,9 +5,12 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
+import time
 
-from bundles.errors import PalletError, UsageError
+from bundles.errors import Interrupted, PalletError, UsageError
 
 from .display import human_bytes, jobs_arg, make_progress, report, size_arg
 
@@ -15,7 +18,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 _EPILOG = """\
 exit status: 0 success, 1 failure (named on stderr), 2 usage error, 3 transport failure
-(network, authentication, remote path), 4 destination locked by another push/pull, 130 interrupted.
+(network, authentication, remote path), 4 destination locked by another push/pull, 130 interrupted
+(Ctrl-C, SIGINT), 143 terminated (SIGTERM); a push or pull interrupted resumes when run again.
 A bundle is a standard .tar.zst/.tar.gz/.tar: `tar -xf BUNDLE` extracts it too.
 See docs/bundle-format.md for the format and docs/cli.md for examples."""
 
@@ -47,6 +51,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         adders = [_adder(*_ELSEWHERE[command])]
     for add in adders:
         add(commands)
+    parser.set_defaults(command_parsers=commands.choices)     # main() names a command's own usage in errors
     return parser
 
 
@@ -248,20 +253,171 @@ def _run_verify(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+class _Interrupts:
+    """SIGINT and SIGTERM while the command line runs (its main thread only: the library installs no handler).
+
+    The first raises Interrupted in the main thread, whichever thread the
+    kernel gave it to: a watcher thread, woken through signal.set_wakeup_fd,
+    sends it on to the main thread, so that a blocking wait there (a pipe, a
+    lock, a child) ends at once. Later ones are ignored while the first is
+    cleaned up; one more than FORCE_AFTER_S after it ends pallet at once.
+    Signals ignored when pallet started (a background job's SIGINT) stay ignored.
+    With ``keep`` (pallet is the process, about to exit), they are ignored once
+    the command has ended: Python's own exit would otherwise die of one.
+    """
+
+    def __init__(self, keep: bool) -> None:
+        self.command = ""
+        self._keep = keep
+        self.caught: Interrupted | None = None
+        self._seen = 0                                  # a signal the watcher saw, perhaps not yet handled
+        self._handled_at: float | None = None
+        self._handled = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._wakeup = -1
+        self._watcher: threading.Thread | None = None
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        wanted = [signum for signum in _SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
+        if not wanted:
+            return self
+        read, write = self._pipe = os.pipe()
+        os.set_blocking(write, False)
+        self._wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)      # the watcher starts with them blocked
+        try:
+            self._watcher = threading.Thread(target=self._watch, args=(read, threading.main_thread().ident),
+                                             name="pallet-interrupts", daemon=True)
+            self._watcher.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in wanted}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pipe is None:
+            return
+        if self._keep:
+            for signum in self._previous:
+                signal.signal(signum, signal.SIG_IGN)
+        else:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+            signal.set_wakeup_fd(self._wakeup)
+            os.close(self._pipe[1])
+            self._watcher.join()
+            os.close(self._pipe[0])
+
+    def run(self, command, args) -> int:
+        """``command(args)``, its output flushed; once a signal came meanwhile, its Interrupted instead of what
+        the command returned or raised (a child the signal killed may have ended the command first)."""
+        try:
+            code = command(args)
+            sys.stdout.flush()              # while signals are still the command's
+        except Exception:
+            self._raise_caught()
+            raise
+        self._raise_caught()
+        return code
+
+    def report(self, exc: KeyboardInterrupt) -> int:
+        """Say that the command was interrupted (one line); its exit status, 128 + the signal's number."""
+        code = getattr(self.caught or exc, "exit_code", 128 + signal.SIGINT)
+        self._say(code - 128)
+        return code
+
+    def finish(self, code: int) -> int:
+        """``code``; after an interrupt, threads still at work (a walk of a large source, say) do not hold the
+        exit: past EXIT_WAIT_S the process ends at once."""
+        if self.caught is None and not self._seen:
+            return code
+        busy = [thread for thread in threading.enumerate() if not thread.daemon and thread is not
+                threading.current_thread()]
+        deadline = time.monotonic() + EXIT_WAIT_S
+        for thread in busy:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in busy):
+            _exit_now(code)
+        return code
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.caught is not None:
+            return
+        self.caught = Interrupted(signum)
+        self._handled_at = time.monotonic()
+        self._handled.set()
+        raise self.caught
+
+    def _say(self, signum: int) -> None:
+        said = "interrupted" if signum == signal.SIGINT else f"interrupted ({signal.Signals(signum).name})"
+        print(f"pallet {self.command}: {said}" if self.command else f"pallet: {said}", file=sys.stderr)
+
+    def _raise_caught(self) -> None:
+        if self.caught is None and self._seen:
+            self.caught = Interrupted(self._seen)
+        if self.caught is not None:
+            raise self.caught from None
+
+    def _watch(self, read: int, main: int) -> None:
+        """The watcher: every signal caught anywhere is a byte on ``read``; send the first on to the main
+        thread until it is handled there, and end pallet at a later one (see the class)."""
+        while data := os.read(read, 64):
+            for signum in (signum for signum in data if signum in _SIGNALS):
+                if not self._handled.is_set():
+                    self._seen = self._seen or signum
+                    signal.pthread_kill(main, signum)
+                    self._handled.wait(RESEND_S)
+                elif time.monotonic() - self._handled_at > FORCE_AFTER_S:
+                    self._say(self.caught.signum)
+                    _exit_now(self.caught.exit_code)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RESEND_S = 0.25         # a signal not yet handled in the main thread is sent to it again after this
+FORCE_AFTER_S = 1.0     # a signal this long after the first ends pallet at once (cleaning up hangs)
+EXIT_WAIT_S = 0.3       # after an interrupt, threads still at work are waited for this long
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the `pallet` command line ``argv`` (default: sys.argv's); its exit status. SIGINT and SIGTERM end a
+    command with 130 and 143 (see _Interrupts)."""
+    interrupts = _Interrupts(keep=argv is None)
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with interrupts:
+            code = _main(argv, interrupts)
+    except KeyboardInterrupt as exc:       # while the command loads, or one still pending as it ends
+        code = interrupts.report(exc)
+    return interrupts.finish(code)
+
+
+def _main(argv: list[str], interrupts: _Interrupts) -> int:
+    parser = build_parser(argv[0] if argv else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                 # an unknown option of a command gets that command's usage, not the top level's
+        args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    interrupts.command = args.command
+    try:
+        return interrupts.run(args.run, args)
     except UsageError as exc:
         parser.exit(EXIT_USAGE, f"pallet {args.command}: error: {exc}\n")
     except PalletError as exc:
         print(f"pallet {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"pallet {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:       # SIGINT or SIGTERM: Interrupted
+        return interrupts.report(exc)
     except BrokenPipeError:        # e.g. `pallet ls BUNDLE | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from bundles.errors import UsageError
 
-from .display import human_bytes, jobs_arg, make_progress, report, size_arg
+from .display import human_bytes, jobs_arg, make_progress, report, seconds_range, size_arg, summary_line
 from .planner import LARGE_FILE_BYTES
 from .transports.base import local_or_url
 
@@ -26,7 +26,9 @@ routes for bundles (the planner bundles only when one exists):
   file system under the same paths), optionally with --unpack-job slurm, or --keep-packed
   (any destination); pulls from them need --pack-via ssh://HOST, or a published bundle URL.
 resume: rerun the same command after an interruption; finished shards and files are skipped.
-exit status: 0 done, 1 failure, 2 usage error, 3 transport failure, 4 destination locked.
+Ctrl-C (SIGINT) or SIGTERM stops it at once: DEST stays marked incomplete, and a rerun resumes.
+exit status: 0 done, 1 failure, 2 usage error, 3 transport failure, 4 destination locked,
+130 interrupted (SIGINT), 143 (SIGTERM).
 See docs/cli.md."""
 
 
@@ -60,7 +62,10 @@ def _add_plan(commands) -> None:
 
 
 def _run_plan(args) -> int:
-    from .inventory import compress_ratio, local_inventory
+    from bundles.scan import scan
+    from bundles.tarformat import Kind
+    from .dry_run import planned_files
+    from .inventory import compress_ratio
     from .local_profile import local_profile, uses_local_copy
     from .options import StagingOptions
     from .planner import plan
@@ -73,45 +78,57 @@ def _run_plan(args) -> int:
                             remote_python=args.remote_python,
                             ssh_options=split_ssh_options(args.ssh_option))
     check_route_options(routes, Direction.PUSH)
-    inventory, paths = local_inventory(args.src)
-    far = _probe_for_plan(destination, routes)
+    tree = scan(args.src, "none", 0)
+    far, comparison = _look_at_dest(destination, routes, tree)
+    inventory, paths = planned_files(tree, comparison, LARGE_FILE_BYTES)
     routed = has_unpack_route(destination, routes) if far is None else bool(far.routes())
     profile = load_profile(args.profile)
     if uses_local_copy(destination.scheme, args.profile) and not args.unpack_via and not args.keep_packed:
         profile, routed = local_profile(destination.path), False
-    chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths), max(1, args.ranks),
-                  bundle_possible=routed)
+    chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths) if paths else 1.0, max(1, args.ranks),
+                  bundle_possible=routed, in_place=None if comparison is None else comparison.in_place)
+    source_files = sum(1 for kind in tree.index.kinds if kind == Kind.FILE)
     if args.json:
         print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url(),
-                          "far_side": None if far is None else far.to_json()}))
+                          "far_side": None if far is None else far.to_json(), "source_files": source_files,
+                          "dest_compared": comparison is not None, "files": len(inventory.sizes),
+                          "file_bytes": inventory.stats.bytes,
+                          "in_place": 0 if comparison is None else comparison.in_place}))
         return EXIT_OK
-    print(f"{len(inventory.sizes)} files, {human_bytes(inventory.stats.bytes)} -> {destination.url()}")
+    print(f"{source_files} files, {human_bytes(sum(tree.index.sizes))} -> {destination.url()}")
+    if comparison is not None:
+        print(f"DEST compared: {comparison.in_place} files already in place, {len(inventory.sizes)} to send "
+              f"({human_bytes(inventory.stats.bytes)})")
     for line in [] if far is None else far.summary():
         print(line)
     for candidate in sorted(chosen.candidates, key=lambda c: c.predicted_seconds):
         mark = "*" if candidate.strategy == chosen.strategy else " "
         extra = f" codec={candidate.codec} ranks={candidate.ranks}" if candidate.codec else ""
-        print(f" {mark} {candidate.strategy:10s} {candidate.predicted_seconds:10.2f} s{extra} {candidate.note}")
+        print(f" {mark} {candidate.strategy:10s} predicted "
+              f"{seconds_range(candidate.low_seconds, candidate.high_seconds):>14s}{extra} {candidate.note}".rstrip())
     print(f"reason: {chosen.reason}")
     return EXIT_OK
 
 
-def _probe_for_plan(destination, options):
-    """The far side's findings for an ssh destination without an explicit route (None otherwise, or when it
-    cannot be reached: the plan is then made without them, and stderr says why)."""
+def _look_at_dest(destination, options, tree):
+    """Over one connection: the far side's findings for an ssh destination without an explicit route, and DEST
+    compared with ``tree`` as push compares it (local and ssh destinations holding entries). (None, None)
+    where it cannot be reached: the plan is then made without them, and stderr says why."""
     import sys
 
     from .probe import far_side_options
+    from .repair import COMPARABLE_SCHEMES, compare_with_dest
     from .transports.errors import MissingDependencyError, TransportError
     from .transports.registry import open_endpoint
-    if destination.scheme != "ssh":
-        return None
+    if destination.scheme not in COMPARABLE_SCHEMES:
+        return None, None
     try:
         with open_endpoint(destination, options) as transport:
-            return far_side_options(transport, destination, options, current_space=True)[1]
+            options, far = far_side_options(transport, destination, options, current_space=True)
+            return far, compare_with_dest(transport, destination, tree)
     except (TransportError, MissingDependencyError) as exc:
-        print(f"pallet plan: far side not probed: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return None
+        print(f"pallet plan: far side not probed, DEST not compared: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None, None
 
 
 def _add_push(commands) -> None:
@@ -265,7 +282,7 @@ def _run_staging(args) -> int:
         from .operations import pull, push                      # loaded while ssh connects
         operation = push if args.command == "push" else pull
         result = operation(args.src, args.dest, options, make_progress(args.progress))
-    report(args.json, result.to_json(), _summary_line(args.command, result))
+    report(args.json, result.to_json(), summary_line(args.command, result))
     return EXIT_OK
 
 
@@ -287,25 +304,6 @@ def connecting_early(url: str, options: StagingOptions) -> Iterator[StagingOptio
         yield replace(options, transport_options={**given, "ssh": {**given.get("ssh", {}), "master": master}})
     finally:
         master.close()
-
-
-def _summary_line(command: str, result) -> str:
-    """The one-line summary of a push or pull: what moved, what was already there, what was deleted."""
-    if result.would_send is not None:
-        verb, where = ("send", "to") if command == "push" else ("fetch", "into")
-        lines = [f"would {verb} {len(result.would_send)} entries ({result.files} files, "
-                 f"{human_bytes(result.file_bytes)}) {where} {result.dest}; {result.in_place} files already in place",
-                 *(f"  {verb} {name}" for name in result.would_send),
-                 *(f"  delete {name}" for name in result.would_delete)]
-        return "\n".join(lines)
-    if result.strategy and result.route == "already in place":
-        text = f"{command}ed nothing: all {result.in_place} files already in place at {result.dest}"
-    else:
-        text = (f"{command}ed {result.files} files ({human_bytes(result.file_bytes)}) to {result.dest} as "
-                f"{result.strategy} ({result.route}) in {result.seconds:.2f} s, {result.transfers} transfer(s)")
-        text += f", {result.skipped_shards} shard(s) already done" if result.skipped_shards else ""
-        text += f", {result.in_place} files already in place" if result.in_place else ""
-    return text + (f", {result.deleted} entries deleted" if result.deleted else "")
 
 
 def _add_calibrate(commands) -> None:

@@ -121,6 +121,8 @@ class FarSession:
         return self
 
     def __exit__(self, kind, *exc) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            self._far.interrupt()                   # SIGINT, SIGTERM: the far side is not waited for
         self.close(failed=kind is not None or self._broken)
 
     def _start(self, listing: bool, offer: Callable[[], StreamSource | None] | None = None) -> FarStager:
@@ -139,9 +141,12 @@ class FarSession:
                 self._listing = _read_listing(far)
             if offering is not None:
                 self._begun, self.declined_bytes = offering.outcome(self._listing == b"")
-        except BaseException:
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)    # SIGINT, SIGTERM: nothing is waited for
+            if interrupted:
+                far.interrupt()
             if offering is not None:            # its write may wait on a far side that reads no more
-                offering.stop(kill=True)
+                offering.stop(kill=True, wait=not interrupted)
             far.close(0)
             raise
         return far
@@ -194,14 +199,16 @@ class _Offer:
         except (OSError, ValueError):       # the far side went away: reading its answers says why
             self.begun = None
 
-    def stop(self, kill: bool) -> None:
+    def stop(self, kill: bool, wait: bool = True) -> None:
         """End the offer's thread: a write blocked on a far side that will not read ends when the session is
-        abandoned (at once with ``kill``, else after a grace period in which a far side that exits ends it)."""
+        abandoned (at once with ``kill``, else after a grace period in which a far side that exits ends it);
+        with ``wait``, for a grace period until it has ended (a daemon thread, it never holds pallet's exit)."""
         if not kill:
             self._thread.join(_OFFER_GRACE_S)
         if self._thread.is_alive():
             self.far.abandon()
-        self._thread.join(_OFFER_GRACE_S)
+        if wait:
+            self._thread.join(_OFFER_GRACE_S)
 
     def outcome(self, taken: bool) -> tuple[BegunStream | None, int]:
         """Once the listing is read: ``(the begun stream, 0)`` when the far side takes it (``taken``: DEST listed
@@ -269,6 +276,10 @@ class SessionStream:
 
     def failure(self) -> PalletError:
         return self.far.failure()
+
+    def interrupt(self) -> None:
+        """On an interrupt: stop the session's far side at once (see FarStager.interrupt)."""
+        self.far.interrupt()
 
     def close(self) -> None:
         """Nothing to do: the session outlives its streams (a failed one ends when the session is closed)."""

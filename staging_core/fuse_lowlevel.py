@@ -117,8 +117,9 @@ class Session:
         try:
             if lib.fuse_session_mount(session, self.mountpoint) != 0:
                 raise OSError(errno.EIO, "libfuse could not mount it (it said why above)")
-            # libfuse installs its handlers (which end the loop) only where none is set: Python has one for SIGINT
-            previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # libfuse installs its handlers (which end the loop) only where none is set: Python has one for SIGINT,
+            # and the command line one for SIGTERM too
+            previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)}
             try:
                 if lib.fuse_set_signal_handlers(session) != 0:
                     raise OSError(errno.EIO, "libfuse could not set its signal handlers")
@@ -128,7 +129,8 @@ class Session:
                     lib.fuse_remove_signal_handlers(session)
                     self.fs.destroy()
             finally:
-                signal.signal(signal.SIGINT, previous)
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
                 lib.fuse_session_unmount(session)
         finally:
             lib.fuse_session_destroy(session)

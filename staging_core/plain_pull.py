@@ -47,13 +47,13 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
         far.md5 = far_tree(transport, endpoint.path, same).md5
     outcome = PlainOutcome()
     wanted = local_differences(far, dest, jobs)
+    _count_files(far, wanted, outcome)
     while wanted:
         if outcome.rounds == ROUNDS:
             raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} fetches: "
                                    f"{', '.join(os.fsdecode(p) for p in wanted[:5])}", dest,
                                    "check this file system and the source; rerun to try again")
         outcome.rounds += 1
-        outcome.files_sent += len(wanted)
         names = _with_parents(far, wanted)
         _unlink_non_directories(far, dest, names)
         outcome.bytes_sent += _fetch(transport, endpoint, route, dest, names, progress)
@@ -63,6 +63,19 @@ def pull_plain(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest
         wanted = local_differences(far, dest, jobs, only=set(wanted))
     _fix_directories(far, dest, set())
     return outcome
+
+
+def _count_files(far: FarTree, wanted: list[bytes], outcome: PlainOutcome) -> None:
+    """Count the source's regular files missing or different here (``wanted``) as fetched, the others as in
+    place, as every route counts them."""
+    fetching = set(wanted)
+    for path, there in far.entries.items():
+        if there.kind == "f":
+            if path in fetching:
+                outcome.files_sent += 1
+                outcome.file_bytes += there.size
+            else:
+                outcome.in_place += 1
 
 
 def unchanged_here(far: FarTree, dest: str) -> list[bytes]:
@@ -166,11 +179,16 @@ def _fetch(transport: Transport, endpoint: Endpoint, route: PlainRoute, dest: st
         far.kill()                              # the far side's own message, if it has one, says more
         if far.wait() == 0:
             raise
+    except BaseException:                       # an interrupt, or an error here: its tar is read no more
+        far.stop()                              # (with our end of its output closed, its channel closes)
+        far.stdout.close()
+        raise
     finally:
         code = far.wait()
-        feeder.join()
-        drain.join()
-        far.stdout.close()
+        if not far.stdout.closed:               # else its threads end as the channel closes: not waited for
+            feeder.join()
+            drain.join()
+            far.stdout.close()
     if code != 0:
         raise classify(b"".join(errors).decode(errors="replace"), code, ["tar", "-c"], endpoint.url(),
                        f"the far side's tar failed with status {code}")

@@ -104,6 +104,8 @@ class FarSession:
         return self
 
     def __exit__(self, kind, *exc) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            self._abandon()                         # SIGINT, SIGTERM: the far side is not waited for
         self.close(failed=kind is not None)
 
     def listing(self) -> bytes:
@@ -146,6 +148,16 @@ class FarSession:
         self.far.stdout.close()
         if code not in (0, 9) and not failed:
             raise self._failure(code)
+
+    def _abandon(self) -> None:
+        """End our input (the far side's script ends as it reads its end), stop ssh and our reads of its output."""
+        try:
+            self.far.stdin.close()
+        except OSError:
+            pass
+        self.far.stop()
+        self.far.wait()
+        self.far.stdout.close()
 
     def _send(self, data: bytes) -> None:
         self._to_far_side(self.far.stdin.write, data)

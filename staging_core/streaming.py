@@ -20,7 +20,7 @@ from mpi_stager.summaries import RECEIVER_GONE, SOURCE_MISSING, ReceiveSummary, 
 
 from .options import StagingOptions
 from .transports.base import Endpoint, Transport
-from .transports.errors import RemotePathMissingError, classify
+from .transports.errors import MissingDependencyError, RemotePathMissingError, classify
 
 _RESUME_HINT = "fix the cause and rerun: shards already finished are not sent again"
 _SSH_FAILED = 255
@@ -75,6 +75,9 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
         summary = far.summary()
     except (BrokenPipeError, ConnectionResetError):
         raise far.failure() from None
+    except KeyboardInterrupt:
+        far.interrupt()
+        raise
     finally:
         far.close()
     seconds = {"scan": scanned - started, "stream": sent - scanned, "finish": time.monotonic() - sent}
@@ -161,6 +164,9 @@ class PullStream:
             error = self.far.blame(exc)
         elif isinstance(exc, (BrokenPipeError, ConnectionResetError)):
             error = self.far.blame(None)
+        elif isinstance(exc, KeyboardInterrupt):
+            self.far.interrupt()
+            raise exc
         else:
             self.far.close(_GRACE_SECONDS)
             raise exc
@@ -198,6 +204,7 @@ class FarStager:
         self.command = argv[argv.index("mpi_stager") + 1]
         self.process: subprocess.Popen = transport.stream_into(argv)
         self._stderr: list[bytes] = []
+        self._interrupted = False
         self._drain = threading.Thread(target=lambda: self._stderr.append(self.process.stderr.read()),
                                        name="pallet-far-stderr", daemon=True)
         self._drain.start()
@@ -229,6 +236,8 @@ class FarStager:
         if self.command == "send" and status == SOURCE_MISSING:
             return RemotePathMissingError("path does not exist", self.url, "check the remote path", self.argv,
                                           status, stderr)
+        if "No module named mpi_stager" in stderr or "No module named 'mpi_stager'" in stderr:
+            return without_pallet(self.argv, self.url, stderr)
         _, found, error = stderr.partition(f"mpi_stager {self.command}: error: ")
         message = _without_hints(error) if found else (stderr[-2000:] or f"it exited with status {status}")
         role = "sender" if self.command == "send" else "receiver"
@@ -259,7 +268,7 @@ class FarStager:
         except subprocess.TimeoutExpired:
             self.abandon()
         self.process.stdout.close()
-        self._drain.join(_GRACE_SECONDS)       # a far side that lingers still holds its stderr open
+        self._drain.join(0 if self._interrupted else _GRACE_SECONDS)   # a lingering far side holds its stderr
 
     def abandon(self) -> None:
         """Stop now, whatever the far side does: kill the local ssh and close our end of its output. (A
@@ -268,6 +277,17 @@ class FarStager:
         self.process.kill()
         self.process.wait()
         self.process.stdout.close()
+
+    def interrupt(self) -> None:
+        """On an interrupt (SIGINT, SIGTERM): end our input (unless ``writer`` still writes it) and :meth:`abandon`
+        the far side, stopping our read of its stderr too; it ends by itself as its input ends or its output
+        goes, and is not waited for."""
+        self._interrupted = True
+        self.close_input()
+        stop = getattr(self.process, "stop", None)      # ssh: also ends a read of its stderr that would wait
+        if stop is not None:
+            stop()
+        self.abandon()
 
     def close_input(self) -> None:
         """End our side of the stream (the far side sees end of input); nothing when that has happened, or while
@@ -283,3 +303,11 @@ class FarStager:
 def _without_hints(message: str) -> str:
     """The far side's error without its hint lines (ours replace them)."""
     return "\n".join(line for line in message.splitlines() if not line.lstrip().startswith("hint:")).strip()
+
+
+def without_pallet(argv: list[str], url: str, stderr: str) -> MissingDependencyError:
+    """The error of a far-side Python (``argv``'s, as ``--remote-python`` named it) that has no pallet."""
+    python = argv[argv.index("mpi_stager") - 2] if argv.index("mpi_stager") >= 2 else argv[0]
+    return MissingDependencyError(f"the far side's Python ({python}) has no pallet", url,
+                                  "drop --remote-python (pallet then uses the far side's own tar and md5sum), or "
+                                  "install pallet there: pallet remote install HOST", argv, None, stderr)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from staging_core.plain import parse_records
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_endpoint
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
-from tests.programs import user_env
+from tests.programs import program, user_env
 from tests.servers import count_invocations
 
 _MUX = ("-O exit", " -N ")          # ControlMaster start and stop: not commands at the far side
@@ -200,6 +202,59 @@ def test_a_far_side_of_another_session_version_is_left_at_once_for_separate_comm
     assert summary["route"] == "stream" and len(left) == 1
     assert any("flock" in c for c in commands) and any("mpi_stager receive" in c for c in commands), commands
     assert_same_tree(src, tmp_path / "dest")
+
+
+_STUCK_FAR_SIDE = """\
+import fcntl, os, struct, sys, termios, time
+open(sys.argv[1], "a").write(f"{os.getpid()}\\n")
+while struct.unpack("i", fcntl.ioctl(0, termios.FIONREAD, b"0000"))[0] < 32768:    # never read; filling
+    time.sleep(0.01)
+open(sys.argv[1] + ".full", "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("target", ["pallet", "a helper thread"])
+def test_ctrl_c_while_a_big_offer_waits_for_a_stuck_far_side_ends_the_push(sshd, tmp_path, target):
+    src = tmp_path / "src"              # 50,000 long random names: a skeleton of MBs, more than ssh buffers
+    for n in range(50):
+        folder = src / f"d{n:02d}"
+        folder.mkdir(parents=True)
+        for _ in range(1000):
+            (folder / os.urandom(75).hex()).touch()
+    stuck, pids = tmp_path / "stuck-python", tmp_path / "pids"      # a far side that never says hello, nor reads
+    stuck.write_text(_STUCK_FAR_SIDE)
+    argv = [program("pallet"), "push", "--quiet", "--strategy", "bundle", "--remote-python",
+            f"{sys.executable} {stuck} {pids}", *ssh_flags(sshd), str(src), sshd.url(str(tmp_path / "dest"))]
+    pushing = subprocess.Popen(argv, env=user_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        while not Path(f"{pids}.full").exists():        # the offer is filling the far side's input: it will wait
+            assert pushing.poll() is None, pushing.communicate()
+            time.sleep(0.01)
+        os.kill(_signal_taker(pushing.pid) if target != "pallet" else pushing.pid, signal.SIGINT)
+        _, err = pushing.communicate(timeout=60)        # a guard only: the push ends at once
+    finally:
+        pushing.kill()
+        for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    assert pushing.returncode == 130, err.decode()
+    assert err.decode().strip() == "pallet push: interrupted", err.decode()
+
+
+def _signal_taker(pid: int) -> int:
+    """A thread of process ``pid`` other than its main thread that does not block SIGINT (a signal sent to it is
+    the process's, handled there: as when the kernel picks a helper thread); ``pid`` when there is none."""
+    for task in sorted(os.listdir(f"/proc/{pid}/task"), key=int, reverse=True):
+        status = Path(f"/proc/{pid}/task/{task}/status").read_text()
+        blocked = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+        if int(task) != pid and not blocked & 1 << (signal.SIGINT - 1):
+            return int(task)
+    return pid
 
 
 def session_over(dest: Path, requests: bytes, listing: bool = True) -> bytes:

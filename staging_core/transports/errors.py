@@ -1,6 +1,7 @@
 """Transport errors: one class per cause a user can act on, all carrying the command and its stderr."""
 from __future__ import annotations
 
+import signal
 from typing import Mapping
 
 from bundles.errors import PalletError, SetupError, SourceError
@@ -59,6 +60,11 @@ class RemoteDiskFullError(TransportError):
     """The far side has no space left."""
 
 
+class StoppedBySignal(TransportError):
+    """A program pallet ran (ssh, rsync, tar) was stopped by SIGINT or SIGTERM: a user's Ctrl-C or `kill`, never
+    network trouble, so never retried."""
+
+
 class NotSupportedError(TransportError):
     """The transport lacks the capability asked for (see its Capabilities)."""
 
@@ -113,6 +119,18 @@ class MissingDependencyError(SetupError):
         self.command, self.status, self.stderr = command, status, stderr.strip()[-2000:]
 
 
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stopping_signal(text: str, status: int | None) -> str:
+    """The name of the signal that stopped a program (its negative ``status``, a shell's 128 + N, or the
+    words of ssh, "Killed by signal N.", and rsync, "received SIGINT, SIGTERM, or SIGHUP"); '' if none did."""
+    for signum in _STOPPING:
+        if status in (-signum, 128 + signum) or f"killed by signal {int(signum)}." in text:
+            return signum.name
+    return "a signal" if "received sigint, sigterm, or sighup" in text else ""
+
+
 _FIND_REFUSALS = ("unrecognized", "unknown", "invalid", "illegal", "bad arg", "not supported")
 
 
@@ -121,6 +139,10 @@ def classify(stderr: str, status: int | None, command: list[str] | None, path: s
     """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError (or the
     MissingDependencyError of a far side whose ``find`` has no ``-printf``, as BusyBox's and BSD's have not)."""
     text = stderr.lower()
+    stopped_by = _stopping_signal(text, status)
+    if stopped_by:
+        return StoppedBySignal(f"{fallback}: stopped by {stopped_by}", path, "rerun to resume", command, status,
+                               stderr)
     if "-printf" in text and any(word in text for word in _FIND_REFUSALS):
         return MissingDependencyError(
             "the far side's find lacks -printf (GNU findutils needed to list it)", path,

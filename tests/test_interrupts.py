@@ -1,0 +1,60 @@
+"""The command line's SIGINT and SIGTERM: whichever thread the kernel hands one to, the main thread stops at once."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bundles.errors import Interrupted
+from staging_core import cli
+
+_READ = "0"         # x86-64's read(2), as /proc/TID/syscall shows a thread blocked in it
+
+
+def _blocked_in_read(tid: int, fd: int) -> bool:
+    """Whether thread ``tid`` of this process waits in read(2) on ``fd``."""
+    words = Path(f"/proc/self/task/{tid}/syscall").read_text().split()
+    return len(words) > 1 and words[0] == _READ and int(words[1], 16) == fd
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="reads x86-64 syscall numbers from /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_a_helper_thread_takes_wakes_the_main_thread_from_a_read(signum):
+    read, write = os.pipe()                 # nothing is written to it: only the signal can end the read
+    main = threading.main_thread().native_id
+    fired = threading.Event()               # a safety net only, should the read never end: then it failed
+
+    def end_the_read() -> None:
+        fired.set()
+        os.write(write, b"x")
+    guard = threading.Timer(30, end_the_read)
+
+    def helper() -> None:                   # a thread that does not block the signal: it takes it, as it may
+        while not _blocked_in_read(main, read):
+            time.sleep(0.001)
+        signal.pthread_kill(threading.get_ident(), signum)
+
+    try:
+        with cli._Interrupts(keep=False) as interrupts, pytest.raises(Interrupted) as caught:
+            guard.start()
+            threading.Thread(target=helper, name="test-helper").start()
+            os.read(read, 1)
+        assert not fired.is_set(), "the read went on until the guard ended it: the signal was lost there"
+        assert caught.value.exit_code == 128 + signum and interrupts.caught is caught.value
+    finally:
+        guard.cancel()
+        os.close(read)
+        os.close(write)
+
+
+def test_the_command_line_gives_the_signals_back_when_it_returns():
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+    assert signal.set_wakeup_fd(-1) == -1
