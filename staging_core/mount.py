@@ -99,8 +99,10 @@ def fuse_module():
 
 
 def _check_mountpoint(path: str) -> None:
+    if not os.path.lexists(path):
+        raise UsageError("the mount point does not exist", path, f"create it first: mkdir -p {path}")
     if not os.path.isdir(path):
-        raise UsageError("the mount point is not a directory", path, f"create it first: mkdir -p {path}")
+        raise UsageError("the mount point is not a directory", path, "mount on an empty directory")
     if os.path.ismount(path):
         raise UsageError("something is already mounted here", path, f"unmount it first: fusermount3 -u {path}")
     if os.listdir(path):

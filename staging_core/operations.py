@@ -8,7 +8,8 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from bundles.errors import PalletError, SourceError, UsageError
+from bundles.errors import SourceError, UsageError
+from bundles.extract import prepare_destination
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
 from bundles.state import remove_state
@@ -26,7 +27,7 @@ from .pull_strategies import PullContext, early_stream, pull_strategy
 from .push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
 from .push_strategies import PushContext, push_strategy
 from .repair import (COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
-                     finish_local_pull)
+                     finish_local_pull, stamp_top)
 from .route_registry import check_route_options
 from .strategy_base import Attempt, check_stream_shard_size, resolve_strategy
 from .streaming import PullStream
@@ -56,6 +57,7 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     started = time.monotonic()
     _check_options(options)
     check_route_options(options, Direction.PUSH)
+    src = os.path.abspath(src)          # relative to the caller's working directory, as a command line means it
     if not os.path.isdir(src):
         raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
                           "push a directory: pallet push DIR URL")
@@ -65,14 +67,18 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
     if options.dry_run:
         return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
-    with ThreadPoolExecutor(1, thread_name_prefix="pallet-walk") as walker:     # while ssh connects and locks
-        walking = walker.submit(scan_and_survey, src, include, options.large_file_bytes)
-        try:
-            with OpenDestination(endpoint, options, wait=items is not None, listing=include is None,
-                                 walked=walking.result if include is None else None) as dest:
-                return _push_locked(*walking.result(), dest, progress, include, started)
-        finally:
-            walking.cancel()
+    walker = ThreadPoolExecutor(1, thread_name_prefix="pallet-walk")     # while ssh connects and locks
+    walking, interrupted = walker.submit(scan_and_survey, src, include, options.large_file_bytes), False
+    try:
+        with OpenDestination(endpoint, options, wait=items is not None, listing=include is None,
+                             walked=walking.result if include is None else None) as dest:
+            return _push_locked(*walking.result(), dest, progress, include, started)
+    except KeyboardInterrupt:               # SIGINT, SIGTERM: a walk still going is not waited for
+        interrupted = True
+        raise
+    finally:
+        walking.cancel()
+        walker.shutdown(wait=not interrupted)
 
 
 def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination, progress: Progress | None,
@@ -89,7 +95,7 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
         inventory = Inventory(os.fsdecode(full.root), [], options.large_file_bytes)
     else:
         if comparison is not None:
-            delete_extra(transport, endpoint, comparison.stale)
+            delete_extra(transport, endpoint, comparison.stale, broad_ok=options.allow_root_dest)
         session = dest.session
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
         context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
@@ -99,8 +105,8 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
         run, attempts = _with_retries(lambda: way.run(context), options.retries)
     deleted = finish_push(dest, full, comparison, whole, planned.strategy)
     declined = dest.session.declined_bytes if dest.session is not None else 0
-    result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started),
-                     in_place=comparison.in_place if comparison else 0, deleted=deleted, offered_bytes=declined)
+    result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started,
+                             comparison.in_place if comparison else 0), deleted=deleted, offered_bytes=declined)
     if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,
                                                                                       options.profile):
         observe(endpoint.path, result.files, result.file_bytes, result.seconds)
@@ -152,9 +158,14 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
         inventory, chosen = plan_pull(source, local.path, items, sizes)
         strategy = resolve_strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
+        if strategy == "individual" and whole and comparison is None and isinstance(route, PlainRoute):
+            comparison = _pull_comparison(transport, endpoint, None, local.path, options.checksum)  # not the tools'
+            if comparison is not None:
+                items = comparison.to_fetch
+                inventory = Inventory(endpoint.path, list(comparison.sizes), options.large_file_bytes)
         if early is not None and strategy != "bundle":
             early.close()                           # the plan is individual: that sender stops now
-        _prepare_local_dest(dest)
+        prepare_destination(local.path)     # DestinationError naming it when it cannot be made or written
         with DestinationLock(local, open_transport(local), wait=not whole):
             if comparison is not None and not comparison.to_fetch:
                 run, attempts = Attempt(route="already in place"), 0
@@ -167,8 +178,18 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
             deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
             if whole:
                 remove_state(local.path)
-    return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started),
-                   in_place=comparison.in_place if comparison else 0, deleted=deleted)
+                _stamp_from_source(transport, endpoint, local)
+    return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started,
+                           comparison.in_place if comparison else 0), deleted=deleted)
+
+
+def _stamp_from_source(transport: Transport, endpoint: Endpoint, local: Endpoint) -> None:
+    """Give a whole pull's DEST the source root's mtime, from a stat of it where that is exact (local and ssh
+    sources; not a published bundle, a file)."""
+    if endpoint.scheme in COMPARABLE_SCHEMES:
+        root = transport.stat(endpoint.path)
+        if root is not None and root.kind == "d":
+            stamp_top(transport, local, root.mtime_ns)
 
 
 def _pull_attempts(context: PullContext, begun: PullStream | None, planned: str) -> Callable[[], Attempt]:
@@ -213,12 +234,6 @@ def _check_options(options: StagingOptions) -> None:
     check_stream_shard_size(options)
 
 
-def _prepare_local_dest(dest: str) -> None:
-    if os.path.exists(dest) and not os.path.isdir(dest):
-        raise PalletError("destination exists and is not a directory", dest, "choose another destination")
-    os.makedirs(dest, exist_ok=True)
-
-
 def _with_retries(attempt, retries: int) -> tuple[Attempt, int]:
     """Run ``attempt`` until it succeeds, retrying only retryable TransportErrors, with 1, 2, 4 ... s pauses."""
     for number in range(retries + 1):
@@ -232,7 +247,13 @@ def _with_retries(attempt, retries: int) -> tuple[Attempt, int]:
 
 
 def _result(dest: str, chosen: Plan, strategy: str, inventory: Inventory, run: Attempt, attempts: int,
-            started: float) -> StagingResult:
-    return StagingResult(dest, chosen, strategy, run.route, len(inventory.sizes), inventory.stats.bytes,
-                         run.transfers, time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts,
-                         run.bytes_sent)
+            started: float, in_place: int = 0) -> StagingResult:
+    """The summary, counted by one rule on every route: ``files`` (``file_bytes``) the regular files sent, i.e.
+    what the comparison with DEST left to send (``inventory``; all of them when DEST was not compared), or what
+    a route that compares DEST itself found differing; ``in_place`` those found at DEST as they are."""
+    files, file_bytes = len(inventory.sizes), inventory.stats.bytes
+    if run.files_sent is not None:
+        files, file_bytes, in_place = run.files_sent, run.file_bytes, run.in_place
+    return StagingResult(dest, chosen, strategy, run.route, files, file_bytes, run.transfers,
+                         time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts, run.bytes_sent,
+                         in_place)

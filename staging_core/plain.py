@@ -88,9 +88,13 @@ class PlainRoute(AbstractContextManager):
 
 @dataclass
 class PlainOutcome:
-    """What a plain-tools push or pull did: files sent (over all rounds), bytes moved, rounds run, seconds per stage."""
+    """What a plain-tools push or pull did: the regular files it found differing and sent (``files_sent``, of
+    ``file_bytes``; a file sent again in a later round counts once) and those it found in place, bytes moved,
+    rounds run, seconds per stage."""
 
     files_sent: int = 0
+    file_bytes: int = 0
+    in_place: int = 0
     bytes_sent: int = 0
     rounds: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -264,3 +268,27 @@ def with_link_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
         if index.kinds[i] == Kind.HARDLINK and index.link_groups[i] in groups:
             chosen.update((index.paths[i], index.paths[index.link_groups[i]]))
     return chosen
+
+def link_groups(tree: SourceTree) -> list[list[bytes]]:
+    """The names of each regular file of ``tree``, the first name first: one name, or a hard-link group's."""
+    index = tree.index
+    groups: dict[int, list[bytes]] = {i: [index.paths[i]] for i in index.positions(Kind.FILE)}
+    for i in index.positions(Kind.HARDLINK):
+        groups[index.link_groups[i]].append(index.paths[i])
+    return list(groups.values())
+
+
+def regrouped(groups: list[list[bytes]], entries: dict[bytes, FarEntry]) -> set[bytes]:
+    """The names of the files DEST holds linked otherwise than the source: a hard-link group's names on more
+    than one inode there, or an inode there with more (or fewer) names than the group, inside DEST or out of
+    it (a file sharing its inode with one outside DEST is written through when changed). A name DEST lacks, or
+    holds as another kind, is :func:`differing`'s; a listing without inodes says nothing here."""
+    wrong: set[bytes] = set()
+    for names in groups:
+        there = [entries.get(name) for name in names]
+        if any(entry is None or entry.kind != "f" or not entry.inode for entry in there):
+            continue
+        if len({entry.inode for entry in there}) != 1 or there[0].links != len(names):
+            wrong.update(names)
+    return wrong
+

@@ -14,9 +14,8 @@ from bundles.tarformat import Kind, member_header
 from bundles.writer import iter_shards
 from mpi_stager.send import RelaySink, prepare_source
 
-from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differing, hash_local_files,
-                    parse_md5_lines, parse_records, shown_names, unchanged_files,
-                    with_link_groups)
+from .plain import (DECODERS, ROUNDS, FarTree, PlainOutcome, PlainRoute, differing, hash_local_files, link_groups,
+                    parse_md5_lines, parse_records, regrouped, shown_names, unchanged_files, with_link_groups)
 from .plain_session import FarSession, FrameWriter
 from .transports.base import Endpoint, Transport
 
@@ -52,9 +51,10 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
                 far.md5 = parse_md5_lines(session.hash_now(_names_input(same)))
         with clock("hash"):
             local_md5 = hash_local_files(tree, jobs, set(same))
-        wanted = differing(tree, local_md5, far, set(same))
+        wanted = sorted(set(differing(tree, local_md5, far, set(same))) | regrouped(link_groups(tree), far.entries))
         restamped = _directories_there(tree, far, wanted)
         wanted = [path for path in wanted if path not in restamped]
+        _count_files(tree, wanted, outcome)
         while wanted:
             if outcome.rounds == ROUNDS:
                 raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
@@ -66,6 +66,19 @@ def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route
         with clock("finish"):
             session.finish(clear_state)
     return outcome
+
+
+def _count_files(tree: SourceTree, wanted: list[bytes], outcome: PlainOutcome) -> None:
+    """Count the source's regular files the far side lacks or holds otherwise (``wanted``, with whole hard-link
+    groups) as sent, and the others as in place, as every route counts them."""
+    index, sending = tree.index, set(with_link_groups(tree, wanted))
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.FILE:
+            if index.paths[i] in sending:
+                outcome.files_sent += 1
+                outcome.file_bytes += index.sizes[i]
+            else:
+                outcome.in_place += 1
 
 
 def _directories_there(tree: SourceTree, far: FarTree, wanted: list[bytes]) -> frozenset[bytes]:
@@ -83,7 +96,6 @@ def _send_round(session: FarSession, tree: SourceTree, route: PlainRoute, wanted
     still differs from the source's."""
     clock = _Clock(outcome.stage_seconds)
     outcome.rounds += 1
-    outcome.files_sent += len(wanted)
     with clock("stream"):
         sent = _send(session, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress, restamped)
     outcome.bytes_sent += sent.bytes

@@ -74,6 +74,7 @@ class PlainToolsPull(Strategy[PullContext]):
             outcome = pull_plain(source.transport, source.endpoint, source.route, ctx.dest, source.options.jobs,
                                  ctx.progress, ctx.items)
         attempt.transfers, attempt.bytes_sent = outcome.rounds, outcome.bytes_sent
+        attempt.compared(outcome)
         return attempt
 
 

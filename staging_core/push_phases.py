@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import posixpath
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from bundles.scan import SourceTree, scan
@@ -22,7 +22,7 @@ from .planner import Plan, plan
 from .probe import far_side_options
 from .push_strategies import can_stream, stream_codec
 from .repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra, dirs_to_restore,
-                     fix_directories, listed_extra)
+                     fix_directories, listed_extra, stamp_top)
 from .routes import UnpackRoute, closing, unpack_route
 from .strategy_base import resolve_strategy
 from .transports.base import Endpoint, Transport, parse_url
@@ -156,7 +156,22 @@ def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
     if comparison is not None and not comparison.nothing_to_send:
         include = frozenset(comparison.to_send)
         tree, surveyed = scan_and_survey(src, include, options.large_file_bytes)
-    return plan_tree(dest, tree, include, surveyed, comparison)
+    planned = plan_tree(dest, tree, include, surveyed, comparison)
+    if planned.strategy == "individual" and include is None and comparison is None \
+            and isinstance(dest.route, PlainRoute) and not options.keep_packed:
+        return _narrowed(dest, planned)     # files one by one: not the far side's tools but this push compares
+    return planned
+
+
+def _narrowed(dest: OpenDestination, planned: PushPlan) -> PushPlan:
+    """``planned`` (individual, of the whole tree) narrowed to what differs from DEST, as a compared push is."""
+    comparison = compare_with_dest(dest.transport, dest.endpoint, planned.tree, dest.options.checksum)
+    if comparison is None or comparison.nothing_to_send:
+        return replace(planned, comparison=comparison)
+    include = frozenset(comparison.to_send)
+    tree, surveyed = scan_and_survey(os.fsdecode(planned.tree.root), include, dest.options.large_file_bytes)
+    return replace(planned, tree=tree, include=include, inventory=surveyed.inventory, paths=surveyed.paths,
+                   comparison=comparison)
 
 
 def plan_tree(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes] | None,
@@ -186,7 +201,7 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
         comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full, own_mark=True) \
             or Comparison(extra=listed_extra(dest.transport, dest.endpoint, set(full.index.paths)))
         run_there = dest.route.run_there if isinstance(dest.route, UnpackRoute) else None
-        delete_extra(dest.transport, dest.endpoint, comparison.extra, run_there)
+        delete_extra(dest.transport, dest.endpoint, comparison.extra, run_there, dest.options.allow_root_dest)
         deleted = len(comparison.extra)
     if comparison is not None:
         fix_directories(dest.session or dest.transport, dest.endpoint, full,
@@ -194,6 +209,8 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
     plain_session = isinstance(dest.route, PlainRoute) and strategy != "individual"   # it cleared DEST/.pallet
     if whole and not dest.options.keep_packed and not plain_session:
         clear_state(dest)
+    if whole and not dest.options.keep_packed and dest.session is None:     # a session clears DEST/.pallet last
+        stamp_top(dest.transport, dest.endpoint, os.stat(full.root).st_mtime_ns)
     return deleted
 
 

@@ -92,6 +92,7 @@ class PlainToolsPush(Strategy[PushContext]):
                              clear_state=ctx.include is None and not ctx.options.keep_packed)
         attempt = Attempt(ctx.route.description, outcome.rounds, dict(outcome.stage_seconds))
         attempt.bytes_sent = outcome.bytes_sent
+        attempt.compared(outcome)
         return attempt
 
 

@@ -1,6 +1,7 @@
 """What a whole-tree push must change at DEST: its tree compared with the source's (type, size, mtime, mode, link)."""
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import stat
@@ -10,13 +11,13 @@ from typing import Callable, Protocol, runtime_checkable
 from bundles.errors import DestinationError, UsageError
 from bundles.safety import safe_mode
 from bundles.scan import SourceTree
-from bundles.state import STATE_DIR, remove_path
+from bundles.state import STATE_DIR
 from bundles.tarformat import Kind
 
-from .plain import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files, md5_of, parse_records,
-                    unchanged_files, with_link_groups)
+from .plain import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files, link_groups, md5_of,
+                    parse_records, regrouped, unchanged_files, with_link_groups)
 from .transports.base import Endpoint, RemoteEntry, Transport
-from .transports.local import SafeTree
+from .transports.safe_tree import SafeTree
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
 
@@ -67,21 +68,24 @@ def compare_with_dest_entries(entries: dict[bytes, FarEntry] | None, transport: 
     if same:
         far.md5 = dest_md5(transport, endpoint, same)
     local_md5 = hash_local_files(tree, 0, set(same)) if same else {}
-    stale = sorted(path for path in same if far.md5.get(path) != local_md5.get(path))
-    changed = set(differing(tree, local_md5, far, set(same)))
+    stale = {path for path in same if far.md5.get(path) != local_md5.get(path)}
+    groups = link_groups(tree)
+    changed = set(differing(tree, local_md5, far, set(same))) | regrouped(groups, entries)
     numbers = {path: i for i, path in enumerate(index.paths) if path in changed}
     dirs_to_fix = [i for path, i in numbers.items() if index.kinds[i] == Kind.DIR and entries.get(path)
                    and entries[path].kind == "d"]
     fixed = {index.paths[i] for i in dirs_to_fix}
     to_send = sorted(with_link_groups(tree, [path for path in changed if path not in fixed]))
+    linked = {name for names in groups for name in names}
+    stale.update(path for path in to_send if path in linked and path in entries and entries[path].kind == "f")
     sources = set(index.paths)
     extra = [path for path in entries if path not in sources]
     extra_set = set(extra)
     topmost = [path for path in extra if os.path.dirname(path) not in extra_set]
     sending = set(to_send)
-    in_place = sum(1 for i, path in enumerate(index.paths)
-                   if index.kinds[i] in (Kind.FILE, Kind.HARDLINK) and path not in sending)
-    return Comparison(to_send, sorted(dirs_to_fix), in_place, sorted(topmost), stale)
+    in_place = sum(1 for i, path in enumerate(index.paths)        # regular files, counted as `files` counts them
+                   if index.kinds[i] == Kind.FILE and path not in sending)
+    return Comparison(to_send, sorted(dirs_to_fix), in_place, sorted(topmost), sorted(stale))
 
 
 def dirs_to_restore(tree: SourceTree, comparison: Comparison, deleted: bool) -> list[int]:
@@ -105,11 +109,9 @@ def fix_directories(transport: Transport | DirectorySetter, endpoint: Endpoint, 
         transport.set_directories([(index.paths[i], safe_mode(index.modes[i]), index.mtimes[i]) for i in numbers])
         return
     if endpoint.is_local:
+        tree = SafeTree(endpoint.path)
         for i in numbers:
-            path = os.path.join(os.fsencode(endpoint.path), index.paths[i])
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.chmod(path, safe_mode(index.modes[i]))
-                os.utime(path, ns=(index.mtimes[i], index.mtimes[i]))
+            _set_directory(tree, os.fsdecode(index.paths[i]), safe_mode(index.modes[i]), index.mtimes[i])
         return
     lines = []
     for i in numbers:
@@ -120,6 +122,20 @@ def fix_directories(transport: Transport | DirectorySetter, endpoint: Endpoint, 
     if lines:
         script = f"cd -- {shlex.quote(endpoint.path)} || exit 1\n" + "\n".join(lines) + "\n"
         transport.run(["sh", "-s"], stdin=os.fsencode(script))
+
+
+def stamp_top(transport: Transport, endpoint: Endpoint, mtime_ns: int) -> None:
+    """Give DEST itself the source root's mtime, last (removing DEST/.pallet touched it): here, or with touch over
+    ssh. Where the time cannot be set (DEST is not the user's, or nothing can run there) it is left as it is."""
+    if endpoint.is_local:
+        try:
+            os.utime(endpoint.path, ns=(mtime_ns, mtime_ns))
+        except OSError:
+            pass                    # setting a time needs DEST's owner: a DEST shared with others keeps its own
+    elif transport.capabilities.remote_exec and endpoint.scheme == "ssh":
+        seconds, nanos = divmod(mtime_ns, 1_000_000_000)
+        transport.run(["sh", "-c", 'touch -m -d "$1" -- "$2" 2>/dev/null || true', "pallet-stamp",
+                       f"@{seconds}.{nanos:09d}", endpoint.path])
 
 
 def dest_md5(transport: Transport, endpoint: Endpoint, paths: list[bytes]) -> dict[bytes, bytes]:
@@ -173,18 +189,20 @@ def _local_entries(root: bytes) -> dict[bytes, FarEntry]:
 
 
 def delete_extra(transport: Transport, endpoint: Endpoint, extra: list[bytes],
-                 run_there: Callable[..., bytes] | None = None) -> None:
+                 run_there: Callable[..., bytes] | None = None, broad_ok: bool = False) -> None:
     """Remove DEST's entries ``extra`` (relative; directories with what they hold), never following a link:
-    here, over ssh, or with ``run_there`` (a route's host that mounts DEST). UsageError where none can."""
+    here, over ssh, or with ``run_there`` (a route's host that mounts DEST). UsageError where none can. At a
+    far side, DEST is resolved there first: one that leads to / or to the home directory there is refused
+    (exit 5, as a DestinationError) unless ``broad_ok`` (--allow-root-dest)."""
     if not extra:
         return
     if endpoint.is_local:
-        root = os.fsencode(endpoint.path)
+        tree = SafeTree(endpoint.path)
         for path in extra:
-            _remove_local(os.path.join(root, path))
+            _remove_local(tree, path)
         return
     names = b"".join(b"./" + path + b"\0" for path in extra)
-    argv = ["sh", "-c", 'cd -- "$1" && xargs -0 -r rm -rf --', "pallet-delete", endpoint.path]
+    argv = ["sh", "-c", _DELETE, "pallet-delete", endpoint.path, "broad-ok" if broad_ok else ""]
     if transport.capabilities.remote_exec:
         transport.run(argv, stdin=names)
     elif run_there is not None:
@@ -205,12 +223,37 @@ def listed_extra(transport: Transport, endpoint: Endpoint, sources: set[bytes] |
     return sorted(path for path in extra if os.path.dirname(path) not in extra)
 
 
-def _remove_local(path: bytes) -> None:
+# $1 DEST, $2 "broad-ok" to allow a DEST that resolves to / or $HOME there: remove the NUL-separated ./names on stdin.
+_DELETE = r"""
+cd -- "$1" || exit 1
+here=$(pwd -P)
+if [ "$2" != broad-ok ] && { [ "$here" = / ] || [ "$here" = "$(cd ~ 2>/dev/null && pwd -P)" ]; }; then
+  echo "pallet: $1 leads to $here there: --delete will not empty it (pass --allow-root-dest if you mean it)" >&2
+  exit 5
+fi
+xargs -0 -r rm -rf --
+"""
+
+
+def _remove_local(tree: SafeTree, path: bytes) -> None:
+    """Remove the entry ``path`` of ``tree`` (relative), never following a link on the way to it."""
     try:
-        remove_path(path)
+        tree.remove(os.fsdecode(path))
     except OSError as exc:
-        raise DestinationError(f"cannot delete ({exc.strerror})", os.fsdecode(path),
+        raise DestinationError(f"cannot delete ({exc.strerror})", tree.path(os.fsdecode(path)),
                                "check its permissions, or push without --delete") from None
+
+
+def _set_directory(tree: SafeTree, path: str, mode: int, mtime_ns: int) -> None:
+    """Give DEST's directory ``path`` (relative) ``mode`` and ``mtime_ns`` if it is one, through its descriptor."""
+    try:
+        tree.set_directory(path, mode, mtime_ns, mtime_ns)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:        # a link there: not the source's directory, left alone
+            raise DestinationError(f"cannot set its mode and time ({exc.strerror})", tree.path(path),
+                                   "check the destination's permissions") from None
 
 
 @dataclass
@@ -282,7 +325,7 @@ def _fetch_differing_content(found: PullComparison, listed: list[RemoteEntry], d
         name = os.fsencode(entry.path)
         if there.get(name) != here.get(name):
             if not dry_run:       # or a fetch skipping equal metadata would skip it
-                _remove_local(os.path.join(os.fsencode(dest), name))
+                _remove_local(SafeTree(dest), name)
             found.to_fetch.append(entry.path)
             found.sizes.append(entry.size)
             found.in_place -= 1
@@ -298,11 +341,10 @@ def finish_local_pull(dest: str, comparison: PullComparison, delete: bool) -> in
     """After a repairing pull into ``dest``: with ``delete`` remove the extras, then make the directories the
     source has (missing ones too) with its modes and mtimes, parents of what changed included; the number
     of entries deleted."""
-    root = os.fsencode(dest)
+    tree = SafeTree(dest)
     if delete:
         for path in comparison.extra:
-            _remove_local(os.path.join(root, path))
-    tree = SafeTree(dest)
+            _remove_local(tree, path)
     for entry in comparison.dirs_to_fix:
         try:
             tree.directory(entry.path)      # a link or file there is replaced, never followed
@@ -315,8 +357,6 @@ def finish_local_pull(dest: str, comparison: PullComparison, delete: bool) -> in
     touched.update(os.fsencode(entry.path) for entry in comparison.dirs_to_fix)
     for path in sorted(touched, key=len, reverse=True):
         entry = comparison.source_dirs.get(path)
-        target = os.path.join(root, path) if path else root
-        if entry is not None and os.path.isdir(target) and not os.path.islink(target):
-            os.chmod(target, safe_mode(entry.mode))
-            os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
+        if entry is not None:
+            _set_directory(tree, os.fsdecode(path), safe_mode(entry.mode), entry.mtime_ns)
     return len(comparison.extra) if delete else 0

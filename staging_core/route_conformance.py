@@ -10,7 +10,9 @@ cases about what DEST already holds (planted links at every level, extra
 entries, every kind of entry, kill -9 and rerun) run with
 ``--strategy individual`` too on routes that carry files one by one
 (``individual`` True): whatever the planner picks, nothing is written
-outside DEST and nothing of the source is left out.
+outside DEST and nothing of the source is left out. An interrupted run
+(SIGINT to its process group, as a terminal's Ctrl-C; SIGTERM to pallet
+alone) ends with 130 or 143 and one line, and a rerun finishes it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -30,6 +33,7 @@ from .transports.base import Direction
 
 KILL_PATIENCE_S = 60          # the kill case kills a run that left no state by then
 LOCKED = 4                    # pallet's exit status when another run still holds the destination
+INTERRUPT_PATIENCE_S = 30     # a guard only: an interrupted run is meant to end within a second
 
 
 def _default_env() -> dict[str, str]:
@@ -206,6 +210,20 @@ class RouteConformance:
         self._succeeds(route_case, self._argv(route_case, src, dest, "--delete", strategy=strategy))
         assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed-again")))
 
+    @pytest.mark.parametrize("strategy", ["bundle", "individual"])
+    def test_hard_links_in_dest_are_regrouped_as_the_source_has_them(self, route_case: RouteCase, tmp_path,
+                                                                     strategy):
+        if self.direction is Direction.PULL:
+            pytest.skip("a pull's listing of the source carries no inodes: DEST's grouping is not compared")
+        tree = _grouped_source(str(tmp_path / "src"))
+        outside = _outside(str(tmp_path / "outside"))
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        _grouped_otherwise(tree, dest, outside)
+        self._succeeds(route_case, self._argv(route_case, src, dest, strategy=self._strategy(strategy)))
+        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        with open(os.path.join(outside, "file.txt"), "rb") as handle:
+            assert handle.read() == b"VICTIM\n", "a file outside DEST was written through a hard link"
+
     def test_an_individual_run_killed_midway_is_finished_by_a_rerun(self, route_case: RouteCase, tmp_path):
         tree = str(tmp_path / "src")
         for n in range(3000):
@@ -224,6 +242,88 @@ class RouteConformance:
         assert killed, "the run finished before it left any state to kill it in: give the case a bigger tree"
         self._rerun(route_case, argv)
         assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+
+    # ------------------------------------------------------------ interrupts
+
+    @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+    def test_an_interrupted_run_stops_with_one_line_and_a_rerun_finishes_it(self, route_case: RouteCase,
+                                                                            tmp_path, signum):
+        tree = _many_files(str(tmp_path / "src"), 3000)
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        extra = ("--shard-size", "64K") if self.direction is Direction.PUSH else ()
+        argv = self._argv(route_case, src, dest, *extra)
+        code, stderr, seconds = self._interrupt_midway(route_case, argv, dest, signum)
+        assert code != 0, "the run finished before it was interrupted: give the case a bigger tree"
+        assert code == 128 + signum, f"{signum.name}: exited {code} after {seconds:.1f} s, not {128 + signum}:\n" \
+                                     f"{stderr[-3000:]}"
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1 and "interrupted" in stderr, \
+            f"{signum.name}: not one line saying so:\n{stderr[-3000:]}"
+        self._rerun(route_case, argv)
+        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+
+    def _interrupt_midway(self, case: RouteCase, argv: list[str], dest: str,
+                          signum: signal.Signals) -> tuple[int | None, str, float]:
+        """Start ``argv`` in a process group of its own; once ``dest/.pallet`` (its unfinished state) appears,
+        send ``signum``: SIGINT to the whole group, as a terminal's Ctrl-C does, SIGTERM to pallet alone, as
+        `kill` does. Its stdout is a full pipe until then, so that it cannot end before the signal, however
+        late that state appears. Return its exit status (None: it was still running INTERRUPT_PATIENCE_S later),
+        its stderr and the seconds from the signal to its end."""
+        gate, held = _full_pipe()
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=held, stderr=subprocess.PIPE,
+                                   start_new_session=True, text=True,
+                                   env=case.env if case.env is not None else _default_env())
+        os.close(held)
+        try:
+            deadline = time.monotonic() + KILL_PATIENCE_S
+            while process.poll() is None and not os.path.lexists(os.path.join(dest, ".pallet")):
+                assert time.monotonic() < deadline, "the run left no state to interrupt it in"
+                time.sleep(0.005)
+            sent = time.monotonic()
+            if process.poll() is None:
+                if signum == signal.SIGINT:
+                    os.killpg(process.pid, signum)
+                else:
+                    process.send_signal(signum)
+            threading.Thread(target=_drain, args=(gate,), daemon=True).start()
+            try:
+                _, stderr = process.communicate(timeout=INTERRUPT_PATIENCE_S)
+            except subprocess.TimeoutExpired:
+                return None, f"still running {INTERRUPT_PATIENCE_S} s after {signum.name}", INTERRUPT_PATIENCE_S
+            return process.returncode, stderr, time.monotonic() - sent
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe (read end, write end) whose buffer is full: a write to it waits until the read end is drained."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        while True:
+            os.write(write, bytes(65536))
+    except BlockingIOError:
+        pass
+    os.set_blocking(write, True)
+    return read, write
+
+
+def _drain(fd: int) -> None:
+    """Read ``fd`` to its end, then close it."""
+    with os.fdopen(fd, "rb") as pipe:
+        while pipe.read(65536):
+            pass
+
+
+def _many_files(root: str, count: int) -> str:
+    """``count`` files of 600 random bytes in 15 directories."""
+    for n in range(count):
+        path = os.path.join(root, f"d{n % 15:02d}", f"f{n:05d}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as handle:
+            handle.write(os.urandom(300).hex().encode())
+    return root
 
 
 _PLANTED = ("h", "top.txt", "d/e", "d/g.txt")
@@ -278,3 +378,36 @@ def _other_kinds(dest: str) -> None:
     _write(os.path.join(dest, "link"), b"a file where the source has a link\n")
     _write(os.path.join(dest, "sub", "linked-a"), b"one inode, two names\n")
     os.symlink("file.txt", os.path.join(dest, "was-link.txt"))
+
+
+def _grouped_source(root: str) -> str:
+    """A hard-link group of three names, a pair of separate files alike in every way, and a pair (x, y)."""
+    _write(os.path.join(root, "g", "a"), b"one inode, three names\n")
+    os.link(os.path.join(root, "g", "a"), os.path.join(root, "g", "b"))
+    os.link(os.path.join(root, "g", "a"), os.path.join(root, "c"))
+    for name in ("s1", "s2"):
+        _write(os.path.join(root, name), b"alike but separate\n")
+    _write(os.path.join(root, "h", "x"), b"SOURCE\n")
+    os.link(os.path.join(root, "h", "x"), os.path.join(root, "h", "y"))
+    for name in ("g/a", "s1", "s2", "h/x"):
+        os.utime(os.path.join(root, name), ns=(1_700_000_000_000_000_000,) * 2)
+    return root
+
+
+def _grouped_otherwise(tree: str, dest: str, outside: str) -> None:
+    """DEST holding the same names with the same size and mtime, linked otherwise: the group as three separate
+    files, the separate pair as one inode, and h/x linked to a file outside DEST (other bytes, same size and
+    mtime) with h/y missing."""
+    for name in ("g/a", "g/b", "c", "s1"):
+        _write(os.path.join(dest, name), b"one inode, three names\n" if name != "s1" else b"alike but separate\n")
+    os.link(os.path.join(dest, "s1"), os.path.join(dest, "s2"))
+    victim = os.path.join(outside, "file.txt")
+    with open(victim, "wb") as handle:
+        handle.write(b"VICTIM\n")
+    os.makedirs(os.path.join(dest, "h"))
+    os.link(victim, os.path.join(dest, "h", "x"))
+    for name in ("g/a", "g/b", "c", "s1", "h/x"):
+        os.utime(os.path.join(dest, name), ns=(1_700_000_000_000_000_000,) * 2)
+    for name in ("g", "h", ""):
+        st = os.stat(os.path.join(tree, name))
+        os.utime(os.path.join(dest, name), ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -20,13 +20,22 @@ Context = TypeVar("Context")
 @dataclass
 class Attempt:
     """What one attempt of a strategy did: the route it reports, transfers made, seconds per stage, shards an
-    earlier attempt had finished, and the file bytes the transport sent (None when it cannot tell)."""
+    earlier attempt had finished, and the file bytes the transport sent (None when it cannot tell). A route
+    that compares DEST itself (the plain tools) reports the regular files it sent (``files_sent``, of
+    ``file_bytes``; None: the operation's own count holds) and found in place."""
 
     route: str = "in place"
     transfers: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     skipped_shards: int = 0
     bytes_sent: int | None = 0
+    files_sent: int | None = None
+    file_bytes: int = 0
+    in_place: int = 0
+
+    def compared(self, outcome) -> None:
+        """Record what a route that compared DEST itself found (a plain.PlainOutcome)."""
+        self.files_sent, self.file_bytes, self.in_place = outcome.files_sent, outcome.file_bytes, outcome.in_place
 
     def streamed(self, outcome) -> None:
         """Record one bundle stream (push or pull; a streaming.StreamOutcome)."""

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from staging_core.testing import assert_same_tree
+from staging_core.testing import assert_same_tree, snapshot
 from tests.conftest import run_pallet
 from tests.programs import program, user_env
 from tests.servers import start_sshd
@@ -31,7 +34,7 @@ KILLING_RSYNC = textwrap.dedent("""\
                 child.send_signal(signal.SIGKILL)
                 child.wait()
                 open(flag, "w").close()
-                sys.exit(137)
+                os.kill(os.getpid(), signal.SIGKILL)     # as a far-side rsync killed with -9 ends
     sys.exit(child.returncode)
 """)
 
@@ -90,3 +93,49 @@ def test_files_land_only_in_a_dest_marked_incomplete(tmp_path):
         process.wait()
     assert landed and running, "the push ended before its files were seen landing: give it a bigger tree"
     assert marked, f"{landed[:3]} landed in DEST with no INCOMPLETE marker"
+
+
+def _swap_until(stop: threading.Event, victim: Path, outside: Path) -> int:
+    """Swap ``victim`` (a directory of DEST) for a symbolic link to ``outside`` and back, as fast as it can,
+    until ``stop`` is set; the number of swaps."""
+    hidden, swaps = victim.with_name(victim.name + ".away"), 0
+    while not stop.is_set():
+        try:
+            victim.rename(hidden)
+            victim.symlink_to(outside)
+            swaps += 1
+            victim.unlink()
+            hidden.rename(victim)
+        except OSError:
+            continue
+    return swaps
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_dest_directory_swapped_for_a_link_mid_run_leads_nowhere(tmp_path, each_engine, direction):
+    """Someone on shared scratch swaps DEST's directories for links to their own while an individual push or
+    pull writes there: nothing is written outside DEST, whatever the run's outcome."""
+    src = tmp_path / "src"
+    for n in range(2000):
+        path = src / f"d{n % 20}" / f"f{n}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"%d\n" % n * 100)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for n in range(0, 2000, 20):
+        (outside / f"f{n}").write_bytes(b"victim\n")
+    before = snapshot(str(outside))
+    dest = tmp_path / "dest"
+    (dest / "d0").mkdir(parents=True)
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        swapping = pool.submit(_swap_until, stop, dest / "d0", outside)
+        try:
+            done = run_pallet(direction, "--quiet", "--strategy", "individual", "--retries", "0", str(src),
+                              str(dest), timeout=300)
+        finally:
+            stop.set()
+        swaps = swapping.result()
+    assert swaps, "the swapping thread never swapped"
+    assert snapshot(str(outside)) == before, f"{direction} wrote outside DEST through a swapped-in link"
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr

@@ -230,3 +230,36 @@ def test_a_far_side_find_without_printf_is_named_in_one_line(busybox_far_side, s
     assert_one_error(done, SOURCE, "find lacks -printf", "GNU findutils")
     assert "BusyBox" not in done.stderr and "Usage:" not in done.stderr
     assert not dest.exists() or os.listdir(dest) == []
+
+
+# ---------------------------------------------------------------- what the lexical check cannot see
+
+@pytest.fixture
+def homed(tmp_path):
+    """An sshd whose sessions have a home of their own (a scratch directory standing in for a user's home)."""
+    home = tmp_path / "far-home"
+    home.mkdir()
+    server = start_sshd(tmp_path / "sshd-homed", (f"SetEnv HOME={home}",))
+    server.home = home
+    yield server
+    server.stop()
+
+
+def test_delete_never_empties_a_dest_that_leads_to_the_home_there(homed, src, tmp_path):
+    """A DEST reached through a link to the far side's home passes the check of its name; --delete there is
+    refused by the far side once it resolves DEST, and nothing there is removed."""
+    (homed.home / "precious.txt").write_text("mine\n")
+    link = tmp_path / "innocent-looking"
+    link.symlink_to(homed.home)
+    done = run_pallet("push", "--delete", "--strategy", "individual", str(src), ssh_url(homed, str(link)),
+                      env=ssh_env(homed))
+    assert done.returncode != 0 and "--allow-root-dest" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+    assert (homed.home / "precious.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("text", ["file:/tmp/x", "file:relative", "ssh://a b@127.0.0.1/x"])
+def test_urls_that_are_neither_file_nor_ssh_urls_are_usage_errors(src, text):
+    done = run_pallet("push", str(src), text)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "host unreachable" not in done.stderr, done.stderr

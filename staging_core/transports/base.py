@@ -78,6 +78,9 @@ def parse_url(text: str, path_required: bool = True) -> Endpoint:
     match = _URL.match(text)
     if match:
         return _scheme_url(text, match["scheme"].lower(), match["authority"], match["path"], path_required)
+    if text.lower().startswith("file:"):        # not a host named "file" reached by ssh
+        raise UsageError(f"{text!r} is not a file URL",
+                         hint="write file:///absolute/path (three slashes) or a plain path")
     scp = _SCP_STYLE.match(text)
     if scp and scp["path"].startswith("/"):
         return Endpoint("ssh", _normal(scp["path"]), scp["host"], None, scp["user"])
@@ -102,7 +105,7 @@ def _scheme_url(text: str, scheme: str, authority: str, path: str | None, path_r
     if not _HOST.match(host):
         raise UsageError(f"{host!r} in {text!r} is not a host name",
                          hint=f"write {scheme}://[user@]HOST[:PORT]/absolute/path (letters, digits, . _ -)")
-    if user is not None and (not user or user.startswith("-")):
+    if user is not None and (not user or user.startswith("-") or any(ch.isspace() for ch in user)):
         raise UsageError(f"{user!r} in {text!r} is not a user name", hint=f"write {scheme}://USER@{host}/absolute/path")
     if path is None and path_required:
         raise UsageError(f"{text!r} names no path: a remote URL needs an absolute path",

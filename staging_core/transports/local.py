@@ -15,6 +15,7 @@ from bundles.parallel import default_jobs
 from . import parallel_copy
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
 from .errors import RemotePathMissingError, TransportError, classify
+from .safe_tree import SafeTree
 
 
 class LocalTransport(Transport):
@@ -50,7 +51,7 @@ class LocalTransport(Transport):
             self._copy_item(source, target, item, state, result)
         if files is not None:
             parallel_copy.copy(engine, source, state.tree, files, result, self.threads)
-        self._finish_directories(state.directories)
+        self._finish_directories(state.tree, state.directories, result)
         return result
 
     def _copy_item(self, source: str, target: str, item: str, state: "_Copying", result: TransferResult) -> None:
@@ -62,36 +63,39 @@ class LocalTransport(Transport):
                                            "copy failed")
 
     @staticmethod
-    def _finish_directories(directories: list[tuple[str, os.stat_result]]) -> None:
-        for path, st in sorted(directories, key=lambda pair: pair[0].count(os.sep), reverse=True):
-            os.chmod(path, stat.S_IMODE(st.st_mode))
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    def _finish_directories(tree: SafeTree, directories: list[tuple[str, os.stat_result]],
+                            result: TransferResult) -> None:
+        """Give the copied directories their modes and times, deepest first; a failure is the item's."""
+        for item, st in sorted(directories, key=lambda pair: pair[0].count("/"), reverse=True):
+            try:
+                tree.set_directory(item, stat.S_IMODE(st.st_mode), st.st_atime_ns, st.st_mtime_ns)
+            except OSError as exc:
+                result.failed[item] = classify(f"{exc.strerror}", exc.errno, None,
+                                               _failed_path(exc, tree.root, item), "cannot set its mode and time")
 
     def _copy_one(self, src: str, item: str, state: "_Copying") -> None:
         st = os.lstat(src)
         if stat.S_ISDIR(st.st_mode):
-            state.directories.append((state.tree.directory(item), st))
+            state.tree.directory(item)
+            state.directories.append((item, st))
             return
-        dst = os.path.join(state.tree.directory(os.path.dirname(item)), os.path.basename(item))
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and self.link_mode == "copy":
-            first = state.first_names.setdefault((st.st_dev, st.st_ino), dst)
-            if first != dst:
-                parallel_copy.link_anew(first, dst)
+            first = state.first_names.setdefault((st.st_dev, st.st_ino), item)
+            if first != item:
+                state.tree.link(first, item)
                 return
         if stat.S_ISLNK(st.st_mode):
-            _unlink_non_directory(dst)      # a file or link from an earlier copy (a link to a directory too)
-            os.symlink(os.readlink(src), dst)
-            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+            state.tree.symlink(os.readlink(src), item, st.st_atime_ns, st.st_mtime_ns)
         elif self.link_mode == "hardlink":
-            parallel_copy.link_anew(src, dst)
+            state.tree.link_from(src, item)
         else:
-            self._copy_file(src, dst, st)
+            self._copy_file(src, item, st, state.tree)
 
-    def _copy_file(self, src: str, dst: str, st: os.stat_result) -> None:
-        """Copy the regular file ``src`` (lstat ``st``) to a new file ``dst`` (whatever stood there is unlinked,
-        never written through), with its mode and times."""
+    def _copy_file(self, src: str, item: str, st: os.stat_result, tree: SafeTree) -> None:
+        """Copy the regular file ``src`` (lstat ``st``) to a new file ``item`` of ``tree`` (whatever stood there
+        is unlinked, never written through), with its mode and times."""
         with open(src, "rb", opener=_no_follow) as fin:
-            fd = _create_anew(dst)
+            fd = tree.create(item)
             with open(fd, "wb") as fout:
                 if not (self.link_mode == "reflink" and _cloned(fin, fout)):
                     shutil.copyfileobj(fin, fout, _COPY_CHUNK)
@@ -124,38 +128,16 @@ class _Copying:
     """What one transfer has done so far: the destination's directories as checked, directories to finish,
     first names of inodes."""
 
-    tree: "SafeTree"
+    tree: SafeTree
     directories: list[tuple[str, os.stat_result]]
     first_names: dict[tuple[int, int], str]
 
 
 _COPY_CHUNK = 1 << 20
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _no_follow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-
-
-def _create_anew(path: str) -> int:
-    """A new, empty file at ``path`` (mode 0600 until the copy sets its own); a non-directory standing there is
-    unlinked first, never opened."""
-    try:
-        return os.open(path, _NEW_FILE, 0o600)
-    except FileExistsError:
-        _unlink_non_directory(path)
-    return os.open(path, _NEW_FILE, 0o600)
-
-
-def _unlink_non_directory(path: str) -> None:
-    """Remove the file or link at ``path`` if there is one; a real directory there is an error naming it."""
-    try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "a directory stands where the source has no directory", path)
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _cloned(fin, fout) -> bool:
@@ -165,70 +147,6 @@ def _cloned(fin, fout) -> bool:
         return True
     except OSError:
         return False
-
-
-class SafeTree:
-    """The directories under one destination root, reached without following a link.
-
-    ``directory(rel)`` returns the path of ``rel`` under the root once every
-    component of it is a real directory: each is opened relative to its
-    parent's descriptor with ``O_NOFOLLOW``; a missing one is made (mode
-    0777 less the umask; a copied directory gets its own mode at the end);
-    a symbolic link or file standing where a directory belongs is unlinked
-    (the link itself, never what it points to) and the directory made in
-    its place. A checked directory is remembered for the rest of the
-    transfer. The root itself is the caller's word and is made if missing.
-    """
-
-    def __init__(self, root: str):
-        self.root = root
-        self._checked: set[str] = set()
-
-    def directory(self, rel: str) -> str:
-        rel = rel.strip("/")
-        if not self._checked:
-            os.makedirs(self.root, exist_ok=True)
-            self._checked.add("")
-        if rel in self._checked or rel == ".":
-            return os.path.join(self.root, rel) if rel not in ("", ".") else self.root
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            parts = rel.split("/")
-            for depth, name in enumerate(parts):
-                child = self._enter(fd, name, "/".join(parts[:depth + 1]))
-                os.close(fd)
-                fd = child
-        finally:
-            os.close(fd)
-        return os.path.join(self.root, rel)
-
-    def _enter(self, parent: int, name: str, rel: str) -> int:
-        """The descriptor of directory ``name`` in ``parent``, made (or put in place of a non-directory) first
-        when needed. An OSError names the directory under the root."""
-        try:
-            try:
-                child = os.open(name, _DIRECTORY, dir_fd=parent)
-            except FileNotFoundError:
-                _make_directory(parent, name)
-                child = os.open(name, _DIRECTORY, dir_fd=parent)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                os.unlink(name, dir_fd=parent)          # a link or file where the source has a directory
-                _make_directory(parent, name)
-                child = os.open(name, _DIRECTORY, dir_fd=parent)
-        except OSError as exc:
-            exc.filename = os.path.join(self.root, rel)
-            raise
-        self._checked.add(rel)
-        return child
-
-
-def _make_directory(parent: int, name: str) -> None:
-    try:
-        os.mkdir(name, 0o777, dir_fd=parent)
-    except FileExistsError:
-        pass
 
 
 def _entry(rel: str, full: str) -> RemoteEntry:

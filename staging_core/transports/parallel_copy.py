@@ -1,7 +1,6 @@
 """The local transport's parallel copy: regular files copied by the native engine's threads."""
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import dataclass, field
 
@@ -53,7 +52,7 @@ def _inode(path: str) -> tuple[int, int] | str:
 
 
 def copy(engine, source: str, tree, copy_plan: CopyPlan, result: TransferResult, threads: int) -> None:
-    """Copy ``copy_plan.files`` from ``source`` into ``tree`` (a transports.local.SafeTree: parent directories
+    """Copy ``copy_plan.files`` from ``source`` into ``tree`` (a transports.safe_tree.SafeTree: parent directories
     are made or checked there without following a link) on ``threads`` native threads and record each in
     ``result``, a failure with the path it concerns."""
     target = tree.root
@@ -80,8 +79,7 @@ def copy(engine, source: str, tree, copy_plan: CopyPlan, result: TransferResult,
             result.failed[item] = result.failed[first]
             continue
         try:
-            parent = tree.directory(item.rpartition("/")[0])
-            link_anew(os.path.join(target, first), os.path.join(parent, item.rpartition("/")[2]))
+            tree.link(first, item)
             result.done.append(item)
         except OSError as exc:
             result.failed[item] = classify(exc.strerror or "", exc.errno, None, os.path.join(target, item),
@@ -100,16 +98,3 @@ def _without_unplaced(copy_plan: CopyPlan, unplaced: dict[str, OSError], result:
             result.failed[item] = classify(exc.strerror or "", exc.errno, None,
                                            os.fsdecode(exc.filename or os.path.join(target, item)), "copy failed")
     return CopyPlan(copy_plan.one_by_one, kept, copy_plan.followers)
-
-
-def link_anew(existing: str, path: str) -> None:
-    """Make ``path`` a hard link to ``existing``; a stale file or link at ``path`` is unlinked first (a
-    directory there is an error)."""
-    try:
-        os.link(existing, path, follow_symlinks=False)
-        return
-    except FileExistsError:
-        if os.path.isdir(path) and not os.path.islink(path):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path) from None
-        os.unlink(path)
-    os.link(existing, path, follow_symlinks=False)

@@ -19,6 +19,7 @@ from .ssh_master import LoginOutputError, SSHMaster, login_error, ssh_options_fo
 
 _FIND_FORMAT = r"%P\0%y\0%s\0%m\0%T@\0%l\0"
 _FAILED_PATH = re.compile(r'"([^"]+)" failed: (.*)$')
+RSYNC_IDLE_S = 300            # rsync gives up (status 30) when no data has moved for this long: a stuck far side
 _PARTIAL = (23, 24)          # rsync: partial transfer due to error / vanished source files
 _UNREADABLE = re.compile(r'\[sender\] (?:send_files failed to open|opendir|read errors mapping) "([^"]+)"'
                          r'(?: failed)?: (.*?)(?: \(\d+\))?$')
@@ -149,6 +150,7 @@ class SSHTransport(Transport):
             os.makedirs(local, exist_ok=True)
         source, target = (local, remote) if direction is Direction.PUSH else (remote, local)
         base = ["rsync", "-a", "-H", "-s", "--modify-window=-1", f"--partial-dir={PARTIAL_DIR}", "--stats",
+                f"--timeout={RSYNC_IDLE_S}",
                 *self._master.rsync_shell()]
         if temp_dir is not None:
             base.append(f"--temp-dir={temp_dir}")

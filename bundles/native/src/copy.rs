@@ -1,6 +1,7 @@
 //! Copy regular files from one local tree to another on several threads (`copy_file_range`, falling back
-//! to read/write), keeping mode and times; a stale file or planted link at the target is unlinked first,
-//! never written through.
+//! to read/write), keeping mode and times; each target is created from its parent directory's descriptor,
+//! reached from the target root one `O_NOFOLLOW` step at a time, and a stale file or planted link at its
+//! name is unlinked first: nothing is ever written through a link, even one swapped in while the copy runs.
 
 use crate::fsio::{self, Fd};
 use std::io;
@@ -11,6 +12,8 @@ const SOURCE_FLAGS: libc::c_int =
     libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
 const TARGET_FLAGS: libc::c_int =
     libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+const DIRECTORY_FLAGS: libc::c_int =
+    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
 const CHUNK: usize = 1 << 20;
 
 /// How one file's copy failed: the error, and whether it concerned the target (else the source).
@@ -36,12 +39,12 @@ pub fn copy_files(
         for _ in 0..threads.clamp(1, items.len().max(1)) {
             scope.spawn(|| {
                 let mut buffer = Vec::new();
+                let mut parent = Parent::default();
                 loop {
                     let entry = next.fetch_add(1, Ordering::Relaxed);
                     let Some(item) = items.get(entry) else { break };
                     let source = [src_root, item].concat();
-                    let target = [dst_root, item].concat();
-                    match copy_one(&source, &target, &mut buffer) {
+                    match copy_one(&source, dst_root, item, &mut parent, &mut buffer) {
                         Ok(bytes) => {
                             copied.fetch_add(bytes as usize, Ordering::Relaxed);
                         }
@@ -70,13 +73,20 @@ pub fn copy_files(
 
 type Failed = (io::Error, bool);
 
-fn copy_one(source: &[u8], target: &[u8], buffer: &mut Vec<u8>) -> Result<u64, Failed> {
+fn copy_one(
+    source: &[u8],
+    dst_root: &[u8],
+    item: &[u8],
+    parent: &mut Parent,
+    buffer: &mut Vec<u8>,
+) -> Result<u64, Failed> {
     let from = fsio::open(source, SOURCE_FLAGS, 0).map_err(|e| (e, false))?;
     let st = fsio::fstat(&from).map_err(|e| (e, false))?;
     if st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Err((io::Error::from_raw_os_error(libc::EINVAL), false));
     }
-    let to = create(target).map_err(|e| (e, true))?;
+    let (dir, name) = parent.of(dst_root, item).map_err(|e| (e, true))?;
+    let to = create(dir, name).map_err(|e| (e, true))?;
     let size = st.st_size as u64;
     copy_data(&from, &to, size, buffer)?;
     fsio::fchmod(&to, st.st_mode & 0o7777).map_err(|e| (e, true))?;
@@ -86,20 +96,52 @@ fn copy_one(source: &[u8], target: &[u8], buffer: &mut Vec<u8>) -> Result<u64, F
     Ok(size)
 }
 
-/// Create `target` anew: whatever non-directory stands there (a stale file, a link) is unlinked first.
-fn create(target: &[u8]) -> io::Result<Fd> {
-    match fsio::open(target, TARGET_FLAGS, 0o600) {
+/// The directory a thread last created a file in, kept open: items come sorted, so most share it.
+#[derive(Default)]
+struct Parent {
+    path: Vec<u8>,
+    dir: Option<Fd>,
+}
+
+impl Parent {
+    /// The open parent directory of `item` under `root` (a path with a trailing slash, the caller's word),
+    /// and the item's own name. Each directory below the root is opened from the one above it with
+    /// `O_NOFOLLOW`, so a symbolic link there (one swapped in meanwhile too) fails with ELOOP or ENOTDIR.
+    fn of<'a>(&mut self, root: &[u8], item: &'a [u8]) -> io::Result<(&Fd, &'a [u8])> {
+        let (path, name) = match item.iter().rposition(|&b| b == b'/') {
+            Some(at) => (&item[..at], &item[at + 1..]),
+            None => (&item[..0], item),
+        };
+        if self.dir.is_none() || self.path != path {
+            self.dir = None;
+            let mut dir = fsio::open(root, DIRECTORY_FLAGS & !libc::O_NOFOLLOW, 0)?;
+            for part in path.split(|&b| b == b'/').filter(|part| !part.is_empty()) {
+                dir = fsio::openat(&dir, part, DIRECTORY_FLAGS, 0)?;
+            }
+            self.path = path.to_vec();
+            self.dir = Some(dir);
+        }
+        match &self.dir {
+            Some(dir) => Ok((dir, name)),
+            None => Err(io::Error::from_raw_os_error(libc::EBADF)),
+        }
+    }
+}
+
+/// Create `name` in `dir` anew: whatever non-directory stands there (a stale file, a link) is unlinked first.
+fn create(dir: &Fd, name: &[u8]) -> io::Result<Fd> {
+    match fsio::openat(dir, name, TARGET_FLAGS, 0o600) {
         Err(err) if err.raw_os_error() == Some(libc::EEXIST) => {}
         other => return other,
     }
-    if fsio::lstat(target)?.st_mode & libc::S_IFMT == libc::S_IFDIR {
+    if fsio::lstatat(dir, name)?.st_mode & libc::S_IFMT == libc::S_IFDIR {
         return Err(io::Error::from_raw_os_error(libc::EISDIR));
     }
-    match fsio::unlink(target) {
+    match fsio::unlinkat(dir, name) {
         Err(err) if err.raw_os_error() != Some(libc::ENOENT) => return Err(err),
         _ => {}
     }
-    fsio::open(target, TARGET_FLAGS, 0o600)
+    fsio::openat(dir, name, TARGET_FLAGS, 0o600)
 }
 
 /// Copy `size` bytes in the kernel where it can; read and write through `buffer` where it cannot.

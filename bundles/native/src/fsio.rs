@@ -158,3 +158,28 @@ pub fn mkdir(path: &[u8], mode: u32) -> io::Result<()> {
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
     check(unsafe { libc::mkdir(c.as_ptr(), mode as libc::mode_t) }).map(|_| ())
 }
+
+/// openat(2) of `name` relative to the directory `dir`, with `flags` and `mode`.
+pub fn openat(dir: &Fd, name: &[u8], flags: libc::c_int, mode: u32) -> io::Result<Fd> {
+    let c = c_path(name)?;
+    // SAFETY: `dir` is an open descriptor and `c` a valid NUL-terminated string for the call.
+    let fd = check(unsafe { libc::openat(dir.0, c.as_ptr(), flags, mode as libc::c_uint) })?;
+    Ok(Fd(fd))
+}
+
+/// fstatat(2) of `name` in the directory `dir`, not following a link at `name`.
+pub fn lstatat(dir: &Fd, name: &[u8]) -> io::Result<libc::stat> {
+    let c = c_path(name)?;
+    // SAFETY: as in `fstat`, an all-zero `stat` is valid and filled by the call.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is open, `c` NUL-terminated and `st` writable for the duration of the call.
+    check(unsafe { libc::fstatat(dir.0, c.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
+    Ok(st)
+}
+
+/// unlinkat(2) of the non-directory `name` in the directory `dir`.
+pub fn unlinkat(dir: &Fd, name: &[u8]) -> io::Result<()> {
+    let c = c_path(name)?;
+    // SAFETY: `dir` is an open descriptor and `c` a valid NUL-terminated string for the call.
+    check(unsafe { libc::unlinkat(dir.0, c.as_ptr(), 0) }).map(|_| ())
+}
