@@ -277,6 +277,7 @@ class _Interrupts:
         self._pipe: tuple[int, int] | None = None
         self._wakeup = -1
         self._watcher: threading.Thread | None = None
+        self._hook = sys.unraisablehook
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is not threading.main_thread():
@@ -295,11 +296,14 @@ class _Interrupts:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self._previous = {signum: signal.signal(signum, self._on_signal) for signum in wanted}
+        self._hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         if self._pipe is None:
             return
+        sys.unraisablehook = self._hook
         if self._keep:
             for signum in self._previous:
                 signal.signal(signum, signal.SIG_IGN)
@@ -350,6 +354,22 @@ class _Interrupts:
         self._handled_at = time.monotonic()
         self._handled.set()
         raise self.caught
+
+    def _unraisable(self, unraisable) -> None:
+        """The first signal's Interrupted raised where Python cannot raise it (a generator or object the
+        collector finalizes, which Python would report as "Exception ignored"): not printed; the watcher sends
+        the signal to the main thread again, to be raised there once it runs its own code (should it land in a
+        finalizer again, this repeats)."""
+        caught = unraisable.exc_value
+        if not isinstance(caught, Interrupted) or caught is not self.caught or self._pipe is None:
+            self._hook(unraisable)
+            return
+        self.caught = None
+        self._handled.clear()
+        try:
+            os.write(self._pipe[1], bytes([caught.signum]))
+        except BlockingIOError:
+            pass                            # the pipe is full of signals already: the watcher has them
 
     def _say(self, signum: int) -> None:
         said = "interrupted" if signum == signal.SIGINT else f"interrupted ({signal.Signals(signum).name})"

@@ -297,10 +297,23 @@ def _read_listing(far: FarStager) -> bytes:
     if tag != LISTING_TAG or not size.isdigit():
         raise far.failure() if not header else StreamError(f"unexpected session reply {header[:40]!r}", far.url,
                                                             "run the same pallet version on both sides")
-    block = far.process.stdout.read(int(size))
+    block = _read_declared(far.process.stdout, int(size))
     if len(block) != int(size):
         raise far.failure()
     return decode_zstd_bounded(block, far.url, "the session's listing", StreamError, "rerun the push")
+
+
+def _read_declared(stream, size: int, chunk: int = 1 << 20) -> bytes:
+    """Up to ``size`` bytes of ``stream``, read a chunk at a time: memory follows the bytes that arrive, never
+    the size the far side declared."""
+    parts, got = [], 0
+    while got < size:
+        part = stream.read(min(chunk, size - got))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 @contextmanager

@@ -58,3 +58,24 @@ def test_the_command_line_gives_the_signals_back_when_it_returns():
         cli.main(["--version"])
     assert {signum: signal.getsignal(signum) for signum in before} == before
     assert signal.set_wakeup_fd(-1) == -1
+
+
+def test_a_signal_handled_inside_a_finalizer_is_raised_again_and_not_printed(capsys):
+    """The first signal handled while the collector closes a generator (where Python cannot raise and prints
+    "Exception ignored"): nothing is printed, and the main thread stops as soon as it runs its own code."""
+    def shard_writer():
+        try:
+            yield 1
+        finally:                            # a generator's cleanup, as the packer's shards have
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+            for _ in range(1000):           # Python code: the handler runs here, inside the finalizer
+                pass
+
+    with cli._Interrupts(keep=False) as interrupts, pytest.raises(Interrupted) as caught:
+        running = shard_writer()
+        next(running)
+        del running                         # closed by the collector: the handler raises inside its finally
+        time.sleep(30)                      # the main thread's own wait: the signal must end it (a guard only)
+        pytest.fail("the signal handled inside the finalizer was lost")
+    assert interrupts.caught is caught.value and caught.value.exit_code == 130
+    assert "Exception ignored" not in capsys.readouterr().err
