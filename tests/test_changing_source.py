@@ -92,8 +92,8 @@ def test_local_push_never_lands_a_mix(rewritten, tmp_path):
     assert refused, "the writer never stops, so some read must have seen the file change"
 
 
-def _individual_runs(command: list[str], dest_of, tries: int = TRIES) -> int:
-    """Run ``command + [dest]`` (an individual push or pull) until some run saw the file change; every run
+def _individual_runs(command: list[str], dest_of, tries: int = TRIES, named=str) -> int:
+    """Run ``command + [named(dest)]`` (an individual push or pull; ``named`` gives DEST's URL) until some run saw the file change; every run
     either refuses by name or lands a file of one version only, with nothing of pallet's left. The count of
     refusals. (A change is seen by the file's times, which move by the file system's clock tick: the file is
     big enough that reading it spans many.)"""
@@ -102,7 +102,7 @@ def _individual_runs(command: list[str], dest_of, tries: int = TRIES) -> int:
         if refused and number >= tries:
             break
         dest = dest_of(number)
-        done = run_pallet(*command, str(dest))
+        done = run_pallet(*command, named(dest))
         if done.returncode != 0:
             assert _changed(done) and "big" in done.stderr, done.stderr
             refused += 1
@@ -129,18 +129,6 @@ def test_an_individual_local_pull_never_lands_a_mix(rewritten, tmp_path):
 @pytest.mark.parametrize("rewritten", [64 << 20], indirect=True, ids=["64MiB"])
 def test_an_individual_push_over_ssh_never_lands_a_mix(rewritten, tmp_path, sshd):
     flags = [f"--ssh-option={option}" for option in sshd.ssh_options]
-    refused = 0
-    for number in range(MAX_TRIES):
-        if refused and number >= TRIES:
-            break
-        dest = tmp_path / f"dest{number}"
-        done = run_pallet("push", "--quiet", "--strategy", "individual", *flags, str(rewritten),
-                          sshd.url(str(dest)))
-        if done.returncode != 0:
-            assert _changed(done) and "big" in done.stderr, done.stderr
-            refused += 1
-            continue
-        assert _uniform(dest / "big"), "an individual push exited 0 with a file mixing two versions"
-        assert not os.path.exists(dest / ".pallet")
+    refused = _individual_runs(["push", "--quiet", "--strategy", "individual", *flags, str(rewritten)],
+                               lambda number: tmp_path / f"dest{number}", named=lambda dest: sshd.url(str(dest)))
     assert refused, "the writer never stops, so some read must have seen the file change"
-
