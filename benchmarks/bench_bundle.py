@@ -183,7 +183,7 @@ def code_version() -> str:
 def pallet_cmd() -> list[str]:
     """The `pallet` script of this interpreter's environment (or the module, if there is none)."""
     script = Path(sys.executable).with_name("pallet")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "staging_core.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "staging_core.cli.main"]
 
 
 def wait_for_idle(limit: float, threshold: float = 0.1) -> float:

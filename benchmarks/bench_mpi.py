@@ -58,7 +58,7 @@ def timed(series: Series, command: list[str], shell_pipeline: list[list[str]] | 
 
 def measure(src: Path, work: Path, repeat: int) -> dict[str, Series]:
     bundle, tarball = work / "w1.tar.zst", work / "w1-peer.tar.zst"
-    subprocess.run([sys.executable, "-m", "staging_core.cli", "pack", "-q", str(src), str(bundle)],
+    subprocess.run([sys.executable, "-m", "staging_core.cli.main", "pack", "-q", str(src), str(bundle)],
                    check=True, env=ENV, stdout=subprocess.DEVNULL)
     with open(tarball, "wb") as out:
         tar = subprocess.Popen(["tar", "-C", str(src), "-cf", "-", "."], stdout=subprocess.PIPE)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bundle import child_env, code_version, pallet_cmd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from staging_core.demo import make_tree  # noqa: E402
+from staging_core.cli.demo import make_tree  # noqa: E402
 
 TARGET_INSIDE = 0.9
 

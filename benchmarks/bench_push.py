@@ -21,7 +21,7 @@ from workloads import KIB, MIB, MixedWorkload, Workload, common_parser, ensure_w
 
 PALLET_AUTO, STREAM, RSYNC = "pallet push (auto)", "tar | zstd | ssh | zstd -d | tar x", "rsync -a over ssh"
 PALLET_GRIDFTP, GRIDFTP_PEER, SCP = "pallet push bundle over GridFTP", "globus-url-copy -r -pp -cc 16", "scp"
-PALLET_PLAIN = "pallet push bundle, far side without pallet (plain tools)"
+PALLET_PLAIN = "pallet push bundle, far side without pallet (tar tools)"
 VERIFIED_FLOOR = "the same stream, ns mtimes, md5sum -c there (verified floor)"
 PALLET_PULL, STREAM_PULL, RSYNC_PULL = "pallet pull (auto)", "ssh 'tar | zstd' | zstd -d | tar x", "rsync -a pull"
 
@@ -140,7 +140,7 @@ def targets(result: Headline) -> list[Target]:
         Target("W1 pallet push (auto) / tar|zstd|ssh stream", ratio(w1[PALLET_AUTO], w1[STREAM]), 1.0,
                note=", ".join(routes)),
         Target("W1 pallet push (auto) / rsync -a", ratio(w1[PALLET_AUTO], w1[RSYNC]), 0.8),
-        Target("W1 plain-tools route (verified) / tar|zstd|ssh stream", ratio(w1[PALLET_PLAIN], w1[STREAM]), 1.2,
+        Target("W1 tar-tools route (verified) / tar|zstd|ssh stream", ratio(w1[PALLET_PLAIN], w1[STREAM]), 1.2,
                note=", ".join(sorted({str(a.summary.get("route")) for a in w1[PALLET_PLAIN].attempts if a.summary}))),
         Target("W1 globus-url-copy -r -pp -cc 16 / pallet bundle over GridFTP",
                ratio(w1[GRIDFTP_PEER], w1[PALLET_GRIDFTP]), 10.0, at_least=True),

@@ -203,7 +203,7 @@ def _timed(argv: list[str], **kwargs) -> tuple[float, subprocess.CompletedProces
 def pallet_push(rig: Rig, strategy: str = "auto", profile: str | None = None,
                 gridftp: bool = False, plain: bool = False) -> Callable[[Path, Path], Outcome]:
     """`pallet push --json` over ssh (or to the GridFTP server, unpacked through ssh) with these options;
-    ``plain`` names no Python with pallet, so that the far side's own tar is used (the plain-tools route; its probe
+    ``plain`` names no Python with pallet, so that the far side's own tar is used (the tar-tools route; its probe
     is cached per host, so only the first run pays for it)."""
     def run(src: Path, dest: Path) -> Outcome:
         argv = [*pallet_cmd(), "push", "--quiet", "--json", "--strategy", strategy]
@@ -265,7 +265,7 @@ def stream_peer(rig: Rig, tap: list[str] | None = None) -> Callable[[Path, Path]
 def verified_stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     """The verified floor: the hand-made stream with nanosecond mtimes (pax headers, as pallet's bundles carry
     them), then `md5sum -c` at the far side against a list of the source's files made before the clock starts
-    (bench_plain.py explains the floor)."""
+    (bench_tar_tools.py explains the floor)."""
     def run(src: Path, dest: Path) -> Outcome:
         listing = md5_list(src, src.parent / f"{src.name}.md5")
         remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | {shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"

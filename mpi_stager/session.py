@@ -26,7 +26,7 @@ OK = b"ok\n"
 DECLINED = b"declined\n"      # the answer to ``receive-new`` in a DEST that holds something
 
 # Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target,
-# inode, links, path (staging_core.plain.parse_records reads them; its far-side scripts run the same find).
+# inode, links, path (staging_core.routes.tar_tools.parse_records reads them; its far-side scripts run the same find).
 LISTING_ARGV = ("find", ".", "-mindepth", "1", "-path", "./" + STATE_DIR, "-prune", "-o",
                 "-printf", r"%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0")
 

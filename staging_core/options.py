@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .planner import LARGE_FILE_BYTES, Candidate, Plan
+from staging_core.planning.planner import LARGE_FILE_BYTES, Candidate, Plan
 
 STRATEGIES = ("auto", "individual", "bundle", "hybrid")
 STREAM_MODES = ("auto", "on", "off")
@@ -49,7 +49,7 @@ class StagingOptions:
     pack_via      ssh URL of a host that sees a pull source's file system and packs there.
     retries       attempts after the first for errors marked retryable (network trouble).
     progress      draw per-stage progress on stderr (None: only on a terminal).
-    reprobe       probe an ssh far side again instead of using its cached findings (staging_core.probe).
+    reprobe       probe an ssh far side again instead of using its cached findings (staging_core.far_side.probe).
     delete        after a whole-tree push, remove what DEST holds that the source lacks.
     dry_run       push and pull: list what would be sent or fetched (and deleted), change nothing.
     checksum      when comparing with DEST, also compare by md5 the files whose size, mtime and mode match.
@@ -121,7 +121,7 @@ PlanningOptions = _group_class(
     ("strategy", "codec", "shard_size", "large_file_bytes", "profile", "jobs"))
 RoutingOptions = _group_class(
     "RoutingOptions", "Where and how a bundle is unpacked or packed; each route checks its own "
-                      "(staging_core.route_registry).",
+                      "(staging_core.routes.registry).",
     ("stream", "unpack_via", "unpack_job", "job_options", "keep_packed", "pack_via"))
 FarSideOptions = _group_class(
     "FarSideOptions", "How pallet runs at the far side.", ("remote_python", "ranks", "launcher", "reprobe"))

@@ -216,7 +216,7 @@ def test_global_pax_headers_are_bounded_over_the_whole_archive(tmp_path):
 _READ_A_LISTING = """
 import io, sys, types
 from bundles.errors import PalletError
-from staging_core.far_session import _read_listing
+from staging_core.far_side.session import _read_listing
 block = open(sys.argv[1], "rb").read()
 far = types.SimpleNamespace(url="ssh://far/dest", process=types.SimpleNamespace(
     stdout=io.BytesIO(b"listing %d\\n" % len(block) + block)))

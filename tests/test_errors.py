@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bundles import PackOptions, pack
-from staging_core.cli import main
+from staging_core.cli.main import main
 from tests.conftest import run_pallet, snapshot
 
 NOBODY = 65534

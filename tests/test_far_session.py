@@ -19,9 +19,9 @@ from bundles.stream import FrameKind, FrameWriter
 from mpi_stager.send import begin_stream, prepare_source, send_stream
 from mpi_stager.session import DECLINED, HELLO, OK, encode_dirs, run_session
 from mpi_stager.summaries import decode
-from staging_core.far_session import FarSession
+from staging_core.far_side.session import FarSession
 from staging_core.options import StagingOptions
-from staging_core.plain import parse_records
+from staging_core.routes.tar_tools import parse_records
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_endpoint
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet

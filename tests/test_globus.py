@@ -18,7 +18,7 @@ from globus_sdk.testing import RegisteredResponse, load_response
 from globus_sdk.transport import RetryConfig
 
 from bundles.errors import UsageError
-from staging_core import cli
+from staging_core.cli import main as cli
 from staging_core.testing import ConformanceTarget, TransportConformance
 from staging_core.transports import globus as globus_module
 from staging_core.transports import globus_auth

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bundles.errors import Interrupted
-from staging_core import cli
+from staging_core.cli import main as cli
 
 _READ = "0"         # x86-64's read(2), as /proc/TID/syscall shows a thread blocked in it
 

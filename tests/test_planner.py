@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from staging_core.planner import DEFAULT_SPREAD, MIN_SPREAD, LinkProfile, TreeStats, plan, spread_of, typical
+from staging_core.planning.planner import DEFAULT_SPREAD, MIN_SPREAD, LinkProfile, TreeStats, plan, spread_of, typical
 
 LOOPBACK = LinkProfile("loopback", rtt_s=0.0001, bandwidth=1e9, per_file_s=9e-5, create_rate=30_000, is_default=False)
 WAN_40MS = LinkProfile("wan-40ms", rtt_s=0.04, bandwidth=100e6, per_file_s=2e-3, create_rate=30_000,
@@ -131,7 +131,7 @@ def test_a_plan_after_comparing_dest_says_what_is_left():
 
 
 def test_a_profile_keeps_its_spread_and_samples_through_toml(tmp_path, monkeypatch):
-    from staging_core.profiles import load_profile, save_profile
+    from staging_core.planning.profiles import load_profile, save_profile
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     saved = replace(LOOPBACK, spread_low=0.6, spread_high=2.5, per_file_samples=(1e-4, 2e-4), observed=2)
     save_profile(saved)
@@ -139,8 +139,8 @@ def test_a_profile_keeps_its_spread_and_samples_through_toml(tmp_path, monkeypat
 
 
 def test_observed_copies_replace_the_first_measurement_and_set_the_range(tmp_path, monkeypatch):
-    from staging_core.local_profile import FIRST_SPREAD, SAMPLE_WINDOW, observe
-    from staging_core.profiles import load_profile, save_profile
+    from staging_core.planning.local_profile import FIRST_SPREAD, SAMPLE_WINDOW, observe
+    from staging_core.planning.profiles import load_profile, save_profile
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     name = f"local-{os.stat(tmp_path).st_dev}"
     save_profile(replace(LinkProfile(), name=name, rtt_s=0.0, bandwidth=1e12, per_file_s=1e-3,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from staging_core.operations import push
+from staging_core.operations.push_pull import push
 from staging_core.options import StagingOptions
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 
@@ -70,7 +70,7 @@ def test_cli_push_and_clear_errors(sshd, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["individual", "bundle"])
 def test_pull_over_ssh(sshd, tmp_path, strategy):
-    from staging_core.operations import pull
+    from staging_core.operations.push_pull import pull
     src = tiny_tree(tmp_path / "remote_src", 1500)
     options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
     result = pull(sshd.url(src), str(tmp_path / "here"), options)
@@ -121,7 +121,7 @@ def test_a_stored_pull_leaves_no_bundle_at_the_source_and_sweeps_what_killed_pul
     import fcntl
     import glob
     import tempfile
-    from staging_core.operations import pull
+    from staging_core.operations.push_pull import pull
     from tests.servers import start_sshd
     far_tmp = tmp_path / "far-tmp"             # the far side's $TMPDIR, this test's alone (no other test's pulls)
     far_tmp.mkdir()

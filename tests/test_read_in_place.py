@@ -18,7 +18,7 @@ import pytest
 
 from bundles import Bundle, CorruptBundleError
 from bundles.view import BundleView
-from staging_core.remote_bytes import RemoteRanges
+from staging_core.in_place.remote_bytes import RemoteRanges
 from staging_core.transports.errors import TransportError
 from tests.conftest import assert_same_tree, make_files, run_pallet
 from tests.programs import SOURCE as SOURCE_DIR, program, user_env

@@ -141,8 +141,8 @@ def test_install_works_without_network_there_and_is_recorded(installed):
 def test_push_finds_the_recorded_pallet_at_once(installed, tmp_path):
     far, done = installed
     assert done.returncode == 0, done.stderr
-    assert far.pushed_before["route"].startswith("plain tools")        # no pallet there yet (and cached so)
-    assert not push(far, tmp_path)["route"].startswith("plain tools")  # the install dropped those findings
+    assert far.pushed_before["route"].startswith("tar tools")        # no pallet there yet (and cached so)
+    assert not push(far, tmp_path)["route"].startswith("tar tools")  # the install dropped those findings
 
 
 @pytest.mark.slow

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from staging_core.route_conformance import RouteCase, RouteConformance
-from staging_core.route_registry import registered_routes
+from staging_core.routes.conformance import RouteCase, RouteConformance
+from staging_core.routes.registry import registered_routes
 from staging_core.transports.base import Direction
 from tests.programs import program, user_env
-from tests.test_plain_route import bare  # noqa: F401  (the far side without pallet)
+from tests.test_tar_tools_route import bare  # noqa: F401  (the far side without pallet)
 from tests.test_routes import gsiftp_server, needs_gridftp, slurm, via_url  # noqa: F401
 
 
@@ -58,7 +58,7 @@ def remote_case(server, **extra) -> RouteCase:
 def plain_case(server) -> RouteCase:
     """A far side over ssh without pallet: its own tar and md5sum."""
     return RouteCase(far=server.url, flags=ssh_flags(server, with_pallet=False), env=user_env(),
-                     expect_route="plain tools", pallet=program("pallet"))
+                     expect_route="tar tools", pallet=program("pallet"))
 
 
 def gridftp_case(gridftp, sshd, *flags: str, expect_route: str = "") -> RouteCase:
@@ -86,7 +86,7 @@ class TestRemotePush(RouteConformance):
 
 
 class TestPlainToolsPush(RouteConformance):
-    route, direction = "plain-tools", Direction.PUSH
+    route, direction = "tar-tools", Direction.PUSH
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811
@@ -142,7 +142,7 @@ class TestRemotePull(RouteConformance):
 
 
 class TestPlainToolsPull(RouteConformance):
-    route, direction = "plain-tools", Direction.PULL
+    route, direction = "tar-tools", Direction.PULL
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811

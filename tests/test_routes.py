@@ -12,10 +12,10 @@ import pytest
 
 from bundles.errors import SourceError, UsageError
 from bundles.writer import PackOptions, pack
-from staging_core.operations import pull, push
+from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions
-from staging_core.routes import run_local
-from staging_core.slurm import (Poll, SlurmJobError, UnpackJob, batch_script, job_resources, launcher_tasks,
+from staging_core.routes.unpack import run_local
+from staging_core.far_side.slurm import (Poll, SlurmJobError, UnpackJob, batch_script, job_resources, launcher_tasks,
                                 submit, wait)
 from staging_core.transports.errors import TransportError
 from tests.conftest import assert_same_tree, run_pallet

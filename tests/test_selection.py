@@ -1,4 +1,4 @@
-"""staging_core.selection: a chosen set of files fetched or sent as one planned operation, over local and ssh."""
+"""staging_core.operations.selection: a chosen set of files fetched or sent as one planned operation, over local and ssh."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from bundles.errors import SourceError, UsageError
 from staging_core.options import StagingOptions
-from staging_core.selection import fetch, send
+from staging_core.operations.selection import fetch, send
 from tests.servers import count_invocations
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from staging_core.transports import Direction, open_transport
-from staging_core.operations import _with_retries
+from staging_core.operations.push_pull import _with_retries
 from staging_core.transports.errors import (AuthenticationError, HostUnreachableError, MissingDependencyError,
                                             RemoteDiskFullError, RemotePathMissingError, RemotePermissionError,
                                             StoppedBySignal, classify)

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from staging_core.operations import pull
+from staging_core.operations.push_pull import pull
 from staging_core.options import StagingOptions
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 

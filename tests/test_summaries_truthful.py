@@ -14,7 +14,7 @@ import pytest
 from staging_core.testing import assert_same_tree
 from tests.conftest import make_files, run_pallet
 from tests.programs import SOURCE
-from tests.test_plain_route import bare  # noqa: F401  (a far side without pallet: the plain-tools route)
+from tests.test_tar_tools_route import bare  # noqa: F401  (a far side without pallet: the tar-tools route)
 
 FILES = 60
 CHANGED = 3
@@ -58,7 +58,7 @@ ROUTES = [("local", "individual"), ("ssh", "individual"), ("ssh", "bundle"), ("b
 @pytest.mark.parametrize("where,strategy", ROUTES)
 def test_every_route_counts_files_sent_and_in_place_alike(request, tmp_path, command, where, strategy):
     """One rule everywhere: ``files`` sent + ``in_place`` = the source's files; a rerun that sends nothing says so
-    (the plain-tools route said "pushed 60 files ... 0 transfer(s)" with in_place 0; an individual pull from a
+    (the tar-tools route said "pushed 60 files ... 0 transfer(s)" with in_place 0; an individual pull from a
     far side without pallet said "pulled 60 files")."""
     src = tree(tmp_path / "src")
     far, options = far_url(request, where, tmp_path / "far")

@@ -1,6 +1,6 @@
 """A far side that prints on login (~/.bashrc, a ForceCommand banner): every route skips it, or names it and stops.
 
-Also here: a source file that changes during a plain-tools push is named as the source's fault, not the far
+Also here: a source file that changes during a tar-tools push is named as the source's fault, not the far
 side's tar's.
 """
 from __future__ import annotations
@@ -129,13 +129,13 @@ def pull(server: SSHServer, src: Path, dest, *flags: str) -> dict:
     return succeeded(pallet("pull", "--json", *flags, *ssh_flags(server), server.url(str(src)), str(dest)))
 
 
-def test_plain_tools_push_and_pull_skip_the_login_output(chatty, tmp_path):
+def test_tar_tools_push_and_pull_skip_the_login_output(chatty, tmp_path):
     src = make_nasty_tree(str(tmp_path / "src"))
     pushed = push(chatty, src, tmp_path / "there", "--strategy", "bundle", "--reprobe")
-    assert pushed["route"].startswith("plain tools"), pushed["route"]
+    assert pushed["route"].startswith("tar tools"), pushed["route"]
     assert_same_tree(src, tmp_path / "there")
     pulled = pull(chatty, tmp_path / "there", tmp_path / "back", "--strategy", "bundle")
-    assert pulled["route"].startswith("plain tools"), pulled["route"]
+    assert pulled["route"].startswith("tar tools"), pulled["route"]
     assert_same_tree(src, tmp_path / "back")
 
 
@@ -156,7 +156,7 @@ def test_individual_push_with_pallet_there_holds_its_session_past_the_login_outp
 def test_bundle_push_and_pull_with_pallet_there_stream_past_the_login_output(chatty, tmp_path):
     src = make_nasty_tree(str(tmp_path / "src"))
     pushed = push(chatty, src, tmp_path / "there", "--strategy", "bundle", *with_pallet())
-    assert pushed["route"] != "" and not pushed["route"].startswith("plain tools"), pushed["route"]
+    assert pushed["route"] != "" and not pushed["route"].startswith("tar tools"), pushed["route"]
     assert_same_tree(src, tmp_path / "there")
     pull(chatty, tmp_path / "there", tmp_path / "back", "--strategy", "bundle", *with_pallet())
     assert_same_tree(src, tmp_path / "back")
@@ -255,7 +255,7 @@ def test_rsync_run_first_on_a_talkative_connection_skips_the_login_output(chatty
 
 
 @pytest.mark.parametrize("chatty", ["bashrc"], indirect=True)
-def test_a_source_file_changing_during_a_plain_tools_push_is_named_as_the_sources_fault(chatty, tmp_path):
+def test_a_source_file_changing_during_a_tar_tools_push_is_named_as_the_sources_fault(chatty, tmp_path):
     """Not the far side's zstd (exit 3) that saw its stream cut: the local file, as a SourceError (exit 1)."""
     src, size = tmp_path / "src", 64 << 20
     src.mkdir()
@@ -290,7 +290,7 @@ def test_remote_install_and_the_push_that_finds_it_read_past_the_login_output(ch
         assert succeeded(done)["remote_python"] == str(chatty.home / "venv" / "bin" / "python")
         src = make_nasty_tree(str(tmp_path / "src"))
         pushed = push(chatty, src, tmp_path / "there", "--strategy", "bundle", "--reprobe")
-        assert not pushed["route"].startswith("plain tools"), pushed["route"]
+        assert not pushed["route"].startswith("tar tools"), pushed["route"]
         assert_same_tree(src, tmp_path / "there")
     finally:
         record.unlink(missing_ok=True)          # the other tests' far side has no pallet

@@ -21,9 +21,9 @@ from bundles.verify import verify_bundle, verify_tree
 from bundles.writer import PackOptions, pack
 from mpi_stager.comm import SerialComm
 from mpi_stager.unpack import StagerOptions, unpack_parallel
-from staging_core.operations import pull, push
+from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions
-from staging_core.selection import fetch, send
+from staging_core.operations.selection import fetch, send
 from staging_core.testing import normalize_groups, snapshot
 
 PACKAGES = ("bundles", "mpi_stager", "staging_core", "snakemake_storage_plugin_pallet", "pallet_parsl")

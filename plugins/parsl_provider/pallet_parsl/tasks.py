@@ -191,7 +191,7 @@ def unpack_batch(moved: Moved, how: UnpackPlan, _parsl_staging_inhibit: bool = T
 def send_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
                parsl_resource_specification: dict | None = None) -> BatchDone:
     """The task of an outgoing batch: send the outputs of the apps that succeeded (``spec.items``) to
-    ``remote_root`` in one planned operation (staging_core.selection.send: rsync skips what is already
+    ``remote_root`` in one planned operation (staging_core.operations.selection.send: rsync skips what is already
     there, a bundle is unpacked by the destination's route, resumably). Raises BatchError."""
     started = time.monotonic()
     if not spec.items:
@@ -232,7 +232,7 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
 
 def _move(spec: BatchSpec, stream: bool) -> Moved:
     """The move task's work: the source opened and the batch planned (staging_core's pull phases); files
-    fetched into ``local_root`` (individually, streamed, or by the plain-tools route), or a bundle of them
+    fetched into ``local_root`` (individually, streamed, or by the tar-tools route), or a bundle of them
     packed at the source and brought into ``state_root/incoming-ID/`` for the unpack task."""
     options = _fetch_options(spec)
     with OpenSource(spec.remote_root, options) as source:

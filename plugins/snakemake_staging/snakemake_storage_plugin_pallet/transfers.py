@@ -54,7 +54,7 @@ class Stager:
 
     ``retrieve(requests)`` / ``store(requests)`` group the requests by
     location (host, and top-level directory so that no operation is rooted
-    at ``/``) and run one ``staging_core.selection.fetch`` / ``send`` per
+    at ``/``) and run one ``staging_core.operations.selection.fetch`` / ``send`` per
     group, rooted at the deepest directory the group's objects share. A
     retrieval lands in a scratch directory under ``scratch_root`` and is
     renamed into each object's local path only when the whole group is

@@ -1,0 +1,1 @@
+"""The `pallet` command line: its commands, their arguments and what they print."""

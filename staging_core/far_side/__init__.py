@@ -1,0 +1,1 @@
+"""The far-side client: sessions, streams, probes and installs at an ssh host."""

@@ -1,0 +1,336 @@
+"""A push's far side over one ssh channel: `mpi_stager session` holds DEST's lock, lists DEST, receives, tidies."""
+from __future__ import annotations
+
+import shlex
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from bundles.errors import DestinationLocked, PalletError, StreamError
+from bundles.index import decode_zstd_bounded
+from bundles.stream import decode_resume_reply
+from mpi_stager.send import BegunStream, StreamSource, begin_stream
+from mpi_stager.session import (DECLINED, HELLO, HELLO_PREFIX, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest,
+                                encode_dirs)
+from mpi_stager.summaries import ReceiveSummary, decode
+
+from staging_core.operations.locking import DestinationLock, locked_error
+from staging_core.options import StagingOptions
+from staging_core.routes.tar_tools import FarEntry, parse_records
+from staging_core.far_side.streaming import FarStager
+from staging_core.transports.base import Endpoint, Transport
+
+_USAGE_ERROR = 2
+_MAX_LISTING_HEADER = 64
+_OFFER_GRACE_S = 5
+
+
+class SessionUnavailable(PalletError):
+    """The far side's pallet has no `mpi_stager session` (an older version): the caller locks and lists with
+    separate commands instead."""
+
+
+class FarSession:
+    """``remote_python -m mpi_stager session DEST`` over ``transport`` (ssh): DEST's lock, its listing, bundle
+    streams, directory times and the final clean-up, all on one channel (docs/bundle-format.md §8).
+
+    Entering it makes DEST and locks it (DestinationLocked at once if another
+    operation holds it, or with ``wait`` once free); with ``listing`` the
+    far side's listing of DEST is read too (:meth:`entries`). The lock is
+    held until the session is closed. A stream that fails ends the session
+    there; the next :meth:`receiver` (a retry) starts a new one, locking
+    DEST again. The finishing requests (:meth:`set_directories`,
+    :meth:`clear`) are queued and sent with the session's end in one write,
+    so that they cost one round trip between them, not one each; their
+    errors are raised by :meth:`close`, and a session closed as failed
+    drops them unsent. SessionUnavailable when the far side's pallet predates
+    sessions (or speaks another session version); FarStagerError or
+    TransportError for other failures. ``supported`` is always True: it
+    stands in for a DestinationLock.
+
+    ``offer`` gives the stream a push would send into an empty DEST (None:
+    none), and is called once the far side is being started. That stream
+    is sent as ``receive-new`` at once, before the hello is read, so that its
+    skeleton travels while the far side starts and lists DEST;
+    :attr:`offer_taken` then says whether the far side found DEST empty and
+    receives it (the first :meth:`receiver` goes on with it) or declined
+    it; :attr:`declined_bytes` counts what a declined offer sent.
+    """
+
+    supported = True
+
+    def __init__(self, transport: Transport, endpoint: Endpoint, options: StagingOptions, wait: bool = False,
+                 listing: bool = False, offer: Callable[[], StreamSource | None] | None = None):
+        self.transport, self.endpoint, self.options, self.wait = transport, endpoint, options, wait
+        self._listing: bytes | None = None
+        self._begun: BegunStream | None = None
+        self.declined_bytes = 0
+        self._far = self._start(listing, offer)
+        self.offer_taken = self._begun is not None
+        self._broken = False
+        self._streams = 0
+        self._queued: list[bytes] = []
+
+    def entries(self) -> dict[bytes, FarEntry] | None:
+        """DEST's entries as the session listed them (DEST/.pallet left out); None when DEST is marked
+        INCOMPLETE (it resumes from its journal) or was not listed."""
+        if self._listing is None or self._listing == NOT_COMPARABLE:
+            return None
+        return parse_records(self._listing)
+
+    def receiver(self, verify: bool) -> "SessionStream":
+        """Ask the session to receive a bundle stream; the returned stager's stdin takes it
+        (:func:`staging_core.far_side.streaming.stream_push`), and its summary is the session's answer."""
+        if self._broken:
+            self._far.close()
+            self._far = self._start(False)          # a retry: the last stream ended that session
+        self._broken = True                         # until the stream's summary has come back
+        begun, self._begun = self._begun, None
+        if begun is None:
+            self._send(SessionRequest("receive", verify))
+        self._streams += 1
+        unmarked = self._listing is not None and self._listing != NOT_COMPARABLE
+        return SessionStream(self, holds_no_shards=self._streams == 1 and unmarked, begun=begun)
+
+    def set_directories(self, entries: list[tuple[bytes, int, int]]) -> None:
+        """Queue: give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode and mtime."""
+        if entries:
+            payload = encode_dirs(entries)
+            self._queue(SessionRequest("dirs", size=len(payload)), payload)
+
+    def clear(self) -> None:
+        """Queue: remove DEST/.pallet, the lock still held."""
+        self._queue(SessionRequest("clear"))
+
+    def close(self, failed: bool = False) -> None:
+        """End the session: unless ``failed``, send the queued requests and check their answers; the far side
+        then releases DEST's lock and exits. Unless ``failed``, a far-side failure that nothing reported yet is
+        raised."""
+        queued, self._queued = self._queued, []
+        if not failed and queued:
+            self._send_all(queued)
+            self._far.close_input()
+            for _ in queued:
+                if self._far.process.stdout.readline() != OK:
+                    raise self._far.failure()
+        self._far.close()
+        if not failed and self._far.process.returncode != 0:
+            raise self._far.failure()
+
+    def __enter__(self) -> "FarSession":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            self._far.interrupt()                   # SIGINT, SIGTERM: the far side is not waited for
+        self.close(failed=kind is not None or self._broken)
+
+    def _start(self, listing: bool, offer: Callable[[], StreamSource | None] | None = None) -> FarStager:
+        far = FarStager(self.transport, session_argv(self.options, self.endpoint.path, self.wait, listing),
+                        self.endpoint.url())
+        offering = None
+        try:
+            source = offer() if offer is not None else None
+            offering = _Offer(far, source, self.options.verify) if source is not None else None
+            hello = far.process.stdout.readline()
+            if hello != HELLO:
+                if offering is not None:        # a far side of another version reads no offer: end it now
+                    offering.stop(kill=hello.startswith(HELLO_PREFIX))
+                raise self._refused(far, hello)
+            if listing:
+                self._listing = _read_listing(far)
+            if offering is not None:
+                self._begun, self.declined_bytes = offering.outcome(self._listing == b"")
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)    # SIGINT, SIGTERM: nothing is waited for
+            if interrupted:
+                far.interrupt()
+            if offering is not None:            # its write may wait on a far side that reads no more
+                offering.stop(kill=True, wait=not interrupted)
+            far.close(0)
+            raise
+        return far
+
+    def _refused(self, far: FarStager, hello: bytes) -> PalletError:
+        if hello.startswith(HELLO_PREFIX):      # another version: it would wait for requests it cannot serve
+            far.abandon()
+            far.close()
+            return SessionUnavailable(f"the far side's pallet speaks {hello.strip().decode(errors='replace')}, not "
+                                      f"{HELLO.strip().decode()}", self.endpoint.url())
+        far.close()
+        status = far.process.returncode
+        if status == DestinationLocked.exit_code:
+            return locked_error(self.endpoint)
+        if status == _USAGE_ERROR and "invalid choice: 'session'" in far.stderr_text():
+            return SessionUnavailable("the far side's pallet has no sessions", self.endpoint.url())
+        return far.failure()
+
+    def _send(self, request: SessionRequest, payload: bytes = b"") -> None:
+        self._send_all([request.encode() + payload])
+
+    def _send_all(self, requests: list[bytes]) -> None:
+        try:
+            self._far.process.stdin.write(b"".join(requests))
+            self._far.process.stdin.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._far.failure() from None
+
+    def _queue(self, request: SessionRequest, payload: bytes = b"") -> None:
+        if self._broken:
+            raise StreamError("the far-side session ended with a failed stream", self.endpoint.url())
+        self._queued.append(request.encode() + payload)
+
+
+class _Offer:
+    """``receive-new`` and a stream's prelude and skeleton written to a session on a thread of their own (the
+    far side reads them only after it has listed DEST, and the listing may fill the pipe the other way)."""
+
+    def __init__(self, far: FarStager, source: StreamSource, verify: bool):
+        self.far, self.source, self.verify = far, source, verify
+        self.begun: BegunStream | None = None
+        self._thread = threading.Thread(target=self._write, name="pallet-offer", daemon=True)
+        far.writer = self._thread
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            self.far.process.stdin.write(SessionRequest("receive-new", self.verify).encode())
+            self.begun = begin_stream(self.source, self.far.process.stdin)
+        except (OSError, ValueError):       # the far side went away: reading its answers says why
+            self.begun = None
+
+    def stop(self, kill: bool, wait: bool = True) -> None:
+        """End the offer's thread: a write blocked on a far side that will not read ends when the session is
+        abandoned (at once with ``kill``, else after a grace period in which a far side that exits ends it);
+        with ``wait``, for a grace period until it has ended (a daemon thread, it never holds pallet's exit)."""
+        if not kill:
+            self._thread.join(_OFFER_GRACE_S)
+        if self._thread.is_alive():
+            self.far.abandon()
+        if wait:
+            self._thread.join(_OFFER_GRACE_S)
+
+    def outcome(self, taken: bool) -> tuple[BegunStream | None, int]:
+        """Once the listing is read: ``(the begun stream, 0)`` when the far side takes it (``taken``: DEST listed
+        empty), else ``(None, the bytes offered)`` after reading its ``declined``."""
+        self._thread.join()
+        if self.begun is None:
+            raise self.far.failure()
+        if taken:
+            return self.begun, 0
+        if self.far.process.stdout.readline() != DECLINED:
+            raise self.far.failure()
+        return None, self.begun.wire.bytes_written
+
+
+class SessionStream:
+    """The stream side of a :class:`FarSession` as :func:`staging_core.far_side.streaming.stream_push` uses a
+    FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors.
+
+    ``holds_no_shards``: the session listed DEST unmarked, so no interrupted stream left shards there (a
+    receiver that finds no INCOMPLETE marker drops every journal, see bundles.state.untrusted_journals). The
+    sender then need not wait for the receiver's resume answer before its first shard: :meth:`handshake`
+    answers "none" at once, and a thread reads the answer as it comes (so that a long one never blocks the
+    receiver while the sender writes), which is checked before the summary. Were it to name shards anyway,
+    they are only received again.
+    """
+
+    def __init__(self, session: FarSession, holds_no_shards: bool = False, begun: BegunStream | None = None):
+        self.session, self.far = session, session._far
+        self.process = self.far.process
+        self.holds_no_shards, self.begun = holds_no_shards, begun
+        self._answer: threading.Thread | None = None
+        self._answer_line = b""
+        self._stream_id = ""
+
+    def handshake(self, stream_id: str) -> dict[int, bytes]:
+        if not self.holds_no_shards:
+            return self.far.handshake(stream_id)
+        self._stream_id = stream_id
+        self._answer = threading.Thread(target=self._read_answer, name="pallet-resume-answer", daemon=True)
+        self._answer.start()
+        return {}
+
+    def _read_answer(self) -> None:
+        """On the answer's thread: read its line, nothing else (the pipes and errors are the caller's)."""
+        try:
+            self._answer_line = self.process.stdout.readline()
+        except (OSError, ValueError):        # the caller closed the pipe after a failure it reports
+            self._answer_line = b""
+
+    def summary(self) -> ReceiveSummary:
+        """The receiver's summary line; the session is then ready for its next request. No line: the far side's
+        error; a line that is no receive summary: SummaryError (the session then ends)."""
+        self.process.stdin.flush()
+        if self._answer is not None:
+            self._answer.join()
+            if not self._answer_line:
+                raise self.failure()
+            decode_resume_reply(self._answer_line, self._stream_id, self.far.url)
+        line = self.process.stdout.readline()
+        if not line.strip():
+            raise self.failure()
+        summary = decode(line, "receive", self.far.url)
+        self.session._broken = False
+        return summary
+
+    def failure(self) -> PalletError:
+        return self.far.failure()
+
+    def interrupt(self) -> None:
+        """On an interrupt: stop the session's far side at once (see FarStager.interrupt)."""
+        self.far.interrupt()
+
+    def close(self) -> None:
+        """Nothing to do: the session outlives its streams (a failed one ends when the session is closed)."""
+
+
+def session_argv(options: StagingOptions, dest: str, wait: bool, listing: bool) -> list[str]:
+    """The far-side command: ``remote_python -m mpi_stager session [--wait] [--list] DEST``."""
+    flags = (["--wait"] if wait else []) + (["--list"] if listing else [])
+    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "session", *flags, dest]
+
+
+def _read_listing(far: FarStager) -> bytes:
+    header = far.process.stdout.readline(_MAX_LISTING_HEADER)
+    tag, _, size = header.strip().partition(b" ")
+    if tag != LISTING_TAG or not size.isdigit():
+        raise far.failure() if not header else StreamError(f"unexpected session reply {header[:40]!r}", far.url,
+                                                            "run the same pallet version on both sides")
+    block = _read_declared(far.process.stdout, int(size))
+    if len(block) != int(size):
+        raise far.failure()
+    return decode_zstd_bounded(block, far.url, "the session's listing", StreamError, "rerun the push")
+
+
+def _read_declared(stream, size: int, chunk: int = 1 << 20) -> bytes:
+    """Up to ``size`` bytes of ``stream``, read a chunk at a time: memory follows the bytes that arrive, never
+    the size the far side declared."""
+    parts, got = [], 0
+    while got < size:
+        part = stream.read(min(chunk, size - got))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+@contextmanager
+def destination_lock(endpoint: Endpoint, transport: Transport, options: StagingOptions, session: bool,
+                     wait: bool, listing: bool, offer: Callable[[], StreamSource | None] | None = None
+                     ) -> Iterator[FarSession | DestinationLock]:
+    """DEST locked for one push: by a :class:`FarSession` when ``session`` (an ssh far side with pallet that
+    streams) and its pallet has sessions, else by a :class:`DestinationLock`. ``offer`` gives the stream the
+    session offers for an empty DEST (None: no offer; see FarSession)."""
+    if session:
+        try:
+            opened = FarSession(transport, endpoint, options, wait, listing, offer if listing else None)
+        except SessionUnavailable:
+            opened = None
+        if opened is not None:
+            with opened:
+                yield opened
+            return
+    with DestinationLock(endpoint, transport, wait) as lock:
+        yield lock

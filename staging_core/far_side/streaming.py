@@ -1,0 +1,313 @@
+"""Streamed bundles over ssh: a push feeds the far side's `mpi_stager receive`, a pull reads its `mpi_stager send`."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from bundles.errors import PalletError, StreamError
+from bundles.progress import Progress
+from bundles.stream import decode_resume_reply
+from bundles.scan import SourceTree
+from bundles.tarformat import Kind
+from mpi_stager.receive import read_skeleton, receive
+from mpi_stager.send import prepare_source, selection_block, send_stream
+from mpi_stager.summaries import RECEIVER_GONE, SOURCE_MISSING, ReceiveSummary, decode
+
+from staging_core.options import StagingOptions
+from staging_core.transports.base import Endpoint, Transport
+from staging_core.transports.errors import MissingDependencyError, RemotePathMissingError, classify
+
+_RESUME_HINT = "fix the cause and rerun: shards already finished are not sent again"
+_SSH_FAILED = 255
+_GRACE_SECONDS = 5
+
+
+class FarStagerError(PalletError):
+    """The far side's `mpi_stager receive` or `mpi_stager send` failed; the message is its own."""
+
+
+@dataclass(frozen=True)
+class StreamOutcome:
+    """What a streaming push or pull did: shards skipped (finished by an earlier run), stream bytes, seconds
+    per stage (push: 'scan', 'stream': pack ∥ wire ∥ unpack, 'finish'; pull: 'stream'), and the receiver's
+    summary (the far side's for a push, this side's for a pull)."""
+
+    skipped_shards: int
+    bytes_sent: int
+    stage_seconds: dict[str, float]
+    receiver: ReceiveSummary
+
+
+def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, options: StagingOptions,
+                progress: Progress, tree: SourceTree | None = None,
+                receiver: Callable[[], FarStager] | None = None) -> StreamOutcome:
+    """Push the tree under ``src`` to ``endpoint.path`` as a bundle stream and return what was done.
+
+    ``transport`` is open and can stream (ssh); ``remote_python -m mpi_stager
+    receive`` runs there reading the stream (docs/bundle-format.md, 'Bundle
+    stream v1'), with ``--no-verify`` unless ``options.verify``. Shards of
+    ``options.shard_size`` (None: automatic) are built by ``options.jobs``
+    local workers and written as each is ready, while the far side unpacks
+    the previous ones. Shards an earlier, interrupted run finished there are
+    still built (to learn their hashes) but only announced. The source is
+    only read. Raises FarStagerError with the far side's message when its
+    receiver fails, a TransportError when ssh does, and the local error (e.g.
+    SourceError) when packing fails — the far side then stops, marked incomplete.
+    ``tree`` is ``src`` already scanned (the planner's walk), reused as is.
+    ``receiver`` starts the far-side receiver instead (a push's far-side
+    session, staging_core.far_side.session); a stream the session offered and
+    the far side took (its ``begun``) goes on from its skeleton.
+    """
+    started = time.monotonic()
+    far = receiver() if receiver is not None else FarStager(transport, receive_argv(options, endpoint.path),
+                                                             endpoint.url())
+    begun = far.begun
+    source = begun.source if begun is not None else prepare_source(src, codec, options.jobs, options.shard_size, tree)
+    scanned = time.monotonic()
+    try:
+        report = send_stream(source, far.process.stdin, far.handshake, progress, begun)
+        sent = time.monotonic()
+        summary = far.summary()
+    except (BrokenPipeError, ConnectionResetError):
+        raise far.failure() from None
+    except KeyboardInterrupt:
+        far.interrupt()
+        raise
+    finally:
+        far.close()
+    seconds = {"scan": scanned - started, "stream": sent - scanned, "finish": time.monotonic() - sent}
+    return StreamOutcome(report.skipped_shards, report.bytes_sent, seconds, summary)
+
+
+def stream_pull(transport: Transport, endpoint: Endpoint, dest: str, codec: str, options: StagingOptions,
+                progress: Progress, items: Sequence[str] | None = None) -> StreamOutcome:
+    """Pull the tree at ``endpoint.path`` into local ``dest`` as a bundle stream and return what was done.
+
+    :class:`PullStream` begun and received at once; see there.
+    """
+    with PullStream(transport, endpoint, codec, options, items) as stream:
+        return stream.receive_into(dest, progress)
+
+
+class PullStream:
+    """A streamed pull begun: ``remote_python -m mpi_stager send`` started at the source over ``transport``
+    (ssh), and the stream's skeleton read — the tree's listing, which the planner can use instead of a
+    listing of its own.
+
+    :meth:`receive_into` then receives the rest into DEST as it arrives
+    (:func:`mpi_stager.receive.receive`: checked before anything is
+    written, each shard verified unless ``options.verify`` is off, and
+    journaled in DEST/.pallet, so a rerun after an interruption is sent
+    only the shards not finished here); the caller holds DEST's lock.
+    ``items`` (relative paths) sends only those and their parent
+    directories. Errors: FarStagerError with the sender's message when it
+    fails, a TransportError when ssh does, and the local error (unsafe
+    entries, damaged data, a full disk) otherwise; the sender then stops.
+    Closing a stream not received stops the sender.
+    """
+
+    def __init__(self, transport: Transport, endpoint: Endpoint, codec: str, options: StagingOptions,
+                 items: Sequence[str] | None = None):
+        self.started, self.verify = time.monotonic(), options.verify
+        selection = None if items is None else [os.fsencode(i) for i in items]
+        self.far = FarStager(transport, send_argv(options, endpoint.path, codec, selection is not None),
+                             endpoint.url())
+        try:
+            if selection is not None:
+                self.far.process.stdin.write(selection_block(selection))
+                self.far.process.stdin.flush()
+            self.opened = read_skeleton(self.far.process.stdout, f"stream from {endpoint.url()}")
+        except BaseException as exc:
+            self._fail(exc)
+
+    def file_sizes(self) -> list[int]:
+        """The sizes of the regular files the stream carries, from its skeleton."""
+        index = self.opened[1].index
+        return [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
+
+    def receive_into(self, dest: str, progress: Progress) -> StreamOutcome:
+        """Receive the stream into ``dest`` (see the class) and return what was done."""
+        try:
+            summary = receive(self.far.process.stdout, self.far.process.stdin, dest, self.verify, lock_held=True,
+                              progress=progress, opened=self.opened)
+        except BaseException as exc:
+            self._fail(exc)
+        self.far.close()
+        if self.far.process.returncode != 0:
+            raise self.far.failure()
+        return StreamOutcome(summary.shards_skipped, summary.stream_bytes,
+                             {"stream": time.monotonic() - self.started}, summary)
+
+    def close(self) -> None:
+        """Stop the sender if the stream was not received (it sees its receiver go away)."""
+        self.far.close(_GRACE_SECONDS)
+
+    def __enter__(self) -> "PullStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _fail(self, exc: BaseException):
+        """Raise the error behind ``exc``: the sender's own, or ``exc`` (see :meth:`FarStager.blame`). An error
+        of this side that is not about the stream itself (unsafe entries, damaged data, a full disk) is ours
+        alone: the sender is stopped at once."""
+        if isinstance(exc, PalletError) and not isinstance(exc, StreamError):
+            self.far.close(0)
+            raise exc
+        if isinstance(exc, PalletError):
+            error = self.far.blame(exc)
+        elif isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            error = self.far.blame(None)
+        elif isinstance(exc, KeyboardInterrupt):
+            self.far.interrupt()
+            raise exc
+        else:
+            self.far.close(_GRACE_SECONDS)
+            raise exc
+        self.far.close(_GRACE_SECONDS)
+        raise error from None
+
+
+def receive_argv(options: StagingOptions, dest: str) -> list[str]:
+    """The far-side command: ``remote_python -m mpi_stager receive --json --locked-by-caller [--no-verify] DEST``
+    (no launcher; the push holds DEST's lock)."""
+    verify = [] if options.verify else ["--no-verify"]
+    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "receive", "--json", "--locked-by-caller",
+            *verify, dest]
+
+
+def send_argv(options: StagingOptions, src: str, codec: str, selected: bool) -> list[str]:
+    """The far-side command of a streamed pull: ``remote_python -m mpi_stager send --codec C [--shard-size N]
+    [--jobs N] [--files-from -] SRC``; with ``selected``, the selection precedes the reply on its stdin."""
+    shards = [] if options.shard_size is None else ["--shard-size", str(options.shard_size)]
+    jobs = ["--jobs", str(options.ranks)] if options.ranks else []
+    selection = ["--files-from", "-"] if selected else []
+    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "send", "--codec", codec, *shards, *jobs,
+            *selection, src]
+
+
+class FarStager:
+    """``python -m mpi_stager receive``, ``send`` or ``session`` started over ``transport``: its pipes, summary
+    and errors."""
+
+    begun = None        # no stream was begun on it before it became a receiver (see far_session.SessionStream)
+    writer: threading.Thread | None = None      # a thread of the caller's that writes its input, if any
+
+    def __init__(self, transport: Transport, argv: list[str], url: str):
+        self.argv, self.url = argv, url
+        self.command = argv[argv.index("mpi_stager") + 1]
+        self.process: subprocess.Popen = transport.stream_into(argv)
+        self._stderr: list[bytes] = []
+        self._interrupted = False
+        self._drain = threading.Thread(target=lambda: self._stderr.append(self.process.stderr.read()),
+                                       name="pallet-far-stderr", daemon=True)
+        self._drain.start()
+
+    def handshake(self, stream_id: str) -> dict[int, bytes]:
+        """Read the receiver's first line: the shards (number -> hash) it already holds for ``stream_id``."""
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise self.failure()
+        return decode_resume_reply(line, stream_id, self.url)
+
+    def summary(self) -> ReceiveSummary:
+        """Close the stream, wait for the receiver and return its summary (its last stdout line; SummaryError
+        when that is none)."""
+        self.process.stdin.close()
+        output = self.process.stdout.read()
+        if self.process.wait() != 0:
+            raise self.failure()
+        return decode(output, "receive", self.url)
+
+    def failure(self) -> PalletError:
+        """The error the far side (or ssh) reported, once it has exited."""
+        self.close()
+        stderr = self.stderr_text()
+        status = self.process.returncode
+        if status == _SSH_FAILED:
+            return classify(stderr, status, self.argv, self.url, "ssh failed while streaming")
+        if self.command == "send" and status == SOURCE_MISSING:
+            return RemotePathMissingError("path does not exist", self.url, "check the remote path", self.argv,
+                                          status, stderr)
+        if "No module named mpi_stager" in stderr or "No module named 'mpi_stager'" in stderr:
+            return without_pallet(self.argv, self.url, stderr)
+        _, found, error = stderr.partition(f"mpi_stager {self.command}: error: ")
+        message = _without_hints(error) if found else (stderr[-2000:] or f"it exited with status {status}")
+        role = "sender" if self.command == "send" else "receiver"
+        return FarStagerError(f"the far side's {role} failed: {message}", self.url, _RESUME_HINT)
+
+    def stderr_text(self) -> str:
+        """What the far side wrote on stderr (complete once it has exited and :meth:`close` returned)."""
+        return b"".join(self._stderr).decode(errors="replace").strip()
+
+    def blame(self, local: PalletError | None) -> PalletError:
+        """After a failure seen here: the far side's own error if it failed (it is given a few seconds to
+        exit once its stdin is closed), else ``local``. A sender that saw its receiver go away exits with
+        RECEIVER_GONE: then the cause is here."""
+        self.close_input()
+        try:
+            status = self.process.wait(timeout=_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            status = None
+        if local is not None and status in (0, None, RECEIVER_GONE):
+            return local
+        return self.failure()
+
+    def close(self, timeout: float = 60) -> None:
+        """End our side of the stream and wait for the far side (killing ssh if it does not exit in time)."""
+        self.close_input()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.abandon()
+        self.process.stdout.close()
+        self._drain.join(0 if self._interrupted else _GRACE_SECONDS)   # a lingering far side holds its stderr
+
+    def abandon(self) -> None:
+        """Stop now, whatever the far side does: kill the local ssh and close our end of its output. (A
+        ControlMaster holds copies of ssh's pipes; with its output closed it closes the channel, and the far
+        side ends at its next write.) Our input is left to :meth:`close`: a thread may be writing it."""
+        self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+
+    def interrupt(self) -> None:
+        """On an interrupt (SIGINT, SIGTERM): end our input (unless ``writer`` still writes it) and :meth:`abandon`
+        the far side, stopping our read of its stderr too; it ends by itself as its input ends or its output
+        goes, and is not waited for."""
+        self._interrupted = True
+        self.close_input()
+        stop = getattr(self.process, "stop", None)      # ssh: also ends a read of its stderr that would wait
+        if stop is not None:
+            stop()
+        self.abandon()
+
+    def close_input(self) -> None:
+        """End our side of the stream (the far side sees end of input); nothing when that has happened, or while
+        ``writer`` (a thread writing our input) still runs: closing would wait for its write."""
+        if self.writer is not None and self.writer.is_alive():
+            return
+        try:
+            self.process.stdin.close()
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            pass
+
+
+def _without_hints(message: str) -> str:
+    """The far side's error without its hint lines (ours replace them)."""
+    return "\n".join(line for line in message.splitlines() if not line.lstrip().startswith("hint:")).strip()
+
+
+def without_pallet(argv: list[str], url: str, stderr: str) -> MissingDependencyError:
+    """The error of a far-side Python (``argv``'s, as ``--remote-python`` named it) that has no pallet."""
+    python = argv[argv.index("mpi_stager") - 2] if argv.index("mpi_stager") >= 2 else argv[0]
+    return MissingDependencyError(f"the far side's Python ({python}) has no pallet", url,
+                                  "drop --remote-python (pallet then uses the far side's own tar and md5sum), or "
+                                  "install pallet there: pallet remote install HOST", argv, None, stderr)

@@ -1,0 +1,1 @@
+"""push and pull: the pipeline (plan, open, strategy, finish) and the policy above the transports."""

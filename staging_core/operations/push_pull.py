@@ -1,0 +1,259 @@
+"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes — policy in one place."""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from bundles.errors import SourceError, UsageError
+from bundles.extract import prepare_destination
+from bundles.progress import NoProgress, Progress
+from bundles.scan import SourceTree, scan
+from bundles.state import remove_state
+
+from staging_core.operations.dry_run import pull_dry_run, push_dry_run
+from staging_core.planning.inventory import Inventory
+from staging_core.planning.local_profile import observe, uses_local_copy
+from staging_core.operations.locking import DestinationLock
+from staging_core.options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from staging_core.routes.pack import PublishedBundle
+from staging_core.routes.tar_tools import TarToolsRoute
+from staging_core.planning.planner import Plan
+from staging_core.operations.pull_phases import OpenSource, plan_pull
+from staging_core.operations.pull_strategies import PullContext, early_stream, pull_strategy
+from staging_core.operations.push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
+from staging_core.operations.push_strategies import PushContext, push_strategy
+from staging_core.operations.repair import (COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
+                     finish_local_pull, stamp_top)
+from staging_core.routes.registry import check_route_options
+from staging_core.operations.strategy_base import Attempt, check_stream_shard_size, resolve_strategy
+from staging_core.far_side.streaming import PullStream
+from staging_core.transports.base import Direction, Endpoint, Transport, check_destination, parse_url
+from staging_core.transports.errors import TransportError
+from staging_core.transports.registry import open_transport
+
+
+def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
+         progress: Progress | None = None, items: Sequence[str] | None = None) -> StagingResult:
+    """Move the tree under local ``src`` to ``dest_url`` and return what was done.
+
+    The planner picks individual, bundle or hybrid unless
+    ``options.strategy`` says; bundles stream into the far-side unpacker
+    when the transport can (ssh), else they are packed, sent with their
+    index in one transfer and unpacked by the destination's route. The
+    destination is locked for the whole push; errors marked retryable are
+    retried ``options.retries`` times, each attempt resuming (rsync skips
+    files already there, the unpack journal skips finished shards). The
+    source is only read. ``items`` (relative paths; see
+    staging_core.operations.selection) sends only those files and their parent
+    directories, stored and forwarded when bundled, and waits for the
+    destination's lock instead of failing. Raises UsageError for options
+    the destination cannot honour, DestinationLocked, TransportError or
+    PalletError naming the cause.
+    """
+    started = time.monotonic()
+    _check_options(options)
+    check_route_options(options, Direction.PUSH)
+    src = os.path.abspath(src)          # relative to the caller's working directory, as a command line means it
+    if not os.path.isdir(src):
+        raise SourceError("is not a directory" if os.path.exists(src) else "does not exist", src,
+                          "push a directory: pallet push DIR URL")
+    endpoint = parse_url(dest_url)
+    if items is None:
+        check_destination(endpoint, options.allow_root_dest)
+    include = None if items is None else frozenset(os.fsencode(i) for i in items)
+    if options.dry_run:
+        return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
+    walker = ThreadPoolExecutor(1, thread_name_prefix="pallet-walk")     # while ssh connects and locks
+    walking, interrupted = walker.submit(scan_and_survey, src, include, options.large_file_bytes), False
+    try:
+        with OpenDestination(endpoint, options, wait=items is not None, listing=include is None,
+                             walked=walking.result if include is None else None) as dest:
+            return _push_locked(*walking.result(), dest, progress, include, started)
+    except KeyboardInterrupt:               # SIGINT, SIGTERM: a walk still going is not waited for
+        interrupted = True
+        raise
+    finally:
+        walking.cancel()
+        walker.shutdown(wait=not interrupted)
+
+
+def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination, progress: Progress | None,
+                 include: frozenset[bytes] | None, started: float) -> StagingResult:
+    """push, once DEST is open and locked: compare and plan (:func:`plan_push`), run the strategy with retries,
+    then finish (:func:`finish_push`: deletions, directory times, DEST/.pallet cleared)."""
+    transport, endpoint, options, whole = dest.transport, dest.endpoint, dest.options, include is None
+    planned = dest.taken_plan or plan_push(dest, full, include, surveyed)
+    inventory, comparison = planned.inventory, planned.comparison
+    if not dest.lock.supported:
+        transport.mkdir(endpoint.path)      # the lock made DEST otherwise
+    if planned.nothing_to_send:
+        run, attempts = Attempt(route="already in place"), 0
+        inventory = Inventory(os.fsdecode(full.root), [], options.large_file_bytes)
+    else:
+        if comparison is not None:
+            delete_extra(transport, endpoint, comparison.stale, broad_ok=options.allow_root_dest)
+        session = dest.session
+        receiver = (lambda: session.receiver(options.verify)) if session is not None else None
+        context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
+                              planned.paths, options, progress or NoProgress(), planned.include, receiver,
+                              selection=not whole)
+        way = push_strategy(context, planned.strategy)
+        run, attempts = _with_retries(lambda: way.run(context), options.retries)
+    deleted = finish_push(dest, full, comparison, whole, planned.strategy)
+    declined = dest.session.declined_bytes if dest.session is not None else 0
+    result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started,
+                             comparison.in_place if comparison else 0), deleted=deleted, offered_bytes=declined)
+    if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,
+                                                                                      options.profile):
+        observe(endpoint.path, result.files, result.file_bytes, result.seconds)
+    return result
+
+
+def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
+         progress: Progress | None = None, items: Sequence[str] | None = None,
+         sizes: Sequence[int] | None = None) -> StagingResult:
+    """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
+
+    Individual: one batch transfer of the whole tree. Bundle from an ssh
+    source with pallet: streamed (``mpi_stager send`` there, received here
+    as it arrives, resumably; the planner reads the stream's skeleton as
+    its listing, and a plan for individual stops that sender). Other
+    bundles: the source's pack route (``mpi_stager pack`` over ssh with
+    ``--stream off`` or a launcher) writes a deterministic bundle, it comes
+    back with its index in one transfer and is unpacked here, resumably;
+    sources without remote execution (GridFTP, Globus) pack through
+    ``options.pack_via``. A hybrid plan runs as a bundle. Otherwise the
+    planner sees one remote listing; without a local sample it assumes the
+    data compresses to half. A ``src_url`` naming a bundle with its
+    ``.pidx`` beside it (a published bundle) is fetched and unpacked as
+    it is: the inventory comes from its index, nothing is planned or
+    packed. ``dest`` is locked for the whole pull. ``items`` (relative
+    paths; see staging_core.operations.selection) fetches only those, planned from
+    ``sizes`` when given (else from the listing), and waits for the lock.
+    """
+    started = time.monotonic()
+    _check_options(options)
+    check_route_options(options, Direction.PULL)
+    endpoint = parse_url(src_url)
+    local = Endpoint("file", os.path.abspath(dest))
+    whole, comparison = items is None, None
+    if whole:
+        check_destination(local, options.allow_root_dest)
+    if options.dry_run:
+        return pull_dry_run(endpoint, local.path, options, started)
+    with OpenSource(endpoint, options) as source, ExitStack() as stack:
+        transport, options, route, early = source.transport, source.options, source.route, None
+        if not isinstance(route, PublishedBundle):
+            comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
+                if whole else None
+            if comparison is not None:
+                items, sizes = comparison.to_fetch, comparison.sizes
+            early = early_stream(transport, endpoint, route, options, items) if sizes is None else None
+            if early is not None:
+                sizes = stack.enter_context(early).file_sizes()
+        inventory, chosen = plan_pull(source, local.path, items, sizes)
+        strategy = resolve_strategy(chosen, options, route, endpoint)
+        strategy = "bundle" if strategy == "hybrid" else strategy
+        if strategy == "individual" and whole and comparison is None and isinstance(route, TarToolsRoute):
+            comparison = _pull_comparison(transport, endpoint, None, local.path, options.checksum)  # not the tools'
+            if comparison is not None:
+                items = comparison.to_fetch
+                inventory = Inventory(endpoint.path, list(comparison.sizes), options.large_file_bytes)
+        if early is not None and strategy != "bundle":
+            early.close()                           # the plan is individual: that sender stops now
+        prepare_destination(local.path)     # DestinationError naming it when it cannot be made or written
+        with DestinationLock(local, open_transport(local), wait=not whole):
+            if comparison is not None and not comparison.to_fetch:
+                run, attempts = Attempt(route="already in place"), 0
+            else:
+                context = PullContext(source, local.path, progress or NoProgress(), items, whole=whole)
+                run, attempts = _with_retries(_pull_attempts(context, early if strategy == "bundle" else None,
+                                                             strategy), options.retries)
+            if comparison is None and whole and options.delete:        # a route that listed DEST itself
+                comparison = _listed_comparison(transport, endpoint, route, local.path)
+            deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
+            if whole:
+                remove_state(local.path)
+                _stamp_from_source(transport, endpoint, local)
+    return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started,
+                           comparison.in_place if comparison else 0), deleted=deleted)
+
+
+def _stamp_from_source(transport: Transport, endpoint: Endpoint, local: Endpoint) -> None:
+    """Give a whole pull's DEST the source root's mtime, from a stat of it where that is exact (local and ssh
+    sources; not a published bundle, a file)."""
+    if endpoint.scheme in COMPARABLE_SCHEMES:
+        root = transport.stat(endpoint.path)
+        if root is not None and root.kind == "d":
+            stamp_top(transport, local, root.mtime_ns)
+
+
+def _pull_attempts(context: PullContext, begun: PullStream | None, planned: str) -> Callable[[], Attempt]:
+    """One attempt of the pull's strategy per call: the first one receives the stream ``begun`` before planning
+    (if any), later ones start their own."""
+    waiting = [begun] if begun is not None else []
+
+    def attempt() -> Attempt:
+        ctx = replace(context, begun=waiting.pop() if waiting else None)
+        return pull_strategy(ctx, planned).run(ctx)
+    return attempt
+
+
+def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
+                     checksum: bool) -> PullComparison | None:
+    """The local DEST compared with the source's listing, where a pull compares: ssh and local sources (their
+    listings carry exact mtimes), not through the tar-tools route (which lists and hashes itself)."""
+    if endpoint.scheme not in COMPARABLE_SCHEMES or isinstance(route, TarToolsRoute) or not os.path.isdir(dest):
+        return None
+    hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if checksum else None
+    return compare_with_local(transport.list(endpoint.path), dest, hashes)
+
+
+def _listed_comparison(transport: Transport, endpoint: Endpoint, route, dest: str) -> PullComparison | None:
+    """After a whole pull whose route compared nothing, DEST against the source (DEST's marker is the pull's
+    own): from the bundle's index for a published bundle, else from a listing where one carries exact times."""
+    if isinstance(route, PublishedBundle):
+        return PullComparison(extra=extra_entries(dest, route.paths))
+    listed = transport.list(endpoint.path)
+    if endpoint.scheme in COMPARABLE_SCHEMES:
+        return compare_with_local(listed, dest, own_mark=True)
+    return PullComparison(extra=extra_entries(dest, {os.fsencode(entry.path) for entry in listed}))
+
+
+def _check_options(options: StagingOptions) -> None:
+    if options.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {options.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
+    if options.stream not in STREAM_MODES:
+        raise UsageError(f"unknown stream mode {options.stream!r}", hint=f"use one of {', '.join(STREAM_MODES)}")
+    if options.ranks < 0 or options.retries < 0:
+        raise UsageError("--ranks and --retries must not be negative")
+    check_stream_shard_size(options)
+
+
+def _with_retries(attempt, retries: int) -> tuple[Attempt, int]:
+    """Run ``attempt`` until it succeeds, retrying only retryable TransportErrors, with 1, 2, 4 ... s pauses."""
+    for number in range(retries + 1):
+        try:
+            return attempt(), number + 1
+        except TransportError as exc:
+            if not exc.retryable or number == retries:
+                raise
+            time.sleep(min(30, 2 ** number))
+    raise AssertionError("unreachable")
+
+
+def _result(dest: str, chosen: Plan, strategy: str, inventory: Inventory, run: Attempt, attempts: int,
+            started: float, in_place: int = 0) -> StagingResult:
+    """The summary, counted by one rule on every route: ``files`` (``file_bytes``) the regular files sent, i.e.
+    what the comparison with DEST left to send (``inventory``; all of them when DEST was not compared), or what
+    a route that compares DEST itself found differing; ``in_place`` those found at DEST as they are."""
+    files, file_bytes = len(inventory.sizes), inventory.stats.bytes
+    if run.files_sent is not None:
+        files, file_bytes, in_place = run.files_sent, run.file_bytes, run.in_place
+    return StagingResult(dest, chosen, strategy, run.route, files, file_bytes, run.transfers,
+                         time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts, run.bytes_sent,
+                         in_place)

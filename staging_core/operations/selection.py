@@ -1,0 +1,64 @@
+"""Stage a selection of files under one root as one planned operation: the API the workflow plugins call."""
+from __future__ import annotations
+
+import posixpath
+from typing import Sequence
+
+from bundles.errors import UsageError
+from bundles.progress import Progress
+
+from staging_core.operations.push_pull import pull, push
+from staging_core.options import StagingOptions, StagingResult
+
+
+def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: StagingOptions = StagingOptions(),
+          sizes: Sequence[int] | None = None, progress: Progress | None = None) -> StagingResult:
+    """Bring ``items`` (paths relative to ``src_root_url``) to ``dest_root/<item>`` in one planned operation.
+
+    The tree below the root is kept (``a/b.csv`` lands at
+    ``dest_root/a/b.csv``) with the remote modes and mtimes; an item that
+    is a directory brings everything under it. The planner decides:
+    individual is one batch transfer of just these items; bundle has the
+    source's pack route pack just these items (``mpi_stager pack
+    --files-from -`` over ssh, ``--pack-via`` for GridFTP/Globus), fetches
+    bundle + index in one transfer and unpacks them here, verified and
+    resumable. ``sizes`` (in the order of ``items``) spares the remote
+    listing the planner otherwise needs. Fetches into one ``dest_root``
+    queue on its lock. Raises UsageError for items that are not relative
+    paths inside the root, SourceError naming missing items, TransportError
+    or PalletError naming the cause; result.transfers counts transfers.
+    """
+    names = clean_items(items)
+    if sizes is None:
+        return pull(src_root_url, dest_root, options, progress, names)
+    if len(sizes) != len(items):
+        raise UsageError(f"{len(sizes)} sizes for {len(items)} items", hint="give one size per item, or none")
+    by_name: dict[str, int] = {}
+    for item, size in zip(items, sizes):
+        by_name.setdefault(posixpath.normpath(item), size)
+    return pull(src_root_url, dest_root, options, progress, names, [by_name[name] for name in names])
+
+
+def send(src_root: str, items: Sequence[str], dest_root_url: str, options: StagingOptions = StagingOptions(),
+         progress: Progress | None = None) -> StagingResult:
+    """Send local ``src_root/<item>`` to ``dest_root_url/<item>`` in one planned operation; the mirror of
+    :func:`fetch` (bundles are stored and forwarded, then unpacked by the destination's route)."""
+    return push(src_root, dest_root_url, options, progress, clean_items(items))
+
+
+def clean_items(items: Sequence[str]) -> list[str]:
+    """Normalised, de-duplicated relative paths in their first order; UsageError names any that leave the root."""
+    cleaned, seen, bad = [], set(), []
+    for item in items:
+        name = posixpath.normpath(item)
+        if not item or posixpath.isabs(name) or name == "." or name == ".." or name.startswith("../"):
+            bad.append(item)
+        elif name not in seen:
+            seen.add(name)
+            cleaned.append(name)
+    if bad:
+        raise UsageError(f"not a relative path inside the root: {', '.join(map(repr, bad[:5]))}",
+                         hint="give paths relative to the root URL, without '..'")
+    if not cleaned:
+        raise UsageError("nothing selected", hint="give at least one path")
+    return cleaned

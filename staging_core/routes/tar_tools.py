@@ -1,0 +1,294 @@
+"""The tar-tools route: a bundle streamed into the far side's own tar (zstd or gzip there), checked with md5sum."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+from binascii import unhexlify
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+from bundles.errors import SourceError
+from bundles.scan import SourceTree
+from bundles.tarformat import Kind
+from mpi_stager.session import LISTING_ARGV
+
+from staging_core.transports.base import Transport
+
+MD5_CHUNK = 256                  # files per local hashing task
+ROUNDS = 2                       # a file still wrong after this many sends is an error
+
+# Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target, inode,
+# links, path (what parse_records reads). The scripts that list a far-side tree all use it, as does the session.
+FIND_RECORDS = shlex.join(LISTING_ARGV)
+
+# $1 DEST; md5 of the NUL-separated ./names on stdin (none when stdin is empty).
+# Prints find records (type, mode, mtime, size, link target, inode, links, path; NUL-terminated), an "E" record, then md5sum lines.
+# Both scripts hold a flock on DEST/.pallet: a far-side tar outlives a push killed with -9 until its input ends.
+_MANIFEST = r"""
+cd -- "$1" 2>/dev/null || { printf 'E\0\0\0\0\0\0\0\0'; exit 0; }
+if [ -d .pallet ] && [ ! -L .pallet ]; then     # wait for a tar of a killed push that is still writing
+  exec 9<.pallet; flock -w 600 9 || { echo "pallet: an earlier transfer into $1 is still running" >&2; exit 6; }
+fi
+""" + FIND_RECORDS + r"""
+printf 'E\0\0\0\0\0\0\0\0'
+xargs -0 -r md5sum --
+"""
+
+DECODERS = {"zstd": "zstd -dc", "gzip": "gzip -dc", "none": "cat"}
+COMPRESSORS = {"zstd": "zstd -q -c", "gzip": "gzip -c", "none": "cat"}
+
+
+@dataclass(frozen=True)
+class FarEntry:
+    """One entry of the far side's tree as `find -printf` reports it."""
+
+    kind: str            # f, d, l (or another find %y letter)
+    mode: int
+    mtime_ns: int
+    size: int
+    target: bytes
+    inode: int = 0
+    links: int = 1
+
+
+@dataclass
+class FarTree:
+    """The far side's entries (relative paths as bytes) and the md5 digests it computed."""
+
+    entries: dict[bytes, FarEntry] = field(default_factory=dict)
+    md5: dict[bytes, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TarToolsRoute(AbstractContextManager):
+    """Bundles go into the far side's own ``tar -x``, decoded there with ``codec``'s standard tool."""
+
+    host: str
+    codec: str
+    pulling: bool = False
+    streams = True
+
+    @property
+    def description(self) -> str:
+        tools = (f"tar -c | {COMPRESSORS[self.codec]} at {self.host}" if self.pulling
+                 else f"{DECODERS[self.codec]} | tar -x at {self.host}")
+        return f"tar tools ({tools}, checked with md5sum; `pallet remote install {self.host}` gives the faster " \
+               "pallet route)"
+
+    def cleanup(self) -> None:
+        """Nothing is left at the far side to remove (a pull's stream is never stored there)."""
+
+    def close(self) -> None:
+        """Nothing to release: the route runs through the push's own transport."""
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class TarToolsOutcome:
+    """What a tar-tools push or pull did: the regular files it found differing and sent (``files_sent``, of
+    ``file_bytes``; a file sent again in a later round counts once) and those it found in place, bytes moved,
+    rounds run, seconds per stage."""
+
+    files_sent: int = 0
+    file_bytes: int = 0
+    in_place: int = 0
+    bytes_sent: int = 0
+    rounds: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def tree_files(tree: SourceTree) -> set[bytes]:
+    """The paths of ``tree``'s regular files and hard links."""
+    index = tree.index
+    return {index.paths[i] for i in range(len(index)) if index.kinds[i] in (Kind.FILE, Kind.HARDLINK)}
+
+
+def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
+    """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt."""
+    index, same, entries = tree.index, [], far.entries
+    if not entries:
+        return same
+    kinds, mtimes, modes = index.kinds, index.mtimes, index.modes
+    for i, path in enumerate(index.paths):
+        there = entries.get(path)
+        if there is not None and there.kind == "f" and kinds[i] in _FILE_KINDS \
+                and (there.size, there.mtime_ns, there.mode) == (_size(index, i), mtimes[i], modes[i] & 0o7777):
+            same.append(path)
+    return same
+
+
+def far_tree(transport: Transport, dest: str, hashed: list[bytes]) -> FarTree:
+    """List the tree at ``dest`` there, with the md5 of the files ``hashed`` names (relative paths)."""
+    names = b"".join(b"./" + path + b"\0" for path in hashed)
+    return parse_far_tree(transport.run(["sh", "-c", _MANIFEST, "pallet-list", dest], stdin=names))
+
+
+def parse_far_tree(output: bytes) -> FarTree:
+    """The FarTree that the manifest script printed: find records, an "E" record, md5sum lines."""
+    records, _, sums = output.partition(b"E\0\0\0\0\0\0\0\0")
+    return FarTree(parse_records(records), parse_md5_lines(sums))
+
+
+def parse_records(records: bytes) -> dict[bytes, FarEntry]:
+    """Relative path -> FarEntry, from the NUL-terminated fields `find -printf` gave (8 per entry)."""
+    fields, entries = records.split(b"\0"), {}
+    for at in range(0, len(fields) - 7, 8):
+        kind, mode, mtime, size, target, inode, links, path = fields[at:at + 8]
+        entries[path] = FarEntry(kind.decode(), int(mode, 8), _mtime_ns(mtime), int(size), target, int(inode),
+                                 int(links))
+    return entries
+
+
+def parse_md5_lines(text: bytes) -> dict[bytes, bytes]:
+    """Relative path -> digest, from md5sum's lines for ``./name`` arguments."""
+    digests = {}
+    for line in text.split(b"\n"):         # only newlines end lines (older md5sum leaves a \r in names)
+        if not line:
+            continue
+        if line[32:36] == b"  ./" and not line.startswith(b"\\"):     # the usual line: DIGEST  ./NAME
+            digests[line[36:]] = unhexlify(line[:32])
+        else:
+            digest, name = _md5_line(line)
+            digests[name.removeprefix(b"./")] = digest
+    return digests
+
+
+def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, checked: set[bytes]) -> list[bytes]:
+    """Source entries the far tree lacks or holds otherwise (content compared for ``checked`` files only; a
+    directory differs in mode or mtime)."""
+    index, entries = tree.index, far.entries
+    if not entries:
+        return list(index.paths)
+    wanted, kinds, mtimes, modes = [], index.kinds, index.mtimes, index.modes
+    for i, path in enumerate(index.paths):
+        there = entries.get(path)
+        kind = kinds[i]
+        if there is None or there.kind != _FIND_KIND[kind]:
+            wanted.append(path)
+        elif kind == Kind.SYMLINK:
+            if there.target != index.links[i]:
+                wanted.append(path)
+        elif kind == Kind.DIR:
+            if there.mode != modes[i] & 0o7777 or there.mtime_ns != mtimes[i]:
+                wanted.append(path)
+        elif (there.size != _size(index, i) or there.mtime_ns != mtimes[i] or there.mode != modes[i] & 0o7777
+              or (path in checked and far.md5.get(path) != local_md5.get(path))):
+            wanted.append(path)
+    return wanted
+
+
+_FIND_KIND = {Kind.FILE: "f", Kind.HARDLINK: "f", Kind.DIR: "d", Kind.SYMLINK: "l"}   # by kind code (ints hash alike)
+_FILE_KINDS = frozenset((Kind.FILE, Kind.HARDLINK))
+
+
+def hash_local_files(tree: SourceTree, jobs: int, wanted: set[bytes]) -> dict[bytes, bytes]:
+    """md5 of the ``wanted`` files of ``tree`` (a hard link shares its group's), hashed by ``jobs`` workers."""
+    if not wanted:
+        return {}
+    index = tree.index
+    first = {index.paths[i]: (index.paths[index.link_groups[i]] if index.kinds[i] == Kind.HARDLINK else index.paths[i])
+             for i in range(len(index)) if index.paths[i] in wanted}
+    digests = md5_of(tree.root, sorted(set(first.values())), jobs)
+    return {path: digests[source] for path, source in first.items()}
+
+
+def md5_of(root: bytes, paths: list[bytes], jobs: int) -> dict[bytes, bytes]:
+    """md5 of each file ``paths`` (relative) names under ``root``, by ``jobs`` workers (0: automatic)."""
+    from bundles.parallel import jobs_for, pool_for
+    chunks = [MD5Chunk(root, paths[at:at + MD5_CHUNK]) for at in range(0, len(paths), MD5_CHUNK)]
+    workers = jobs_for(len(paths) * 2e-5, jobs)
+    digests: dict[bytes, bytes] = {}
+    with pool_for(None, workers) as pool:
+        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, workers == 1)):
+            digests.update(zip(chunk.paths, hashed))
+    return digests
+
+
+@dataclass(frozen=True)
+class MD5Chunk:
+    """A hashing task: files (relative, bytes) under ``root``."""
+
+    root: bytes
+    paths: list[bytes]
+
+
+def md5_files(chunk: MD5Chunk) -> list[bytes]:
+    """The md5 digests of ``chunk``'s files, read in 1 MiB pieces; a file that cannot be read is a SourceError."""
+    digests = []
+    for path in chunk.paths:
+        full = os.path.join(chunk.root, path)
+        hasher = hashlib.md5(usedforsecurity=False)
+        try:
+            with open(full, "rb") as handle:
+                while piece := handle.read(1 << 20):
+                    hasher.update(piece)
+        except OSError as exc:
+            raise SourceError(f"cannot read ({exc.strerror})", os.fsdecode(full), "check its permissions") from None
+        digests.append(hasher.digest())
+    return digests
+
+
+def _size(index, i: int) -> int:
+    return index.sizes[i] if index.kinds[i] == Kind.FILE else index.sizes[index.link_groups[i]]
+
+
+def _mtime_ns(text: bytes) -> int:
+    """find's ``%T@`` (seconds with a fraction) in ns; one int() for the usual, non-negative case."""
+    seconds, _, fraction = text.partition(b".")
+    if not seconds.startswith(b"-"):
+        return int(seconds + fraction[:9].ljust(9, b"0"))
+    return int(seconds) * 1_000_000_000 - int((fraction[:9] or b"0").ljust(9, b"0"))
+
+
+def _md5_line(line: bytes) -> tuple[bytes, bytes]:
+    """md5sum's ``DIGEST  NAME``; a leading backslash means NAME has \\\\, \\n or \\r escaped."""
+    escaped = line.startswith(b"\\")
+    digest, name = line[escaped:].split(b"  ", 1)
+    if escaped:
+        name = name.replace(b"\\\\", b"\0").replace(b"\\n", b"\n").replace(b"\\r", b"\r").replace(b"\0", b"\\")
+    return bytes.fromhex(digest.decode()), name
+
+
+def shown_names(paths: list[bytes]) -> str:
+    shown = ", ".join(os.fsdecode(p) for p in paths[:5])
+    return shown + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def with_link_groups(tree: SourceTree, wanted: list[bytes]) -> set[bytes]:
+    """``wanted`` plus every member of the hard-link groups it touches (tar links them only together)."""
+    index, chosen = tree.index, set(wanted)
+    if Kind.HARDLINK not in index.kinds:
+        return chosen
+    groups = {index.link_groups[i] if index.kinds[i] == Kind.HARDLINK else i
+              for i, path in enumerate(index.paths) if path in chosen}
+    for i in range(len(index)):
+        if index.kinds[i] == Kind.HARDLINK and index.link_groups[i] in groups:
+            chosen.update((index.paths[i], index.paths[index.link_groups[i]]))
+    return chosen
+
+def link_groups(tree: SourceTree) -> list[list[bytes]]:
+    """The names of each regular file of ``tree``, the first name first: one name, or a hard-link group's."""
+    index = tree.index
+    groups: dict[int, list[bytes]] = {i: [index.paths[i]] for i in index.positions(Kind.FILE)}
+    for i in index.positions(Kind.HARDLINK):
+        groups[index.link_groups[i]].append(index.paths[i])
+    return list(groups.values())
+
+
+def regrouped(groups: list[list[bytes]], entries: dict[bytes, FarEntry]) -> set[bytes]:
+    """The names of the files DEST holds linked otherwise than the source: a hard-link group's names on more
+    than one inode there, or an inode there with more (or fewer) names than the group, inside DEST or out of
+    it (a file sharing its inode with one outside DEST is written through when changed). A name DEST lacks, or
+    holds as another kind, is :func:`differing`'s; a listing without inodes says nothing here."""
+    wrong: set[bytes] = set()
+    for names in groups:
+        there = [entries.get(name) for name in names]
+        if any(entry is None or entry.kind != "f" or not entry.inode for entry in there):
+            continue
+        if len({entry.inode for entry in there}) != 1 or there[0].links != len(names):
+            wrong.update(names)
+    return wrong
+
