@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def first_byte(rig, src: Path, dest: Path, log: Path) -> tuple[float, float, dict]:
     """One push of ``src``: seconds to the far side's first shard frame, seconds in all, and its summary."""
     far_python = f"{sys.executable} {PROBE} {log} {sys.executable}"
-    argv = [*pallet_cmd(), "push", "--quiet", "--json", "--remote-python", far_python, str(src), rig.sshd.url(str(dest))]
+    argv = [*pallet_cmd(), "push", "--quiet", "--json", "--remote-python", far_python, str(src),
+            rig.sshd.url(str(dest))]
     started = time.time()
     done = subprocess.run(argv, env=rig.pallet_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
     total = time.time() - started

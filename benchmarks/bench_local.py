@@ -97,7 +97,8 @@ def run_place(label: str, place: Path, src: Path, repeat: int, dcp: str | None, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common_parser(__doc__)
-    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs to copy into (default: %(default)s)")
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"),
+                        help="a tmpfs to copy into (default: %(default)s)")
     parser.add_argument("--disk", type=Path, help="a directory on disk to copy into (default: the --workdir)")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -124,13 +124,17 @@ def measure_tree(figures: Figures, src: Path, names: list[str], sample: list[str
 
 
 def report(peers: list[Figures]) -> None:
-    print(f"\n{'':<22}{'ready s':>9}{'1st read s':>11}{'find s':>9}{'read all s':>11}{'random 1000 s':>14}{'files/s':>9}")
+    print(f"\n{'':<22}{'ready s':>9}{'1st read s':>11}{'find s':>9}{'read all s':>11}"
+          f"{'random 1000 s':>14}{'files/s':>9}")
     for f in peers:
         rate = RANDOM_FILES / median(f.random_read)
         print(f"{f.name:<22}{median(f.ready):9.3f}{median(f.first_read):11.3f}{median(f.find):9.3f}"
               f"{median(f.read_all):11.3f}{median(f.random_read):14.3f}{rate:9.0f}")
     pallet, tree = peers[0], peers[1]
-    verdict = lambda ok: "PASS" if ok else "MISS"
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
     ratio = median(pallet.read_all) / median(tree.read_all)
     print(f"\n{verdict(median(pallet.ready) <= TARGET_READY_S)} mount ready {median(pallet.ready):.3f} s "
           f"(target <= {TARGET_READY_S})")
@@ -140,7 +144,8 @@ def report(peers: list[Figures]) -> None:
           f"(target <= {TARGET_READ_ALL})")
     for peer in peers[2:]:
         print(f"pallet / {peer.name}: time to first read {median(pallet.first_read) / median(peer.first_read):.2f}, "
-              f"random reads {median(pallet.random_read) / median(peer.random_read):.2f} (seconds; lower is pallet faster)")
+              f"random reads {median(pallet.random_read) / median(peer.random_read):.2f} "
+              "(seconds; lower is pallet faster)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,16 +84,20 @@ def report(series: dict[str, Series]) -> dict[str, float]:
         print(f"{s.label:22s} {s.wall_median:14.2f} {s.inner_median:13.2f}  {runs}")
     ratios = {
         "unpack 2 ranks speed-up": series["unpack 1 rank"].inner_median / series["unpack 2 ranks"].inner_median,
-        "unpack 2 ranks speed-up, mpirun included": series["unpack 1 rank"].wall_median / series["unpack 2 ranks"].wall_median,
+        "unpack 2 ranks speed-up, mpirun included":
+            series["unpack 1 rank"].wall_median / series["unpack 2 ranks"].wall_median,
         "unpack 1 rank / zstd|tar": series["unpack 1 rank"].inner_median / series["zstd -dc | tar -x"].wall_median,
-        "unpack 1 rank / zstd|tar, mpirun included": series["unpack 1 rank"].wall_median / series["zstd -dc | tar -x"].wall_median,
+        "unpack 1 rank / zstd|tar, mpirun included":
+            series["unpack 1 rank"].wall_median / series["zstd -dc | tar -x"].wall_median,
         "pack 2 ranks speed-up": series["pack 1 rank"].inner_median / series["pack 2 ranks"].inner_median,
-        "pack 2 ranks speed-up, mpirun included": series["pack 1 rank"].wall_median / series["pack 2 ranks"].wall_median,
+        "pack 2 ranks speed-up, mpirun included":
+            series["pack 1 rank"].wall_median / series["pack 2 ranks"].wall_median,
     }
     print()
     for name, value in ratios.items():
         target = TARGETS.get(name) or (1.3 if name == "unpack 1 rank / zstd|tar" else None)
-        verdict = "" if target is None else ("PASS" if (value >= target if "speed-up" in name else value <= target) else "MISS")
+        verdict = "" if target is None else (
+            "PASS" if (value >= target if "speed-up" in name else value <= target) else "MISS")
         print(f"{name:45s} {value:6.2f}  {('target ' + str(target)) if target else '':12s} {verdict}")
     return ratios
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
              Case("512 x 2 MiB .tar.zst", args.workdir / "plain-512x2m.tar.zst", "--zstd")]
     middling = [many_files_tree(args.workdir / "plain-16384x64k", 16_384, 64 * KIB),
                 many_files_tree(args.workdir / "plain-512x2m", 512, 2 * MIB)]
-    for case, tree in zip(cases, [random_tree, zeros_tree, zeros_tree, small, small, *middling]):
+    for case, tree in zip(cases, [random_tree, zeros_tree, zeros_tree, small, small, *middling], strict=True):
         make_archive(tree, case.archive, case.tar_flag)
     print(f"code under test: {code_version()}; unpacking into {args.into}", flush=True)
     runs = Path(tempfile.mkdtemp(prefix="plain-archive-", dir=args.into))

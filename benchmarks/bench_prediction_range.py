@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=20_000, help="files in the tree (default %(default)s)")
     parser.add_argument("--runs", type=int, default=10, help="pushes per place (default %(default)s)")
     parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="a directory on disk (default %(default)s)")
-    parser.add_argument("--tmpfs-size", default="2G", help="size of the tmpfs mounted for the run (default %(default)s)")
+    parser.add_argument("--tmpfs-size", default="2G",
+                        help="size of the tmpfs mounted for the run (default %(default)s)")
     args = parser.parse_args(argv)
     print(f"code under test: {code_version()}; {args.files} files, {args.runs} pushes per place")
     point = mounted_tmpfs(args.tmpfs_size)

@@ -1,4 +1,5 @@
-"""Benchmark `pallet push` and `pallet pull` on an emulated WAN against tar|zstd|ssh, rsync -a, scp and globus-url-copy."""
+"""Benchmark `pallet push` and `pallet pull` on an emulated WAN against tar|zstd|ssh, rsync -a, scp and
+globus-url-copy."""
 from __future__ import annotations
 
 import argparse

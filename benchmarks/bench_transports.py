@@ -53,8 +53,9 @@ def pallet_gridftp(server, src: Path, dest: Path, concurrency: int) -> None:
 def measure_gridftp(server, src: Path, work: Path, repeat: int) -> dict[str, list[float]]:
     runs: dict[str, list[float]] = {"globus-url-copy -r -pp -cc 4": [], "pallet gridftp batch": []}
     for rep in range(repeat):
-        runs["globus-url-copy -r -pp -cc 4"].append(timed(lambda: gridftp_peer(server, src, work / f"gpeer-{rep}")))
-        runs["pallet gridftp batch"].append(timed(lambda: pallet_gridftp(server, src, work / f"gftp-{rep}", 4)))
+        runs["globus-url-copy -r -pp -cc 4"].append(
+            timed(lambda rep=rep: gridftp_peer(server, src, work / f"gpeer-{rep}")))
+        runs["pallet gridftp batch"].append(timed(lambda rep=rep: pallet_gridftp(server, src, work / f"gftp-{rep}", 4)))
     return runs
 
 
@@ -71,11 +72,12 @@ def measure(sshd, src: Path, work: Path, repeat: int) -> dict[str, list[float]]:
     runs: dict[str, list[float]] = {"rsync -a over ssh": [], "pallet ssh whole tree": [], "pallet ssh batch": [],
                                     "pallet parallel rsync x2": []}
     for rep in range(repeat):
-        runs["rsync -a over ssh"].append(timed(lambda: rsync_peer(sshd, src, work / f"peer-{rep}")))
-        runs["pallet ssh whole tree"].append(timed(lambda: pallet_push(sshd, src, work / f"tree-{rep}", None, 1)))
-        runs["pallet ssh batch"].append(timed(lambda: pallet_push(sshd, src, work / f"batch-{rep}", items, 1)))
+        runs["rsync -a over ssh"].append(timed(lambda rep=rep: rsync_peer(sshd, src, work / f"peer-{rep}")))
+        runs["pallet ssh whole tree"].append(
+            timed(lambda rep=rep: pallet_push(sshd, src, work / f"tree-{rep}", None, 1)))
+        runs["pallet ssh batch"].append(timed(lambda rep=rep: pallet_push(sshd, src, work / f"batch-{rep}", items, 1)))
         runs["pallet parallel rsync x2"].append(
-            timed(lambda: pallet_push(sshd, src, work / f"par-{rep}", items, 2)))
+            timed(lambda rep=rep: pallet_push(sshd, src, work / f"par-{rep}", items, 2)))
     return runs
 
 

@@ -12,6 +12,7 @@ stream: it copies stdin to stdout and writes the time its first byte came.
 """
 from __future__ import annotations
 
+import contextlib
 import struct
 import subprocess
 import sys
@@ -50,10 +51,8 @@ def main() -> int:
     except BrokenPipeError:
         pass
     finally:
-        try:
+        with contextlib.suppress(BrokenPipeError):
             out.close()
-        except BrokenPipeError:
-            pass
     return child.wait()
 
 

@@ -11,7 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from contextlib import ExitStack
 
@@ -268,8 +268,10 @@ def verified_stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
     (bench_tar_tools.py explains the floor)."""
     def run(src: Path, dest: Path) -> Outcome:
         listing = md5_list(src, src.parent / f"{src.name}.md5")
-        remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | {shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"
-                  f" && cd {shlex.quote(str(dest))} && {shlex.join(['md5sum', '--quiet', '--strict', '-c', str(listing)])}")
+        remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | "
+                  f"{shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"
+                  f" && cd {shlex.quote(str(dest))} && "
+                  f"{shlex.join(['md5sum', '--quiet', '--strict', '-c', str(listing)])}")
         return _timed_pipeline([[*POSIX_TAR, "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
                                 [*rig.sshd.ssh_argv(), rig.sshd.login, remote]], "verified stream")
     return run

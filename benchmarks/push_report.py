@@ -117,7 +117,7 @@ def _bars(ax, methods: list[Method], title: str) -> None:
     names = [m.name for m in methods]
     values = [m.median or 0.0 for m in methods]
     bars = ax.barh(names, values, color=["tab:blue" if m.name.startswith("pallet") else "tab:gray" for m in methods])
-    for bar, method in zip(bars, methods):
+    for bar, method in zip(bars, methods, strict=True):
         label = f"{method.median:.1f} s" if method.median is not None else "failed"
         ax.annotate(label, (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)

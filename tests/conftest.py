@@ -6,9 +6,9 @@ import glob
 import os
 import shutil
 import subprocess
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -79,7 +79,7 @@ def _holding(root: Path) -> Iterator[Path]:
     while True:
         root.mkdir(mode=0o755, exist_ok=True)
         try:
-            lock = open(root / "lock", "a")
+            lock = open(root / "lock", "a")  # noqa: SIM115 - entered by `with lock:` below; opened apart to retry
         except FileNotFoundError:        # removed by the last user between mkdir and open
             continue
         with lock:
@@ -116,10 +116,8 @@ def sweep_mpi_segments():
     before = set(glob.glob(pattern))
     yield
     for path in set(glob.glob(pattern)) - before - mapped_files():
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def mapped_files() -> set[str]:

@@ -1,4 +1,5 @@
-"""A local stand-in for Globus Transfer: `responses` callbacks that answer the real globus-sdk client and move real bytes."""
+"""A local stand-in for Globus Transfer: `responses` callbacks that answer the real globus-sdk client and move real
+bytes."""
 from __future__ import annotations
 
 import json
@@ -126,9 +127,11 @@ class GlobusStandIn:
         try:
             src = self.path(body["source_endpoint"], src_path)
         except PermissionError:
-            return self._skip(body, task, item, "PERMISSION_DENIED")
+            self._skip(body, task, item, "PERMISSION_DENIED")
+            return
         if not os.path.exists(src) or (item.get("recursive") is True) != os.path.isdir(src):
-            return self._skip(body, task, item, "FILE_NOT_FOUND" if not os.path.exists(src) else "NOT_A_FILE")
+            self._skip(body, task, item, "FILE_NOT_FOUND" if not os.path.exists(src) else "NOT_A_FILE")
+            return
         pairs = [(src, src_path, dst_path)] if not item.get("recursive") else self._walk(src, src_path, dst_path)
         for source, source_path, destination_path in pairs:
             try:
@@ -212,7 +215,8 @@ class GlobusStandIn:
         except PermissionError:
             return self._error(403, "EndpointPermissionDenied", "Denied by endpoint")
         if not os.path.isdir(real):
-            code = "ClientError.NotFound" if not os.path.lexists(real) else "ExternalError.DirListingFailed.NotDirectory"
+            code = ("ClientError.NotFound" if not os.path.lexists(real)
+                    else "ExternalError.DirListingFailed.NotDirectory")
             return self._error(404 if "NotFound" in code else 502, code, f"Directory '{query['path']}' not found")
         names = sorted(os.listdir(real))
         offset, limit = int(query.get("offset", 0)), int(query.get("limit", 100_000))

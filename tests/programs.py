@@ -55,7 +55,7 @@ def fresh_install(root: Path, install_command: str) -> Path:
     It is made with a system Python when there is one, and left readable by every user, so a test can
     also run it as another user. Returns the environment's bin directory.
     """
-    base = next((p for p in ("/usr/bin/python3", sys.executable) if os.access(p, os.X_OK)))
+    base = next(p for p in ("/usr/bin/python3", sys.executable) if os.access(p, os.X_OK))
     subprocess.run([base, "-m", "venv", str(root)], check=True, capture_output=True)
     env = {"PATH": f"{root / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": os.environ.get("HOME", "/root"),
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_QUIET": "1"}

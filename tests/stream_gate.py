@@ -13,6 +13,7 @@ at once. Either way it writes the receiver's exit status to ``DEST.gate-exit``.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import subprocess
@@ -62,10 +63,8 @@ def main() -> int:
         _wait_for(f"{dest}.release")
         while sys.stdin.buffer.read(1 << 16):
             pass
-        try:
+        with contextlib.suppress(BrokenPipeError):
             receiver.stdin.close()
-        except BrokenPipeError:
-            pass
     status = receiver.wait()
     with open(dest + ".gate-exit", "w") as handle:
         handle.write(str(status))

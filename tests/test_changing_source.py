@@ -93,10 +93,10 @@ def test_local_push_never_lands_a_mix(rewritten, tmp_path):
 
 
 def _individual_runs(command: list[str], dest_of, tries: int = TRIES, named=str) -> int:
-    """Run ``command + [named(dest)]`` (an individual push or pull; ``named`` gives DEST's URL) until some run saw the file change; every run
-    either refuses by name or lands a file of one version only, with nothing of pallet's left. The count of
-    refusals. (A change is seen by the file's times, which move by the file system's clock tick: the file is
-    big enough that reading it spans many.)"""
+    """Run ``command + [named(dest)]`` (an individual push or pull; ``named`` gives DEST's URL) until some run
+    saw the file change; every run either refuses by name or lands a file of one version only, with nothing of
+    pallet's left. The count of refusals. (A change is seen by the file's times, which move by the file system's
+    clock tick: the file is big enough that reading it spans many.)"""
     refused = 0
     for number in range(MAX_TRIES):
         if refused and number >= tries:

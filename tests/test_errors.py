@@ -232,7 +232,7 @@ def test_not_an_archive(tmp_path):
         (tmp_path / name).write_bytes(content)
         commands += [["ls", tmp_path / name], ["verify", tmp_path / name],
                      ["unpack", tmp_path / name, tmp_path / f"out-{name}"]]
-    for argv, done in zip(commands, run_all(*commands)):
+    for argv, done in zip(commands, run_all(*commands), strict=True):
         assert_clear_failure(done, argv[1])
         assert "not a tar archive" in done.stderr or "empty" in done.stderr or "no pallet index" in done.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(files)      # unpack created no destination
@@ -255,7 +255,7 @@ def test_usage_errors_exit_2(tmp_path):
         ["pack", "--codec", "none", "--level", "3", src, b], ["pack", "--jobs", "-1", src, b],
         ["pack", src], ["unpack", b], ["verify"], ["ls"], [], ["frobnicate", src],
     ]
-    for argv, done in zip(commands, run_all(*commands)):
+    for argv, done in zip(commands, run_all(*commands), strict=True):
         assert done.returncode == 2, (argv, done.returncode, done.stderr)
         assert "Traceback" not in done.stderr and ("usage:" in done.stderr or "hint:" in done.stderr), argv
     level = run_pallet("pack", "--level", "42", str(src), str(b))

@@ -1,4 +1,5 @@
-"""Globus transport and login: the real globus-sdk 4 client against globus_sdk.testing responses and a byte-moving stand-in."""
+"""Globus transport and login: the real globus-sdk 4 client against globus_sdk.testing responses and a byte-moving
+stand-in."""
 from __future__ import annotations
 
 import io
@@ -205,7 +206,8 @@ def test_links_and_crlf_names_fail_alone_and_whole_trees_skip_links(site):
 
 
 @pytest.mark.parametrize("code, cls", [
-    ("ClientError.NotFound", RemotePathMissingError), ("ExternalError.DirListingFailed.NotFound", RemotePathMissingError),
+    ("ClientError.NotFound", RemotePathMissingError),
+    ("ExternalError.DirListingFailed.NotFound", RemotePathMissingError),
     ("EndpointPermissionDenied", RemotePermissionError), ("PERMISSION_DENIED", RemotePermissionError),
     ("ConsentRequired", AuthenticationError), ("EndpointNotActivated", AuthenticationError),
     ("AuthenticationFailed", AuthenticationError), ("QUOTA_EXCEEDED", RemoteDiskFullError),
@@ -272,7 +274,8 @@ def _register_auth(mock) -> str:
     tokens = {"access_token": SECRETS["auth_access"], "refresh_token": SECRETS["auth_refresh"], "id_token": id_token,
               "scope": "openid", "resource_server": "auth.globus.org", "expires_in": 172800, "token_type": "Bearer",
               "state": "_default",
-              "other_tokens": [{"access_token": SECRETS["transfer_access"], "refresh_token": SECRETS["transfer_refresh"],
+              "other_tokens": [{"access_token": SECRETS["transfer_access"],
+                                "refresh_token": SECRETS["transfer_refresh"],
                                 "scope": "urn:globus:auth:scope:transfer.api.globus.org:all", "expires_in": 172800,
                                 "resource_server": "transfer.api.globus.org", "token_type": "Bearer",
                                 "state": "_default"}]}

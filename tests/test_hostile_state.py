@@ -1,4 +1,5 @@
-"""pallet's own names in hostile places: reserved names refused by name, links planted at DEST/.pallet never followed."""
+"""pallet's own names in hostile places: reserved names refused by name, links planted at DEST/.pallet never
+followed."""
 from __future__ import annotations
 
 import io

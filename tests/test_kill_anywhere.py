@@ -2,6 +2,7 @@
 equal tree, leaves nothing of pallet's, and no process of the killed run is left working on the destination."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -62,14 +63,10 @@ def _killed_at(argv: list[str], delay: float) -> None:
     """Start ``argv`` in its own process group and SIGKILL the whole group after ``delay`` seconds."""
     process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=user_env(**MPI_ENV), start_new_session=True)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=delay)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 

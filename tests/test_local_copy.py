@@ -101,10 +101,11 @@ def test_a_finished_local_copy_corrects_a_profile_measured_at_a_bad_moment(tmp_p
         assert not saved
         return
     text = saved[0].read_text()
-    saved[0].write_text(text.replace(next(l for l in text.splitlines() if l.startswith("per_file_s")),
+    saved[0].write_text(text.replace(next(line for line in text.splitlines() if line.startswith("per_file_s")),
                                      "per_file_s = 1.0"))     # as if measured while the disk was stalled
     pushed = json.loads(run_pallet("push", "--json", src, str(tmp_path / "dest"), check=True).stdout)
-    corrected = float(next(l for l in saved[0].read_text().splitlines() if l.startswith("per_file_s")).split("=")[1])
+    corrected = float(next(line for line in saved[0].read_text().splitlines()
+                           if line.startswith("per_file_s")).split("=")[1])
     shown = pushed["seconds"] + 0.0005                         # --json rounds seconds to the millisecond
     assert 0 < corrected <= shown / 1200                       # the first real copy replaces the measured sample
 

@@ -84,19 +84,21 @@ def _extract_with(monkeypatch, engine: str, tree, built, dest: str, verify: bool
 def test_both_engines_extract_the_same_files(monkeypatch, nasty_tree, tmp_path):
     tree = scan(nasty_tree, "zstd", 3)
     built = _build(monkeypatch, "python", tree)
-    outcomes = [_extract_with(monkeypatch, engine, tree, built, str(tmp_path / engine)) for engine in ("python", "native")]
+    outcomes = [_extract_with(monkeypatch, engine, tree, built, str(tmp_path / engine))
+                for engine in ("python", "native")]
     assert outcomes[0] == outcomes[1]
-    files = [os.path.join(tmp_path / "python", os.fsdecode(p)) for p, k in zip(tree.index.paths, tree.index.kinds)
-             if k == Kind.FILE]
+    files = [os.path.join(tmp_path / "python", os.fsdecode(p))
+             for p, k in zip(tree.index.paths, tree.index.kinds, strict=True) if k == Kind.FILE]
     for path in files:
         twin = path.replace(str(tmp_path / "python"), str(tmp_path / "native"), 1)
-        assert open(path, "rb").read() == open(twin, "rb").read()
+        with open(path, "rb") as mine, open(twin, "rb") as theirs:
+            assert mine.read() == theirs.read()
         a, b = os.lstat(path), os.lstat(twin)
         assert (a.st_mode, a.st_mtime_ns) == (b.st_mode, b.st_mtime_ns)
 
 
 def _flip_first_file_byte(tree, built, raw: bytes) -> tuple[bytes, str]:
-    i = next(i for i, (k, s) in enumerate(zip(tree.index.kinds, tree.index.sizes)) if k == Kind.FILE and s)
+    i = next(i for i, (k, s) in enumerate(zip(tree.index.kinds, tree.index.sizes, strict=True)) if k == Kind.FILE and s)
     at = built.data_offsets[i]
     return raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:], os.fsdecode(tree.index.paths[i])
 
@@ -194,7 +196,7 @@ def _index_of(entries) -> Index:
 
 def _tar_of(index: Index) -> bytes:
     parts = [member_header(p, min(k, Kind.HARDLINK), m, t, s, b"") for p, k, m, t, s in
-             zip(index.paths, index.kinds, index.modes, index.mtimes, index.sizes)]
+             zip(index.paths, index.kinds, index.modes, index.mtimes, index.sizes, strict=True)]
     return b"".join(parts) + bytes(1024)
 
 

@@ -33,7 +33,8 @@ def test_push_to_a_local_destination(tmp_path, strategy):
 @pytest.mark.parametrize("strategy", ["individual", "bundle"])
 def test_push_over_ssh(sshd, tmp_path, strategy):
     src = tiny_tree(tmp_path / "src")
-    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable,
+                             ssh_options=tuple(sshd.ssh_options))
     result = push(src, sshd.url(str(tmp_path / "dest")), options)
     assert result.files == 2000 and result.transfers == 1
     assert_same_tree(src, tmp_path / "dest")
@@ -72,7 +73,8 @@ def test_cli_push_and_clear_errors(sshd, tmp_path):
 def test_pull_over_ssh(sshd, tmp_path, strategy):
     from staging_core.operations.push_pull import pull
     src = tiny_tree(tmp_path / "remote_src", 1500)
-    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable, ssh_options=tuple(sshd.ssh_options))
+    options = StagingOptions(strategy=strategy, jobs=2, remote_python=sys.executable,
+                             ssh_options=tuple(sshd.ssh_options))
     result = pull(sshd.url(src), str(tmp_path / "here"), options)
     assert result.strategy == strategy and result.files == 1500
     assert_same_tree(src, tmp_path / "here")

@@ -54,10 +54,10 @@ def test_a_locked_local_destination_refuses_a_second_push(tmp_path):
 def test_a_locked_ssh_destination_refuses_and_the_lock_dies_with_its_holder(sshd, tmp_path):
     src, dest = tiny_tree(tmp_path / "src", 20), tmp_path / "dest"
     endpoint = parse_url(sshd.url(str(dest)))
-    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
-        with DestinationLock(endpoint, transport):
-            with pytest.raises(DestinationLocked, match="another pallet"):
-                push(src, sshd.url(str(dest)), ssh_options(sshd))
+    with (open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport,
+          DestinationLock(endpoint, transport),
+          pytest.raises(DestinationLocked, match="another pallet")):
+        push(src, sshd.url(str(dest)), ssh_options(sshd))
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, sshd.url(str(dest)), *sshd.ssh_options],
                               stdout=subprocess.PIPE, start_new_session=True)
     assert holder.stdout.readline().strip() == b"held"
@@ -252,7 +252,7 @@ def test_push_and_pull_over_gridftp(gridftp, tmp_path):
 
 def _files(root) -> list[tuple[str, bytes]]:
     found = []
-    for directory, dirs, files in os.walk(root):
+    for directory, _dirs, files in os.walk(root):
         for name in files:
             path = os.path.join(directory, name)
             with open(path, "rb") as handle:

@@ -1,4 +1,5 @@
-"""`pallet remote install/status` against a real loopback sshd whose sessions have a HOME of their own and no network."""
+"""`pallet remote install/status` against a real loopback sshd whose sessions have a HOME of their own and no
+network."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""staging_core.operations.selection: a chosen set of files fetched or sent as one planned operation, over local and ssh."""
+"""staging_core.operations.selection: a chosen set of files fetched or sent as one planned operation, over local
+and ssh."""
 from __future__ import annotations
 
 import os
@@ -35,7 +36,8 @@ def check_fetched(src, dest, items) -> None:
     assert not os.path.lexists(os.path.join(dest, ".pallet"))
     for item in items:
         a, b = os.stat(os.path.join(src, item)), os.stat(os.path.join(dest, item))
-        assert open(os.path.join(src, item), "rb").read() == open(os.path.join(dest, item), "rb").read()
+        with open(os.path.join(src, item), "rb") as sent, open(os.path.join(dest, item), "rb") as landed:
+            assert sent.read() == landed.read()
         assert (a.st_mtime_ns, a.st_mode) == (b.st_mtime_ns, b.st_mode)
 
 
@@ -93,7 +95,8 @@ def test_the_far_side_streams_with_the_requested_shard_size(sshd, tmp_path):
     shim.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {sys.executable} "$@"\n')
     shim.chmod(0o755)
     options = ssh_opts(sshd, strategy="bundle", shard_size=4096)
-    fetch(sshd.url(src), items, str(tmp_path / "here"), StagingOptions(**{**options.__dict__, "remote_python": str(shim)}))
+    fetch(sshd.url(src), items, str(tmp_path / "here"),
+          StagingOptions(**{**options.__dict__, "remote_python": str(shim)}))
     sends = [line for line in log.read_text().splitlines() if "mpi_stager send" in line]
     assert len(sends) == 1 and "--shard-size 4096" in sends[0], sends
     check_fetched(src, str(tmp_path / "here"), items)

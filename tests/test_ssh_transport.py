@@ -128,18 +128,17 @@ def test_a_program_a_signal_stopped_is_never_retried(stderr, status):
 
 
 def test_unreachable_host_is_named_and_retryable(tmp_path):
-    with open_transport(f"ssh://root@127.0.0.1:{free_port()}/tmp", ssh_options=["-o", "ConnectTimeout=5"]) as t:
-        with pytest.raises(HostUnreachableError) as caught:
-            t.list("/tmp")
+    with (open_transport(f"ssh://root@127.0.0.1:{free_port()}/tmp", ssh_options=["-o", "ConnectTimeout=5"]) as t,
+          pytest.raises(HostUnreachableError) as caught):
+        t.list("/tmp")
     assert caught.value.retryable and "127.0.0.1" in str(caught.value)
 
 
 def test_authentication_failure_is_distinct(sshd, tmp_path):
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")], check=True)
     options = [o if o != str(sshd.key) else str(tmp_path / "wrong") for o in sshd.ssh_options]
-    with open_transport(sshd.url("/tmp"), ssh_options=options) as t:
-        with pytest.raises(AuthenticationError) as caught:
-            t.list("/tmp")
+    with open_transport(sshd.url("/tmp"), ssh_options=options) as t, pytest.raises(AuthenticationError) as caught:
+        t.list("/tmp")
     assert not caught.value.retryable and "hint:" in str(caught.value)
 
 

@@ -245,9 +245,9 @@ def test_kill_9_of_the_receiver_fails_the_push_and_a_rerun_resumes(sshd, tmp_pat
     dest = tmp_path / "dest"
     endpoint = parse_url(sshd.url(str(dest)))
     gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill {dest}", shard_size=16 << 10)
-    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
-        with pytest.raises(FarStagerError) as caught:
-            stream_push(transport, src, endpoint, "zstd", gate, NoProgress())
+    with (open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport,
+          pytest.raises(FarStagerError) as caught):
+        stream_push(transport, src, endpoint, "zstd", gate, NoProgress())
     assert "status 137" in str(caught.value) and (dest / ".pallet" / "INCOMPLETE").exists()
     again = streamed(sshd, src, dest, shard_size=16 << 10)
     assert again.skipped_shards >= 1 and again.receiver.shards_received + again.skipped_shards >= 4
@@ -280,9 +280,8 @@ def test_a_rerun_after_the_source_changed_skips_the_shards_still_in_place(sshd, 
     src, dest = Path(tiny_tree(tmp_path / "src", 600, size=2000)), tmp_path / "dest"
     endpoint = parse_url(sshd.url(str(dest)))
     gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill:30 {dest}", shard_size=16 << 10)
-    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
-        with pytest.raises(FarStagerError):
-            stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport, pytest.raises(FarStagerError):
+        stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
     assert len(glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*"))) >= 30
     for n in range(3):
         (src / "d00" / f"new{n}.txt").write_bytes(os.urandom(700))
@@ -298,9 +297,8 @@ def interrupted_stream(sshd, src: Path, dest: Path, shards: int) -> None:
     """Push ``src`` as a stream whose receiver is killed once it has recorded ``shards`` shards."""
     endpoint = parse_url(sshd.url(str(dest)))
     gate = options(sshd, remote_python=f"{sys.executable} {GATE} kill:{shards} {dest}", shard_size=16 << 10)
-    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport:
-        with pytest.raises(FarStagerError):
-            stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
+    with open_transport(endpoint, ssh_options=list(sshd.ssh_options)) as transport, pytest.raises(FarStagerError):
+        stream_push(transport, str(src), endpoint, "zstd", gate, NoProgress())
     assert len(glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*"))) >= shards
 
 

@@ -142,7 +142,8 @@ def test_local_copies_keep_their_spread_in_the_profile(tmp_path):
     config = tmp_path / "config"
     src = make_files(tmp_path / "src", 1200, 8, lambda n: b"%d" % n)
     for run in range(3):
-        run_pallet("push", "--quiet", src, str(tmp_path / f"dest{run}"), check=True, env={"XDG_CONFIG_HOME": str(config)})
+        run_pallet("push", "--quiet", src, str(tmp_path / f"dest{run}"), check=True,
+                   env={"XDG_CONFIG_HOME": str(config)})
     saved = next((config / "pallet" / "profiles").glob("local-*.toml")).read_text()
     assert "observed = 3" in saved and re.search(r"per_file_samples = \[[^\]]+, [^\]]+, [^\]]+\]", saved), saved
     assert re.search(r"spread_low = 0\.\d+", saved) and re.search(r"spread_high = \d+\.\d+", saved), saved

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -186,8 +187,9 @@ def test_eight_threads_of_mixed_operations_give_exact_trees_and_never_fork(sshd,
             work.mkdir(parents=True)
         with ThreadPoolExecutor(THREADS) as pool:
             rotated = sources[round_number:] + sources[:round_number]     # each operation meets a new tree
-            futures = [pool.submit(op, work, src, sshd) for op, work, src in zip(OPERATIONS, works, rotated)]
-            failures = [f"{op.__name__}: {future.exception()!r}" for op, future in zip(OPERATIONS, futures)
+            futures = [pool.submit(op, work, src, sshd)
+                       for op, work, src in zip(OPERATIONS, works, rotated, strict=True)]
+            failures = [f"{op.__name__}: {future.exception()!r}" for op, future in zip(OPERATIONS, futures, strict=True)
                         if future.exception() is not None]
         assert not failures, "\n".join(failures)
         for work in works:
@@ -198,10 +200,8 @@ def test_eight_threads_of_mixed_operations_give_exact_trees_and_never_fork(sshd,
 def children(pid: int) -> set[int]:
     found = set()
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):
             found |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            pass
     return found
 
 

@@ -1,4 +1,5 @@
-"""The edges a new user meets: local DEST problems, unknown options, a far-side Python without pallet, relative paths."""
+"""The edges a new user meets: local DEST problems, unknown options, a far-side Python without pallet, relative
+paths."""
 from __future__ import annotations
 
 import os
@@ -99,7 +100,8 @@ def test_a_remote_python_without_pallet_says_how_to_go_on(sshd, src, tmp_path, d
 
 def test_the_library_takes_a_relative_source(sshd, src, tmp_path):
     """``operations.push`` with a relative SRC, sent individually over ssh (it said "must be an absolute path")."""
-    script = ("import sys\nfrom staging_core.operations.push_pull import push\nfrom staging_core.options import StagingOptions\n"
+    script = ("import sys\nfrom staging_core.operations.push_pull import push\n"
+              "from staging_core.options import StagingOptions\n"
               "options = StagingOptions(strategy='individual', ssh_options=tuple(sys.argv[2:]))\n"
               "print(push('src', sys.argv[1], options).strategy)\n")
     done = subprocess.run([program("python"), "-c", script, sshd.url(str(tmp_path / "dest")), *sshd.ssh_options],

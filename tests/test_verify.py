@@ -188,7 +188,7 @@ def test_cli_verify_fails_on_a_sample_of_flips(tmp_path, codec):
     with ThreadPoolExecutor(4) as pool:
         runs = list(pool.map(lambda c: run_pallet("verify", "--jobs", "1", str(c)), [bundle, *copies]))
     assert runs[0].returncode == 0 and "OK" in runs[0].stdout
-    for (offset, named), copy, done in zip(cases, copies, runs[1:]):
+    for (offset, named), copy, done in zip(cases, copies, runs[1:], strict=True):
         assert done.returncode == 1, (offset, done.stdout, done.stderr)
         assert str(copy.name) in done.stderr and named in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
@@ -320,7 +320,7 @@ def crafted_from_good(tmp_path: Path, rework) -> Path:
         index = good.index
         raws = [good.codec.decompress(good.read_shard(s), s.raw_size) for s in index.shards]
     data, shards = b"", []
-    for shard, raw in zip(index.shards, raws):
+    for shard, raw in zip(index.shards, raws, strict=True):
         frames, raw_size = rework(shard.number, raw)
         shards.append(dataclasses.replace(shard, offset=len(data), length=len(frames), raw_size=raw_size,
                                           hash=content_hash(frames)))
