@@ -1,7 +1,8 @@
 """Transports: one small interface (base.Transport) and implementations found by URL scheme (registry)."""
-from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult, parse_url
+from .base import (Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry, Transport, TransferResult,
+                   TransportOption, parse_url)
 from .errors import TransportError
-from .registry import open_transport, schemes
+from .registry import all_declared_options, open_transport, schemes
 
-__all__ = ["Capabilities", "Direction", "Endpoint", "RemoteEntry", "Transport", "TransferResult", "TransportError",
-           "open_transport", "parse_url", "schemes"]
+__all__ = ["Capabilities", "Direction", "EarlyConnection", "Endpoint", "RemoteEntry", "Transport", "TransferResult",
+           "TransportError", "TransportOption", "all_declared_options", "open_transport", "parse_url", "schemes"]

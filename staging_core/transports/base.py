@@ -1,17 +1,20 @@
 """The transport interface: URLs, capabilities, transfer items and results, and the Transport contract."""
 from __future__ import annotations
 
+import builtins
 import enum
 import os
 import posixpath
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Protocol
 
 from bundles.errors import UsageError
 
-from .errors import NotSupportedError, TransportError
+from .catalog import schemes
+from .errors import ItemError, NotSupportedError
 
 _SCP_STYLE = re.compile(r"^(?:(?P<user>[^@/:-][^@/:]*)@)?(?P<host>[A-Za-z0-9_][A-Za-z0-9._-]*):(?P<path>.*)$")
 _URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -45,7 +48,7 @@ class Endpoint:
         port = f":{self.port}" if self.port else ""
         return f"{self.scheme}://{user}{self.host}{port}{self.path}"
 
-    def join(self, *parts: str) -> "Endpoint":
+    def join(self, *parts: str) -> Endpoint:
         return Endpoint(self.scheme, posixpath.normpath(posixpath.join(self.path, *parts)),
                         self.host, self.port, self.user)
 
@@ -64,7 +67,7 @@ def parse_url(text: str, path_required: bool = True) -> Endpoint:
     'gsiftp://host:port/abs', 'ftp://host:port/abs' or 'globus://ENDPOINT_UUID/abs'.
 
     Any other scheme registered in staging_core.transports.registry (the
-    only list of schemes) parses as ``scheme://[user@]host[:port]/abs``.
+    only list of schemes, kept in staging_core.transports.catalog) parses as ``scheme://[user@]host[:port]/abs``.
     A remote URL names its path: ``ssh://host`` never means the far side's
     root (``path_required=False`` lets a URL that names only a host, as
     ``--unpack-via ssh://host`` does, stand for its '/'). Raises UsageError
@@ -91,7 +94,6 @@ def parse_url(text: str, path_required: bool = True) -> Endpoint:
 
 def _scheme_url(text: str, scheme: str, authority: str, path: str | None, path_required: bool) -> Endpoint:
     """The Endpoint of ``scheme://AUTHORITY[/PATH]`` (see :func:`parse_url`)."""
-    from .registry import schemes          # the registry imports this module
     if scheme not in schemes():
         raise UsageError(f"unknown URL scheme {scheme!r} in {text!r}",
                          hint=f"use /path, host:/path or one of {', '.join(s + '://' for s in schemes())}")
@@ -178,13 +180,53 @@ def _password_home() -> str:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a transport can do; the planner and the conformance suite read it.
+    """What a transport can do; the planner, the policy above the transports and the conformance suite read it,
+    never the URL scheme.
 
     ``per_file_overhead_s`` is the typical extra seconds one more file costs
     in a batch (measured by benchmarks/bench_transports.py), ``concurrency``
     the parallel streams/processes it uses by default. ``names`` says which
     names can cross: 'any', 'no-line-breaks' or 'printable-ascii' (items
     with other names fail with NotSupportedError, they are never renamed).
+
+    The flags below say what the policy above may count on. Every one
+    defaults to False, so a transport that does not declare one is never
+    asked for more than the core contract (``Transport``):
+
+    ``remote_exec``
+        ``run(argv)`` runs a command on the far side and returns its stdout.
+    ``streaming``
+        ``stream_into(argv)`` starts a far-side command that reads our pipe.
+    ``exact_listing``
+        ``list()`` and ``stat()`` give each entry's type, size, permission
+        bits, link target and mtime to the nanosecond, as the far file system
+        holds them (not rounded to seconds, not a service's view): a tree
+        there can be compared with another entry by entry, so a pull from
+        it, or a push into it, can skip what is already the same, and
+        ``--delete``/``--dry-run`` can say what differs.
+    ``posix_shell``
+        ``run``/``stream_into`` execute their argv on a host with a POSIX
+        ``sh`` and the GNU tools pallet's far-side scripts use (``find
+        -printf``, ``touch -d``, ``md5sum``, ``dd``), as the user's login
+        there would: pallet may run its listing, delete and stamp scripts
+        there, and probe for (and run) a far-side Python with pallet. Needs
+        ``remote_exec``.
+    ``local_copy``
+        The endpoint's paths are this host's file system and a transfer is a
+        copy between local paths (no wire): the native parallel copy and the
+        measured local-copy profile apply, and pallet may read and write the
+        far side directly.
+    ``byte_ranges``
+        ``stream_into`` gives a two-way channel (its stdin and stdout are both
+        live while it runs) to a ``posix_shell`` command, over which byte
+        ranges of a far file are read on request (reading a bundle in place,
+        staging_core.in_place.remote_bytes). Needs ``streaming`` and
+        ``posix_shell``.
+    ``shared_connection``
+        The transport's connection to a host can be started before the
+        transport is made (``Transport.connect_early``), overlapping its
+        round trips with other work, and is then handed to the transport
+        through a declared option, which takes it over (an ssh ControlMaster).
     """
 
     batch: bool = True
@@ -199,6 +241,81 @@ class Capabilities:
     per_file_overhead_s: float = 0.0
     concurrency: int = 1
     names: str = "any"
+    exact_listing: bool = False
+    posix_shell: bool = False
+    local_copy: bool = False
+    byte_ranges: bool = False
+    shared_connection: bool = False
+
+    def __post_init__(self) -> None:
+        needs = {"posix_shell": ("remote_exec",), "byte_ranges": ("streaming", "posix_shell")}
+        for flag, required in needs.items():
+            missing = [name for name in required if getattr(self, flag) and not getattr(self, name)]
+            if missing:
+                raise ValueError(f"Capabilities: {flag} needs {' and '.join(missing)}")
+
+
+@dataclass(frozen=True)
+class TransportOption:
+    """One keyword argument of a transport's constructor, declared (as rclone's backends declare theirs):
+    what front ends (the CLI, the Snakemake and Parsl plugins) offer as that transport's settings.
+
+    ``name``
+        the constructor's keyword, and the key in ``StagingOptions.transport_options[scheme]``.
+    ``type``
+        the type of one value: ``str``, ``int``, ``float`` or ``bool`` for a setting; ``object`` for a
+        live Python object (``settable`` False).
+    ``default``
+        the constructor's default (None: the transport chooses, see ``help``); a ``multiple`` option's
+        default is a tuple.
+    ``help``
+        one line for ``--help`` and settings documentation.
+    ``multiple``
+        the option takes a list of ``type`` values (a repeatable flag).
+    ``choices``
+        the values allowed, when they are few (empty: any value of ``type``).
+    ``staging_field``
+        the field of StagingOptions that also gives it (``ssh_options``): ``Transport.options_from``
+        adds that field's values after those of ``transport_options[scheme]`` for a ``multiple`` option, and
+        uses the field's value when ``transport_options[scheme]`` does not name it for another.
+    ``flag``
+        the ``pallet push``/``pull`` flag that sets it today, when there is one (``--ssh-option``).
+    ``env``
+        an environment variable the transport also reads for it (e.g. extra arguments appended).
+    ``settable``
+        False for a live object (a client, a started connection) that a caller passes in Python; front
+        ends do not offer it as a setting.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    multiple: bool = False
+    choices: tuple[Any, ...] = ()
+    staging_field: str | None = None
+    flag: str | None = None
+    env: str | None = None
+    settable: bool = True
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass
+class EarlyConnection:
+    """A connection started before its transport (``Transport.connect_early``): the caller passes
+    ``{option: connection}`` in ``StagingOptions.transport_options[scheme]`` (``option`` is one of the
+    transport's declared options), so the transport opened for that endpoint takes it over, and calls
+    :meth:`close` when the operation is over, which ends it unless the transport has taken it over (then the
+    transport ends it; closing twice is safe)."""
+
+    option: str
+    connection: _Closable
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 def name_crosses(name: str, names: str) -> bool:
@@ -239,7 +356,7 @@ class TransferResult:
     """
 
     done: list[str] = field(default_factory=list)
-    failed: dict[str, TransportError] = field(default_factory=dict)
+    failed: dict[str, ItemError] = field(default_factory=dict)
     bytes_sent: int | None = None
 
     @property
@@ -282,26 +399,52 @@ class Transport(ABC):
     - ``run(argv)`` runs a command on the far side and returns its stdout;
       ``stream_into(argv)`` starts one that reads our pipe. Both raise
       NotSupportedError unless ``capabilities`` has remote_exec/streaming.
+    - ``capabilities`` says what the class can do (policy reads it, never the
+      scheme); an instance may replace it with one adjusted to its options
+      (more streams, fewer names), never claiming a flag its class lacks.
+    - ``declared_options`` lists every keyword argument the constructor
+      takes (``TransportOption``), and ``options_from`` builds them from a
+      StagingOptions; see there.
     - Errors are TransportError subclasses saying the cause, with the
       command, exit code and stderr; ``retryable`` is set only for causes
       that may pass (network). Policy — retry, resume, verification — lives
       above, in staging_core.operations, never here.
     """
 
-    scheme: ClassVar[str]
-    capabilities: ClassVar[Capabilities]
+    # Set by every class; an instance may set its own (a transport serving two schemes names the one it
+    # serves; capabilities adjusted to the instance's options), hence not ClassVar.
+    scheme: str
+    capabilities: Capabilities
+    declared_options: ClassVar[tuple[TransportOption, ...]] = ()
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
 
     @classmethod
-    def options_from(cls, options) -> dict:
+    def options_from(cls, options) -> dict[str, Any]:
         """The keyword arguments this transport's constructor takes from a push's or pull's StagingOptions
-        (``options``): by default those given for its scheme in ``options.transport_options``. A transport
-        whose options have flags of their own (ssh's ``--ssh-option``) adds them by overriding this, as
-        rclone's backends declare theirs; :func:`staging_core.transports.registry.open_endpoint` applies
-        them, so no caller needs to know which scheme has which."""
-        return dict(options.transport_options.get(cls.scheme, {}))
+        (``options``), following ``declared_options``: those given for its scheme in
+        ``options.transport_options`` (every key, declared or not: the constructor checks them), then, for a
+        declared option with a ``staging_field``, that field's values appended (``multiple``) or used when
+        not given. :func:`staging_core.transports.registry.open_endpoint` applies them, so no caller needs to
+        know which scheme has which option."""
+        given: dict[str, Any] = dict(options.transport_options.get(cls.scheme, {}))
+        for option in cls.declared_options:
+            if option.staging_field is None:
+                continue
+            value = getattr(options, option.staging_field)
+            if option.multiple:
+                given[option.name] = [*given.get(option.name, ()), *value]
+            elif option.name not in given:
+                given[option.name] = value
+        return given
+
+    @classmethod
+    def connect_early(cls, endpoint: Endpoint, options) -> EarlyConnection | None:
+        """Start the connection to ``endpoint`` that a transport made later with ``options_from(options)``
+        would use, without waiting for it (``capabilities.shared_connection``), or None when the transport
+        has no such connection (the default). See :class:`EarlyConnection` for what the caller does next."""
+        return None
 
     @abstractmethod
     def transfer(self, direction: Direction, local_root: str, remote_root: str,
@@ -322,13 +465,14 @@ class Transport(ABC):
     @abstractmethod
     def mkdir(self, path: str) -> None: ...
 
-    def run(self, argv: list[str], stdin: bytes | None = None) -> bytes:
+    # builtins.list: in this class, ``list`` is the method above
+    def run(self, argv: builtins.list[str], stdin: bytes | None = None) -> bytes:
         raise NotSupportedError(f"{self.scheme} cannot run remote commands", self.endpoint.url())
 
-    def stream_into(self, argv: list[str]):
+    def stream_into(self, argv: builtins.list[str]):
         raise NotSupportedError(f"{self.scheme} cannot stream into a remote command", self.endpoint.url())
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: transports without connections have nothing to release
         """Release connections (ControlMaster, sessions); safe to call twice."""
 
     def __enter__(self):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import signal
-from typing import Mapping
+from collections.abc import Mapping
+from typing import TypeAlias
 
 from bundles.errors import PalletError, SetupError, SourceError
 
@@ -86,16 +87,18 @@ def source_read_error(path: str, reason: str, command: list[str] | None = None,
     return SourceReadError(f"cannot read ({reason})", path, SOURCE_READ_HINT, command, status)
 
 
-def source_side_failure(failed: Mapping[str, PalletError], source_root: str) -> SourceReadError | None:
+def source_side_failure(failed: Mapping[str, PalletError], source_root: str) -> SourceError | None:
     """Of a transfer's per-item failures, the first that is the source's (a SourceError, or a permission or I/O
-    error naming a path under ``source_root``) as a SourceReadError, counting the others; None if there is none."""
+    error naming a path under ``source_root``) as a SourceReadError (or the SourceError it already was), counting
+    the others; None if there is none."""
     root = source_root.rstrip("/") + "/"
-    found = []
+    found: list[SourceError] = []
     for item in sorted(failed):
         error = failed[item]
         if isinstance(error, SourceError):
             found.append(error)
-        elif type(error) in (RemotePermissionError, TransportError) and (error.path or "").startswith(root):
+        elif isinstance(error, TransportError) and type(error) in (RemotePermissionError, TransportError) \
+                and error.path is not None and error.path.startswith(root):
             said = getattr(error, "stderr", "").strip().splitlines()
             found.append(source_read_error(error.path, said[-1] if said else error.message, error.command,
                                            error.status))
@@ -119,6 +122,11 @@ class MissingDependencyError(SetupError):
         self.command, self.status, self.stderr = command, status, stderr.strip()[-2000:]
 
 
+# What one failed item of a batch is (TransferResult.failed), and what classify returns: a TransportError, or
+# the MissingDependencyError of a far side that lacks a tool pallet needs there.
+ItemError: TypeAlias = TransportError | MissingDependencyError
+
+
 _STOPPING = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -135,7 +143,7 @@ _FIND_REFUSALS = ("unrecognized", "unknown", "invalid", "illegal", "bad arg", "n
 
 
 def classify(stderr: str, status: int | None, command: list[str] | None, path: str | None,
-             fallback: str) -> TransportError | MissingDependencyError:
+             fallback: str) -> ItemError:
     """Turn the stderr of ssh/rsync/globus-url-copy into the most specific TransportError (or the
     MissingDependencyError of a far side whose ``find`` has no ``-printf``, as BusyBox's and BSD's have not)."""
     text = stderr.lower()
@@ -155,7 +163,8 @@ def classify(stderr: str, status: int | None, command: list[str] | None, path: s
         (("permission denied (publickey", "permission denied, please try again", "authentication failed",
           "too many authentication failures", "host key verification failed",
           "valid credentials could not be found", "credential failure"),
-         AuthenticationError, "authentication failed", "check your keys/agent and ~/.ssh/config, or log in once by hand"),
+         AuthenticationError, "authentication failed",
+         "check your keys/agent and ~/.ssh/config, or log in once by hand"),
         (("no space left on device", "disk quota exceeded", "quota exceeded"),
          RemoteDiskFullError, "no space left on the destination", "free space or choose another destination"),
         (("no such file or directory", "does not exist", "file not found", "not a directory", "550-", "550 "),

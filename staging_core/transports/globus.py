@@ -1,4 +1,5 @@
-"""The Globus transport: one Globus Transfer task per batch between a local collection and a remote one (globus-sdk 4)."""
+"""The Globus transport: one Globus Transfer task per batch between a local collection and a remote one
+(globus-sdk 4)."""
 from __future__ import annotations
 
 import copy
@@ -9,21 +10,26 @@ import posixpath
 import stat
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, TypeVar, cast
 
 import globus_sdk
 
-from bundles.errors import UsageError
+from bundles.errors import PalletError, UsageError
 
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
-from .errors import AuthenticationError, NotSupportedError, RemotePathMissingError, TransportError, classify
+from .declarations import GLOBUS_OPTIONS
+from .errors import (AuthenticationError, ItemError, NotSupportedError, RemotePathMissingError, TransportError,
+                     classify)
 from .globus_mapping import FAIL_FAST, LOGIN_HINT, classify_globus, entry, from_sdk, remote_kind, unsupported
 
 log = logging.getLogger(__name__)
 
 LOCAL_ENDPOINT_ENV = "PALLET_GLOBUS_LOCAL_ENDPOINT"
 _LS_LIMIT = 100_000                     # the most entries one operation_ls returns
+SyncLevel = Literal["exists", "size", "mtime", "checksum"]
+_Error = TypeVar("_Error", bound=PalletError)
 
 
 @dataclass
@@ -37,7 +43,7 @@ class _Batch:
     paths: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
     dirs: dict[str, str] = field(default_factory=dict)
     implied: list[str] = field(default_factory=list)
-    failed: dict[str, TransportError] = field(default_factory=dict)
+    failed: dict[str, ItemError] = field(default_factory=dict)
 
 
 class GlobusTransport(Transport):
@@ -64,6 +70,7 @@ class GlobusTransport(Transport):
     capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=True,
                                 checksums=("md5",), preserves_mtime=False, preserves_mode=False, symlinks=False,
                                 hardlinks=False, per_file_overhead_s=0.02, concurrency=4)
+    declared_options = GLOBUS_OPTIONS
 
     def __init__(self, endpoint: Endpoint, local_endpoint: str | None = None,
                  client: globus_sdk.TransferClient | None = None, local_collection_root: str = "/",
@@ -71,7 +78,7 @@ class GlobusTransport(Transport):
                  poll_interval: float = 2.0, poll_max_interval: float = 60.0, submit_attempts: int = 3,
                  fail_fast: bool = True, label: str = "pallet", data_access: Sequence[str] = ()):
         super().__init__(endpoint)
-        self.collection = _uuid(endpoint.host, f"collection in {endpoint.url()}",
+        self.collection = _uuid(endpoint.host or "", f"collection in {endpoint.url()}",
                                 "write globus://COLLECTION_UUID/absolute/path; find the UUID with "
                                 "`globus endpoint search` or in the Globus web app")
         self.local_endpoint = _uuid(local_endpoint or os.environ.get(LOCAL_ENDPOINT_ENV, ""), "local_endpoint",
@@ -80,7 +87,8 @@ class GlobusTransport(Transport):
         if sync_level not in (None, "exists", "size", "mtime", "checksum"):
             raise UsageError(f"sync_level must be exists, size, mtime or checksum, not {sync_level!r}")
         self.local_collection_root = os.path.abspath(local_collection_root)
-        self.sync_level, self.verify_checksum, self.label = sync_level, verify_checksum, label
+        self.sync_level = cast(SyncLevel | None, sync_level)      # one of them: checked just above
+        self.verify_checksum, self.label = verify_checksum, label
         self.timeout, self.poll_interval, self.poll_max_interval = timeout, poll_interval, poll_max_interval
         self.submit_attempts, self.fail_fast = max(1, submit_attempts), fail_fast
         self._owns_client = client is None
@@ -176,7 +184,7 @@ class GlobusTransport(Transport):
 
     def _task_document(self, batch: _Batch) -> globus_sdk.TransferData:
         submission_id = self._call("cannot get a submission id", None, self.client.get_submission_id)["value"]
-        expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.timeout)
+        expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=self.timeout)
         data = globus_sdk.TransferData(
             source_endpoint=batch.source, destination_endpoint=batch.destination, label=self.label,
             submission_id=submission_id, sync_level=self.sync_level or globus_sdk.MISSING,
@@ -350,14 +358,14 @@ def _bad_item(item: str) -> TransportError | None:
     return None
 
 
-def _retarget(error: TransportError, path: str) -> TransportError:
+def _retarget(error: _Error, path: str) -> _Error:
     clone = copy.copy(error)
     clone.path = path
     return clone
 
 
 def _local_kinds(local_root: str, items: list[str], parents: set[str]) -> dict:
-    kinds = {}
+    kinds: dict[str, str | TransportError] = {}
     for item in items:
         try:
             mode = os.lstat(os.path.join(local_root, item)).st_mode
@@ -384,7 +392,7 @@ def _owner(path: str, owners: dict[str, str], whole: bool) -> str | None:
 def _settle_implied(batch: _Batch, done: set[str]) -> None:
     """A directory implied by its entries is done when one of them is; else it fails like they did."""
     reached = _ancestors(list(done))
-    causes: dict[str, TransportError] = {}
+    causes: dict[str, ItemError] = {}
     for failed_item, error in batch.failed.items():
         for parent in _ancestors([failed_item]):
             causes.setdefault(parent, error)

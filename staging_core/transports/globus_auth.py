@@ -1,8 +1,9 @@
-"""Globus login for pallet: a native-app UserApp (globus-sdk 4) with tokens in a 0600 JSON file under the XDG config dir."""
+"""Globus login for pallet: a native-app UserApp (globus-sdk 4) with tokens in a 0600 JSON file under the XDG
+config dir."""
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import globus_sdk
 from globus_sdk.globus_app.config import resolve_by_login_flow

@@ -33,7 +33,8 @@ FAIL_FAST = (AuthenticationError, RemotePermissionError, RemoteDiskFullError)
 
 def classify_globus(code: str | None, detail: str = "", path: str | None = None,
                     status: int | None = None) -> TransportError:
-    """Turn a Globus API/task error code (``ClientError.NotFound``, ``PERMISSION_DENIED``, ...) into a TransportError."""
+    """Turn a Globus API/task error code (``ClientError.NotFound``, ``PERMISSION_DENIED``, ...) into a
+    TransportError."""
     key = (code or "").lower().replace(".", "").replace("_", "")
     first = detail.strip().splitlines()[0] if detail.strip() else ""
     text = f"{code}: {first}" if code and first else (code or first)
@@ -62,11 +63,15 @@ def from_sdk(exc: Exception, what: str, path: str | None) -> TransportError:
 def unsupported(item: str, mode: int) -> TransportError | None:
     """NotSupportedError for what Globus cannot carry (links, special files), else None."""
     if stat.S_ISLNK(mode):
-        return NotSupportedError("Globus does not carry symbolic links", item,
-                                 "bundle the tree (pallet pack) so links travel inside the bundle")
+        return _link_refusal(item)
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         return NotSupportedError("Globus carries only regular files and directories", item)
     return None
+
+
+def _link_refusal(item: str) -> NotSupportedError:
+    return NotSupportedError("Globus does not carry symbolic links", item,
+                             "bundle the tree (pallet pack) so links travel inside the bundle")
 
 
 def remote_kind(doc: dict | None, item: str) -> str | TransportError:
@@ -74,7 +79,7 @@ def remote_kind(doc: dict | None, item: str) -> str | TransportError:
     if doc is None:
         return RemotePathMissingError("source does not exist on the collection", item, "check the remote path")
     if doc.get("link_target") or doc.get("type") == "invalid_symlink":
-        return unsupported(item, stat.S_IFLNK)
+        return _link_refusal(item)
     return "d" if doc.get("type") == "dir" else "f"
 
 
@@ -85,4 +90,5 @@ def entry(rel: str, doc: dict) -> RemoteEntry:
     modified = doc.get("last_modified") or "1970-01-01 00:00:00+00:00"
     seconds = datetime.datetime.fromisoformat(modified).timestamp()
     return RemoteEntry(rel, kind, int(doc.get("size") or 0) if kind == "f" else 0,
-                       int(doc.get("permissions") or "0", 8), int(seconds) * 1_000_000_000, doc.get("link_target") or "")
+                       int(doc.get("permissions") or "0", 8), int(seconds) * 1_000_000_000,
+                       doc.get("link_target") or "")

@@ -1,19 +1,22 @@
 """The GridFTP transport: globus-url-copy with one -f list file per batch, for gsiftp:// (GSI) and ftp:// URLs."""
 from __future__ import annotations
 
+import builtins
+import itertools
 import os
 import posixpath
 import re
 import shlex
 import stat
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 from ..scratch import scratch
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult, name_crosses
+from .declarations import GRIDFTP_OPTIONS
 from .errors import (AuthenticationError, HostUnreachableError, MissingDependencyError, NotSupportedError,
-                     RemotePathMissingError, TransportError, classify)
+                     ItemError, RemotePathMissingError, TransportError, classify)
 
 PROGRAM = "globus-url-copy"
 URL_MAX = 511            # globus-url-copy 10.x reads each -f URL into a char[512] (and a line into char[1024])
@@ -21,7 +24,7 @@ _BLOCK = re.compile(r"^(?:continuing on error|error): ", re.M)
 _SUMMARY = re.compile(r"There (?:were errors with \d+ transfers|was an error with 1 transfer)")
 _EMPTY = "No files matched the source url"
 _MKD_FAULT = re.compile(r"^(?:5\d\d-GridFTP-Error-String: (?!File exists)|debug: fault on connection to )(.*)$", re.M)
-_HINTS = {HostUnreachableError: "check the host and port (gsiftp:// defaults to 2811, ftp:// to 21)",
+_HINTS: dict[type, str] = {HostUnreachableError: "check the host and port (gsiftp:// defaults to 2811, ftp:// to 21)",
           AuthenticationError: "check the GSI credential (X509_USER_PROXY; renew the proxy), X509_CERT_DIR "
                                "and the server's subject (options=['-s', SUBJECT])"}
 _REPLY_CODE = re.compile(r"^(?:\d{3}[- ])+", re.M)    # FTP reply codes: 550 says little, the text says why
@@ -42,6 +45,7 @@ class GridFTPTransport(Transport):
     capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=True,
                                 checksums=("md5",), preserves_mtime=False, preserves_mode=False, symlinks=False,
                                 hardlinks=False, per_file_overhead_s=6e-4, concurrency=4, names="any")
+    declared_options = GRIDFTP_OPTIONS
 
     def __init__(self, endpoint: Endpoint, concurrency: int | None = None, parallel: int = 1,
                  pipeline: bool = True, fast: bool = True, restart: bool = False, verify_checksum: bool = False,
@@ -188,7 +192,7 @@ class GridFTPTransport(Transport):
                  items: Sequence[str] | None = None, temp_dir: str | None = None) -> TransferResult:
         """One globus-url-copy run for the batch; ``items=None`` is the whole tree, its symlinks skipped."""
         whole = items is None
-        items = self.all_items(direction, local_root, remote_root) if whole else list(items)
+        items = self.all_items(direction, local_root, remote_root) if items is None else list(items)
         if whole and direction is Direction.PUSH:
             items = [i for i in items if not os.path.islink(os.path.join(local_root, i))]
         with scratch("pallet-gridftp-") as work:
@@ -205,7 +209,7 @@ class GridFTPTransport(Transport):
         result, pairs = TransferResult(), {}
         for n, item in enumerate(items):
             local, remote = os.path.join(local_root, item), posixpath.join(remote_root, item)
-            refusal = self._refusal(item, remote)
+            refusal: ItemError | None = self._refusal(item, remote)
             try:
                 mode = os.lstat(local).st_mode
             except OSError as exc:
@@ -256,7 +260,8 @@ class GridFTPTransport(Transport):
                 result.failed[item] = RemotePathMissingError("path does not exist", remote, "check the remote path")
         return result, pairs
 
-    def _kinds(self, remote_root: str, leaves: list[str], work: str) -> dict[str, str]:
+    # builtins.list: in this class, ``list`` is a method
+    def _kinds(self, remote_root: str, leaves: builtins.list[str], work: str) -> dict[str, str]:
         """'f' or 'd' for each leaf item that exists (a RETR of a directory breaks its neighbours' copies):
         one listing of their parent directories finds the files, a second probes the rest as directories."""
         if not leaves:
@@ -274,8 +279,8 @@ class GridFTPTransport(Transport):
             kinds.update((item, "d") for item in self._directories(rest, root, work, listed[0]))
         return kinds
 
-    def _directories(self, candidates: list[str], remote_root: str, work: str,
-                     sentinel: str | None = None) -> list[str]:
+    def _directories(self, candidates: builtins.list[str], remote_root: str, work: str,
+                     sentinel: str | None = None) -> builtins.list[str]:
         """The candidates that are directories (listing a file shows the file itself)."""
         urls = [self.url(posixpath.join(remote_root, item), True) for item in candidates]
         entries, errors = self._dump(urls, False, work, sentinel)
@@ -315,7 +320,7 @@ class GridFTPTransport(Transport):
         return failed
 
 
-def _classify(text: str, *args) -> TransportError:
+def _classify(text: str, *args) -> ItemError:
     """errors.classify on globus-url-copy's text without the FTP reply codes, with GridFTP hints."""
     error = classify(_REPLY_CODE.sub("", text), *args)
     error.hint = _HINTS.get(type(error), error.hint)
@@ -373,7 +378,7 @@ def _chunks(urls: list[str]) -> list[list[tuple[int, str]]]:
 def _blocks(stderr: str) -> list[str]:
     """The error messages of one run, one per failed transfer, without the closing summary."""
     starts = [m.start() for m in _BLOCK.finditer(stderr)] + [len(stderr)]
-    blocks = [stderr[a:b].strip() for a, b in zip(starts, starts[1:])]
+    blocks = [stderr[a:b].strip() for a, b in itertools.pairwise(starts)]
     return [b for b in blocks if not _SUMMARY.search(b.splitlines()[0])]
 
 

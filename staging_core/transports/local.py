@@ -6,14 +6,15 @@ import fcntl
 import os
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from bundles import native
 from bundles.parallel import default_jobs
 
 from . import parallel_copy
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
+from .declarations import LOCAL_OPTIONS
 from .errors import RemotePathMissingError, TransportError, classify
 from .safe_tree import SafeTree
 
@@ -25,7 +26,9 @@ class LocalTransport(Transport):
     scheme = "file"
     capabilities = Capabilities(batch=True, streaming=False, remote_exec=False, parallel_streams=False,
                                 checksums=(), preserves_mtime=True, preserves_mode=True, symlinks=True,
-                                hardlinks=True, per_file_overhead_s=3e-5, concurrency=1)
+                                hardlinks=True, per_file_overhead_s=3e-5, concurrency=1,
+                                exact_listing=True, local_copy=True)
+    declared_options = LOCAL_OPTIONS
 
     def __init__(self, endpoint: Endpoint, link_mode: str = "copy", threads: int = 0):
         super().__init__(endpoint)
@@ -54,7 +57,7 @@ class LocalTransport(Transport):
         self._finish_directories(state.tree, state.directories, result)
         return result
 
-    def _copy_item(self, source: str, target: str, item: str, state: "_Copying", result: TransferResult) -> None:
+    def _copy_item(self, source: str, target: str, item: str, state: _Copying, result: TransferResult) -> None:
         try:
             self._copy_one(os.path.join(source, item), item, state)
             result.done.append(item)
@@ -73,7 +76,7 @@ class LocalTransport(Transport):
                 result.failed[item] = classify(f"{exc.strerror}", exc.errno, None,
                                                _failed_path(exc, tree.root, item), "cannot set its mode and time")
 
-    def _copy_one(self, src: str, item: str, state: "_Copying") -> None:
+    def _copy_one(self, src: str, item: str, state: _Copying) -> None:
         st = os.lstat(src)
         if stat.S_ISDIR(st.st_mode):
             state.tree.directory(item)

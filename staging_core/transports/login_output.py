@@ -46,7 +46,7 @@ class Marker:
         self.token = token
 
     @classmethod
-    def new(cls) -> "Marker":
+    def new(cls) -> Marker:
         return cls("pallet-" + os.urandom(12).hex())
 
     @property
@@ -163,7 +163,7 @@ class AfterLogin(io.RawIOBase):
             if not chunk:
                 self._keep(held)
                 self._past, self.login = True, bytes(self._head)
-                if chunk is None:
+                if chunk is None and self._fail is not None:       # a deadline is given with ``fail`` only
                     raise self._fail(self._report(timed_out=True))
                 if self._fail is not None and self._size:
                     raise self._fail(self._report(timed_out=False))

@@ -27,8 +27,9 @@ def plan(engine, source: str, items, threads: int) -> CopyPlan:
     """Classify ``items`` under ``source`` with one lstat each, on ``threads`` native threads."""
     names = [os.fsencode(item) for item in items]
     kinds = engine.kinds_of(os.fsencode(source) + b"/", len(names), native.blob(names), threads)
-    copy_plan, first_names = CopyPlan(), {}
-    for item, kind in zip(items, kinds):
+    copy_plan = CopyPlan()
+    first_names: dict[tuple[int, int] | str, str] = {}
+    for item, kind in zip(items, kinds, strict=False):     # the engine gives one kind per item
         if kind == _FILE:
             copy_plan.files.append(item)
         elif kind == _LINKED:

@@ -1,71 +1,78 @@
-"""Lazy registry of transports by URL scheme: modules are imported only when a scheme is used."""
+"""Lazy registry of transports by URL scheme: modules are imported only when a scheme is used.
+
+The table of schemes itself lives in :mod:`staging_core.transports.catalog` (which ``base`` reads to parse
+URLs, so imports point one way: catalog <- base <- registry); its :class:`Registration`, :func:`register`,
+:func:`unregister` and :func:`schemes` are re-exported here, the place to use them from.
+"""
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import re
 import shutil
-from dataclasses import dataclass
 
 from bundles.errors import UsageError
 
-from .base import Endpoint, Transport, parse_url
+from .base import Endpoint, Transport, TransportOption, parse_url
+from .catalog import Registration, register, registration, schemes, unregister
 from .errors import MissingDependencyError
 
-
-@dataclass(frozen=True)
-class Registration:
-    """Where a transport lives, and what it needs installed (programs on PATH, Python modules)."""
-
-    target: str                       # "package.module:Class"
-    programs: tuple[str, ...] = ()
-    modules: tuple[str, ...] = ()
-    hint: str = ""
+__all__ = ["Registration", "all_declared_options", "declared_options", "open_endpoint", "open_transport",
+           "parse_url", "register", "schemes", "transport_class", "unregister"]
 
 
-_SCHEME_NAME = re.compile(r"^[a-z][a-z0-9+.-]*$")
-_REGISTRY: dict[str, Registration] = {
-    "file": Registration("staging_core.transports.local:LocalTransport"),
-    "ssh": Registration("staging_core.transports.ssh:SSHTransport", ("ssh", "rsync"),
-                        hint="install openssh-client and rsync (apt-get install openssh-client rsync)"),
-    "globus": Registration("staging_core.transports.globus:GlobusTransport", modules=("globus_sdk",),
-                           hint="pip install 'pallet[globus]'"),
-    "gsiftp": Registration("staging_core.transports.gridftp:GridFTPTransport", ("globus-url-copy",),
-                           hint="install globus-url-copy (apt-get install globus-gass-copy-progs)"),
-    "ftp": Registration("staging_core.transports.gridftp:GridFTPTransport", ("globus-url-copy",),
-                        hint="install globus-url-copy (apt-get install globus-gass-copy-progs)"),
-}
+def _registered(scheme: str) -> Registration:
+    found = registration(scheme)
+    if found is None:
+        raise UsageError(f"no transport for {scheme}:// URLs", hint=f"available: {', '.join(schemes())}")
+    return found
 
 
-def register(scheme: str, registration: Registration) -> None:
-    """Add or replace the transport for ``scheme`` (plugins may register their own): from then on
-    ``scheme://[user@]host[:port]/abs`` URLs parse and open it, and nothing else in pallet needs to change."""
-    if not _SCHEME_NAME.match(scheme):
-        raise UsageError(f"{scheme!r} is not a URL scheme", hint="use lower-case letters, digits, + - or .")
-    _REGISTRY[scheme] = registration
+def _missing_modules(found: Registration) -> list[str]:
+    return [m for m in found.modules if importlib.util.find_spec(m) is None]
 
 
-def unregister(scheme: str) -> None:
-    """Remove the transport registered for ``scheme`` (nothing if there is none)."""
-    _REGISTRY.pop(scheme, None)
-
-
-def schemes() -> list[str]:
-    """Schemes with a registered transport."""
-    return sorted(_REGISTRY)
+def _load(target: str):
+    module_name, _, name = target.partition(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def transport_class(scheme: str) -> type[Transport]:
     """Import and return the transport class for ``scheme``; explain what is missing if it cannot."""
-    registration = _REGISTRY.get(scheme)
-    if registration is None:
-        raise UsageError(f"no transport for {scheme}:// URLs", hint=f"available: {', '.join(schemes())}")
-    missing = [p for p in registration.programs if shutil.which(p) is None]
-    missing += [m for m in registration.modules if importlib.util.find_spec(m) is None]
+    found = _registered(scheme)
+    missing = [p for p in found.programs if shutil.which(p) is None] + _missing_modules(found)
     if missing:
-        raise MissingDependencyError(f"the {scheme} transport needs {', '.join(missing)}", hint=registration.hint)
-    module_name, _, class_name = registration.target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+        raise MissingDependencyError(f"the {scheme} transport needs {', '.join(missing)}", hint=found.hint)
+    return _load(found.target)
+
+
+def declared_options(scheme: str) -> tuple[TransportOption, ...]:
+    """The options the transport for ``scheme`` declares (``Transport.declared_options``), read from its
+    ``Registration.options`` when it names them (nothing of the transport is imported), else from its class
+    (imported now; its programs need not be installed, its Python modules must be: MissingDependencyError
+    says which are not). UsageError for a scheme with no transport."""
+    found = _registered(scheme)
+    if found.options:
+        return tuple(_load(found.options))
+    missing = _missing_modules(found)
+    if missing:
+        raise MissingDependencyError(f"the {scheme} transport needs {', '.join(missing)}", hint=found.hint)
+    kind: type[Transport] = _load(found.target)
+    return kind.declared_options
+
+
+def all_declared_options() -> dict[str, tuple[TransportOption, ...]]:
+    """Every registered scheme's declared options (:func:`declared_options`), by scheme in scheme order: what
+    front ends (CLI, Snakemake, Parsl) derive their per-transport settings from; the options of ``scheme`` go
+    to its transport through ``StagingOptions.transport_options[scheme]``. Transports that name their options in
+    ``Registration.options`` (all of pallet's own) are not imported; a registered transport that does not, and
+    whose Python modules are missing, is left out (it cannot be opened either)."""
+    listed: dict[str, tuple[TransportOption, ...]] = {}
+    for scheme in schemes():
+        try:
+            listed[scheme] = declared_options(scheme)
+        except MissingDependencyError:
+            continue
+    return listed
 
 
 def open_transport(url: str | Endpoint, **options) -> Transport:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 from bundles.state_fd import remove_entry
 
@@ -147,7 +147,5 @@ class SafeTree:
 
 
 def _make_directory(parent: int, name: str) -> None:
-    try:
+    with suppress(FileExistsError):
         os.mkdir(name, 0o777, dir_fd=parent)
-    except FileExistsError:
-        pass

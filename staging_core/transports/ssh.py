@@ -1,18 +1,20 @@
 """The ssh transport: system ssh and rsync over one ControlMaster connection per host."""
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import stat
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 from bundles.errors import UsageError
 from bundles.reserved import PARTIAL_DIR
 
-from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
+from .base import Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry, Transport, TransferResult
+from .declarations import SSH_OPTIONS
 from .errors import MissingDependencyError, RemotePathMissingError, SourceReadError, classify, source_read_error
 from .login_output import FILTER_TAG, LoginOutput
 from .ssh_master import LoginOutputError, SSHMaster, login_error, ssh_options_for
@@ -40,26 +42,30 @@ class SSHTransport(Transport):
     scheme = "ssh"
     capabilities = Capabilities(batch=True, streaming=True, remote_exec=True, parallel_streams=False,
                                 checksums=("md5",), preserves_mtime=True, preserves_mode=True, symlinks=True,
-                                hardlinks=True, per_file_overhead_s=9e-5, concurrency=1)
+                                hardlinks=True, per_file_overhead_s=9e-5, concurrency=1,
+                                exact_listing=True, posix_shell=True, byte_ranges=True, shared_connection=True)
+    declared_options = SSH_OPTIONS
 
     def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
                  master: SSHMaster | None = None):
         super().__init__(endpoint)
         self.ssh_options = ssh_options_for(ssh_options)
         self.parallel = max(1, parallel)
-        adopted = master is not None and master.adopt(endpoint, self.ssh_options)
-        self._master = master if adopted else SSHMaster(endpoint, self.ssh_options)
+        if master is not None and master.adopt(endpoint, self.ssh_options):
+            self._master = master
+        else:
+            self._master = SSHMaster(endpoint, self.ssh_options)
         self._control_dir = self._master.control_dir
         if self.parallel > 1:       # a pull's hard links may land in different parts (their inodes are unknown here)
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
                                                 "concurrency": self.parallel, "hardlinks": False})
 
     @classmethod
-    def options_from(cls, options) -> dict:
-        """``ssh_options`` (``--ssh-option``) from a push's or pull's StagingOptions, after those its
-        ``transport_options`` give."""
-        given = super().options_from(options)
-        return {**given, "ssh_options": [*given.get("ssh_options", ()), *options.ssh_options]}
+    def connect_early(cls, endpoint: Endpoint, options) -> EarlyConnection:
+        """The ControlMaster to ``endpoint``'s host, started now with the ssh options a transport made from
+        ``options`` (a StagingOptions) will have, so that the transport takes it over (option ``master``)."""
+        master = SSHMaster(endpoint, ssh_options_for(cls.options_from(options).get("ssh_options", ())))
+        return EarlyConnection("master", master.start())
 
     # ------------------------------------------------------------ connection
 
@@ -137,8 +143,9 @@ class SSHTransport(Transport):
             return self._transfer_parallel(direction, local_root, remote_root, items, temp_dir)
         return self._rsync(direction, local_root, remote_root, items, temp_dir)
 
+    # builtins.list: in this class, ``list`` is a method
     def _rsync(self, direction: Direction, local_root: str, remote_root: str,
-               items: list[str] | None, temp_dir: str | None = None) -> TransferResult:
+               items: builtins.list[str] | None, temp_dir: str | None = None) -> TransferResult:
         """One rsync: of the listed items (--files-from), or of the whole tree when ``items`` is None; its
         temporaries in ``temp_dir`` (relative to the destination root) when given."""
         if not os.path.isabs(local_root):
@@ -164,7 +171,8 @@ class SSHTransport(Transport):
         source_root = local_root if direction is Direction.PUSH else remote_root
         return self._result(items, done, command, source_root)
 
-    def _result(self, items: list[str] | None, done, command: list[str], source_root: str) -> TransferResult:
+    def _result(self, items: builtins.list[str] | None, done, command: builtins.list[str],
+                source_root: str) -> TransferResult:
         stderr = done.stderr.decode(errors="replace")
         _raise_login_output(stderr, self.endpoint.url(), command)
         if done.returncode == 0:
@@ -174,7 +182,7 @@ class SSHTransport(Transport):
         if done.returncode not in _PARTIAL or not (failures or unreadable):
             raise classify(stderr, done.returncode, command, self.endpoint.url(),
                            f"rsync failed with status {done.returncode}")
-        result = TransferResult(done=[i for i in items or () if i not in failures and i not in unreadable])
+        result = TransferResult(done=[i for i in items or [] if i not in failures and i not in unreadable])
         for item, reason in failures.items():
             result.failed[item] = classify(reason, done.returncode, command, item, f"cannot transfer {item}")
         result.failed.update(unreadable)       # the sender could not read them: the source's fault (exit 1)
@@ -193,8 +201,8 @@ class SSHTransport(Transport):
         for result in results:
             merged.done += result.done
             merged.failed.update(result.failed)
-        counts = [r.bytes_sent for r in results]
-        merged.bytes_sent = None if None in counts else sum(counts)
+        counts = [r.bytes_sent for r in results if r.bytes_sent is not None]
+        merged.bytes_sent = sum(counts) if len(counts) == len(results) else None
         return merged
 
 

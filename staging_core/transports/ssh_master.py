@@ -13,7 +13,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import IO
 
 from bundles.errors import UsageError
 
@@ -86,13 +87,16 @@ class SSHMaster:
         self.control_dir = scratch_dir("pallet-ssh-", _SOCKET_ROOT)
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
-        self._errors = None
+        self._errors: IO[bytes] | None = None          # the master's stderr, while it connects
         self._ready = self._adopted = False
         self.login_timeout_s = login_timeout(self.ssh_options)
 
     @property
     def destination(self) -> str:
-        return f"{self.endpoint.user}@{self.endpoint.host}" if self.endpoint.user else self.endpoint.host
+        host = self.endpoint.host
+        if host is None:            # parse_url gives every ssh URL a host: an Endpoint made by hand may lack one
+            raise UsageError(f"{self.endpoint.url()} names no host", hint="write ssh://[user@]HOST/absolute/path")
+        return f"{self.endpoint.user}@{host}" if self.endpoint.user else host
 
     def client_argv(self) -> list[str]:
         """``ssh`` through this master (never starting one of its own, and never asking for a password should
@@ -117,7 +121,7 @@ class SSHMaster:
                *self.client_argv()]
         return ["-e", shlex.join(rsh), f"--rsync-path={marker.command('rsync')}"]
 
-    def start(self) -> "SSHMaster":
+    def start(self) -> SSHMaster:
         """Launch the connection unless launched already; do not wait for it."""
         with self._lock:
             self._launch()
@@ -130,15 +134,15 @@ class SSHMaster:
                 return
             if self._ready:                 # it ended after idling: connect again
                 self._process, self._ready = None, False
-            self._launch()
+            process, errors = self._launch()
             try:
-                code = self._process.wait(timeout=_CONNECT_TIMEOUT_S)
+                code = process.wait(timeout=_CONNECT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                code = self._process.wait()
-            self._errors.seek(0)
-            stderr = self._errors.read().decode(errors="replace")
-            self._errors.close()
+                process.kill()
+                code = process.wait()
+            errors.seek(0)
+            stderr = errors.read().decode(errors="replace")
+            errors.close()
             if code != 0:
                 self._process = None        # a later call tries again
                 raise classify(stderr, code, self._master_argv(), self.endpoint.url(),
@@ -163,17 +167,21 @@ class SSHMaster:
                 if not self._ready:         # still connecting (a command that failed early): stop it
                     self._process.kill()
                     self._process.wait()
-                    self._errors.close()
+                    if self._errors is not None:
+                        self._errors.close()
                 subprocess.run([*self.client_argv(), "-O", "exit", self.destination], stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
                 self._process, self._ready = None, False
             shutil.rmtree(self.control_dir, ignore_errors=True)
 
-    def _launch(self) -> None:
-        if self._process is None:
-            self._errors = tempfile.TemporaryFile()
+    def _launch(self) -> tuple[subprocess.Popen, IO[bytes]]:
+        """The master's process and the file its stderr goes to: launched now unless launched already."""
+        if self._process is None or self._errors is None:
+            # kept open past this call, for ready() to read and close once ssh has connected
+            self._errors = tempfile.TemporaryFile()  # noqa: SIM115
             self._process = subprocess.Popen(self._master_argv(), stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=self._errors)
+        return self._process, self._errors
 
     @property
     def _socket(self) -> str:
@@ -197,6 +205,10 @@ class FarProcess(subprocess.Popen):
     the first read of stdout kills ssh and raises ``fail(LoginOutput)``.
     :meth:`communicate` reads through these streams too.
     """
+
+    # stdout and stderr are pipes (Popen gives buffered readers), replaced by readers of what follows the marker
+    stdout: io.BufferedReader
+    stderr: io.BufferedReader
 
     def __init__(self, argv: list[str], marker: Marker, timeout_s: float,
                  fail: Callable[[LoginOutput], BaseException], stdin=subprocess.PIPE):
