@@ -11,19 +11,26 @@ import importlib
 
 _PUBLIC = {
     # operations
-    "push": "operations.push_pull", "pull": "operations.push_pull", "fetch": "operations.selection", "send": "operations.selection",
+    "push": "operations.push_pull", "pull": "operations.push_pull",
+    "fetch": "operations.selection", "send": "operations.selection",
     "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
-    "plan": "planning.planner", "load_profile": "planning.profiles", "Inventory": "planning.inventory", "DestinationLock": "operations.locking",
-    "OpenSource": "operations.pull_phases", "plan_pull": "operations.pull_phases", "move_packed": "operations.pull_phases",
-    "OpenDestination": "operations.push_phases", "PushPlan": "operations.push_phases", "plan_push": "operations.push_phases",
-    "finish_push": "operations.push_phases", "compare_destination": "operations.push_phases", "SourceSurvey": "operations.push_phases",
+    "OptionDeclaration": "options", "declarations": "options", "TransportSetting": "options",
+    "transport_settings": "options",
+    "plan": "planning.planner", "load_profile": "planning.profiles", "Inventory": "planning.inventory",
+    "DestinationLock": "operations.locking",
+    "OpenSource": "operations.pull_phases", "plan_pull": "operations.pull_phases",
+    "move_packed": "operations.pull_phases",
+    "OpenDestination": "operations.push_phases", "PushPlan": "operations.push_phases",
+    "plan_push": "operations.push_phases", "finish_push": "operations.push_phases",
+    "compare_destination": "operations.push_phases", "SourceSurvey": "operations.push_phases",
     "scan_and_survey": "operations.push_phases",
-    "Strategy": "operations.strategy_base", "Attempt": "operations.strategy_base", "PushContext": "operations.push_strategies",
-    "push_strategy": "operations.push_strategies", "PullContext": "operations.pull_strategies", "pull_strategy": "operations.pull_strategies",
+    "Strategy": "operations.strategy_base", "Attempt": "operations.strategy_base",
+    "PushContext": "operations.push_strategies", "push_strategy": "operations.push_strategies",
+    "PullContext": "operations.pull_strategies", "pull_strategy": "operations.pull_strategies",
     "MovedBundle": "operations.pull_phases",
     # a kept bundle read in place by copying entries out
-    "copy_out": "in_place.bundle_copy", "missing_members": "in_place.bundle_copy", "open_bundle": "in_place.bundle_copy",
-    "CopiedOut": "in_place.bundle_copy",
+    "copy_out": "in_place.bundle_copy", "missing_members": "in_place.bundle_copy",
+    "open_bundle": "in_place.bundle_copy", "CopiedOut": "in_place.bundle_copy",
     "run_local": "routes.unpack", "unpack_summary": "routes.unpack", "scratch_space": "scratch:scratch",
     "private_directory": "scratch",
     "parse_size": "cli.display",
@@ -39,7 +46,8 @@ _PUBLIC = {
 _ERRORS = ("PalletError", "UsageError", "SourceError", "DestinationError", "DestinationLocked", "SetupError",
            "StreamError", "BundleError", "CorruptBundleError", "SummaryError")
 
-__all__ = sorted([*_PUBLIC, *_ERRORS])
+# a list at run time, derived from the lazy table so that the two cannot drift apart
+__all__ = sorted([*_PUBLIC, *_ERRORS])  # noqa: PLE0605
 
 
 def __getattr__(name: str):

@@ -6,7 +6,7 @@ import shutil
 import stat
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
 
 from bundles.errors import DestinationError
 

@@ -21,12 +21,13 @@ MTIME_NS = 1_700_000_000_123_456_789
 
 def snapshot(root: str | os.PathLike, ignore: tuple[str, ...] = ()) -> dict:
     """Map each relative path under ``root`` to (type, mode, mtime_ns, content or link target, inode group)."""
-    root = os.fsencode(root)
-    result, inodes = {}, {}
-    for current, dirs, files in os.walk(root):
+    top = os.fsencode(root)
+    result: dict[bytes, tuple[str, int | None, int, bytes | None, bytes | None]] = {}
+    inodes: dict[int, bytes] = {}
+    for current, dirs, files in os.walk(top):
         for name in dirs + files:
             path = os.path.join(current, name)
-            rel = os.path.relpath(path, root)
+            rel = os.path.relpath(path, top)
             if os.fsdecode(rel) in ignore:
                 continue
             st = os.lstat(path)
@@ -62,12 +63,15 @@ def assert_same_tree(a, b) -> None:
 def make_nasty_tree(root: str) -> str:
     """A fixed tree with the cases every round trip must survive."""
     os.makedirs(root)
-    write = lambda rel, data=b"x", mode=0o644: _write(root, rel, data, mode)
+
+    def write(rel: str, data: bytes = b"x", mode: int = 0o644) -> None:
+        _write(root, rel, data, mode)
+
     write("empty.txt", b"")
     os.makedirs(os.path.join(root, "empty_dir"))
     write("with space.txt", b"spaces")
     write("new\nline.txt", b"newline")
-    write("ünïcødé-日本.txt", "unicode".encode())
+    write("ünïcødé-日本.txt", b"unicode")
     write("-leading-dash", b"dash")
     write("private.key", b"secret", 0o700)
     write("script.sh", b"#!/bin/sh\n", 0o755)

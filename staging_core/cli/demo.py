@@ -91,7 +91,8 @@ def _print_summary(summary: dict, as_json: bool) -> None:
     print(f"  generate  {t['generate']:7.2f} s")
     print(f"  pack      {t['pack']:7.2f} s  -> {human_bytes(summary['bundle_bytes'])} in {summary['shards']} "
           f"shard(s), {ratio:.1f}x smaller")
-    print(f"  unpack    {t['unpack']:7.2f} s  ({summary['files'] / max(t['unpack'], 1e-9):,.0f} files/s, every file verified)")
+    print(f"  unpack    {t['unpack']:7.2f} s  ({summary['files'] / max(t['unpack'], 1e-9):,.0f} files/s, "
+          "every file verified)")
     predicted = summary["push"]["predicted_range"]
     expected = f"predicted {seconds_range(*predicted)}; " if predicted else ""
     print(f"  push      {t['push']:7.2f} s  ({expected}planned: {summary['push']['strategy']}; "

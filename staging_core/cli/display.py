@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from bundles.progress import NoProgress, Progress
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress, TaskID
 
 
 class BarProgress:
     """A Progress drawn as a rich bar on stderr: files done of total, bytes, rate and ETA."""
 
     def __init__(self) -> None:
-        self._bar = None
-        self._task = None
+        self._bar: RichProgress | None = None
+        self._task: TaskID | None = None
         self._done_bytes = 0
 
     def start(self, label: str, total_files: int, total_bytes: int) -> None:
@@ -27,7 +31,7 @@ class BarProgress:
         self._task = self._bar.add_task(label, total=total_files or None, volume="")
 
     def advance(self, files: int, nbytes: int) -> None:
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:      # both set by start()
             self._done_bytes += nbytes
             self._files += files
             self._bar.update(self._task, advance=files, volume=f"{human_bytes(self._done_bytes)}/{self._total}")

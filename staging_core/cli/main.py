@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -9,10 +10,16 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bundles.errors import Interrupted, PalletError, UsageError
 
 from staging_core.cli.display import human_bytes, jobs_arg, make_progress, report, size_arg
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+    from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -88,7 +95,8 @@ def _add_pack(commands) -> None:
     p.add_argument("--level", type=int, help="compression level (zstd 1-19, default 3; gzip 1-9, default 6)")
     p.add_argument("--shard-size", type=size_arg, metavar="SIZE",
                    help="target uncompressed shard size, e.g. 16M (default: 1/64 of the data, 4M..64M)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N",
+                   help="worker processes (default: one per CPU, none for small work)")
     _progress_flags(p)
     p.set_defaults(run=_run_pack)
 
@@ -133,7 +141,8 @@ def _add_verify(commands) -> None:
                                         "also check that DEST holds exactly what the bundle describes.")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", nargs="?")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N",
+                   help="worker processes (default: one per CPU, none for small work)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_verify)
 
@@ -237,7 +246,7 @@ def _run_verify(args) -> int:
     from bundles.verify import verify_bundle, verify_tree
     with Bundle.open(args.bundle) as bundle:
         report = verify_bundle(bundle, args.jobs)
-        if args.dest and report.ok:
+        if args.dest and report.ok and bundle.index is not None:      # verify_bundle refuses a bundle without one
             tree = verify_tree(bundle.index, args.dest)
             report.problems += tree.problems
     if args.json:
@@ -273,7 +282,7 @@ class _Interrupts:
         self._seen = 0                                  # a signal the watcher saw, perhaps not yet handled
         self._handled_at: float | None = None
         self._handled = threading.Event()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
         self._pipe: tuple[int, int] | None = None
         self._wakeup = -1
         self._watcher: threading.Thread | None = None
@@ -312,6 +321,7 @@ class _Interrupts:
                 signal.signal(signum, previous)
             signal.set_wakeup_fd(self._wakeup)
             os.close(self._pipe[1])
+            assert self._watcher is not None        # started with the pipe, in __enter__
             self._watcher.join()
             os.close(self._pipe[0])
 
@@ -366,10 +376,8 @@ class _Interrupts:
             return
         self.caught = None
         self._handled.clear()
-        try:
+        with contextlib.suppress(BlockingIOError):      # the pipe is full of signals already: the watcher has them
             os.write(self._pipe[1], bytes([caught.signum]))
-        except BlockingIOError:
-            pass                            # the pipe is full of signals already: the watcher has them
 
     def _say(self, signum: int) -> None:
         said = "interrupted" if signum == signal.SIGINT else f"interrupted ({signal.Signals(signum).name})"
@@ -390,9 +398,10 @@ class _Interrupts:
                     self._seen = self._seen or signum
                     signal.pthread_kill(main, signum)
                     self._handled.wait(RESEND_S)
-                elif time.monotonic() - self._handled_at > FORCE_AFTER_S:
-                    self._say(self.caught.signum)
-                    _exit_now(self.caught.exit_code)
+                elif ((caught := self.caught) is not None and self._handled_at is not None
+                      and time.monotonic() - self._handled_at > FORCE_AFTER_S):
+                    self._say(caught.signum)
+                    _exit_now(caught.exit_code)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -403,10 +412,8 @@ EXIT_WAIT_S = 0.3       # after an interrupt, threads still at work are waited f
 
 def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

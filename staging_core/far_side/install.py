@@ -10,9 +10,9 @@ import shlex
 import sys
 import tarfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Callable, Sequence
 
 from bundles.errors import PalletError, UsageError
 
@@ -20,11 +20,11 @@ from staging_core.far_side.probe import forget_probes
 from staging_core.scratch import scratch
 from staging_core.transports.base import Endpoint
 from staging_core.transports.errors import classify
-from staging_core.far_side.wheels import (WheelTarget, build_pallet_wheel, details, fetch_dependencies, installed_wheel, pallet_source,
-                     requirements)
+from staging_core.far_side.wheels import (WheelTarget, build_pallet_wheel, details, fetch_dependencies,
+                                          installed_wheel, pallet_source, requirements)
 
 DEFAULT_PREFIX = "~/.local/share/pallet/venv"
-RECORD = "~/.config/pallet/python"      # the far side's file naming PREFIX/bin/python; staging_core.far_side.probe reads it
+RECORD = "~/.config/pallet/python"      # the far side's file naming PREFIX/bin/python; far_side.probe reads it
 EXIT_OK, EXIT_FAILURE = 0, 1
 _HOST = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/:]+)@)?(?P<host>[A-Za-z0-9._-]+)(?::(?P<port>\d+))?/?$")
 _PALLET_CODE = ('import sys, mpi_stager, bundles.stream as s; from importlib.metadata import version as v\n'
@@ -262,14 +262,19 @@ def install(host: str, python: str = "python3", prefix: str = DEFAULT_PREFIX, ss
             far = query_python(transport, words, name, python)
             check_python(far, name, python)
             say(f"pallet: {name} has Python {far.version_text} ({far.platform_tags()[0]}); gathering wheels ...")
-            wheel_from = "installed" if wheel else "wheel" if source.endswith(".whl") else "built"
-            wheel = wheel or build_pallet_wheel(work, source)
+            if wheel:
+                wheel_from = "installed"
+            else:
+                assert source is not None           # pallet_source() above: there is no installed wheel
+                wheel_from = "wheel" if source.endswith(".whl") else "built"
+                wheel = build_pallet_wheel(work, source)
             cache, downloaded = fetch_dependencies(requirements(wheel), far)
             files = [wheel, *sorted(glob.glob(os.path.join(cache, "*.whl")))]
             size = sum(os.path.getsize(f) for f in files)
             say(f"pallet: shipping {len(files)} wheels ({size / 2**20:.1f} MiB) to {name} ...")
             values = ship_and_install(transport, files, prefix, far, words)
     _check_installed(values, name, python)
+    assert endpoint.host is not None                     # parse_host always names one
     forget_probes(endpoint.host)
     where, (_, version, stream) = values["prefix"], values["pallet"].split("\t")
     say(f"pallet: installed pallet {version} at {where}; recorded in {RECORD}")
@@ -393,7 +398,8 @@ def _host_arg(text: str) -> str:
     try:
         parse_host(text)
     except UsageError as exc:
-        raise argparse.ArgumentTypeError(f"{exc.message} (write [user@]host[:port] or ssh://[user@]host[:port])")
+        raise argparse.ArgumentTypeError(
+            f"{exc.message} (write [user@]host[:port] or ssh://[user@]host[:port])") from None
     return text
 
 

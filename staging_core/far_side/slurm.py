@@ -8,7 +8,7 @@ import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from bundles.errors import PalletError, UsageError
 

@@ -1,4 +1,4 @@
-"""The wheels `pallet remote install` ships: pallet's own (as installed, or built from its source) and its dependencies'."""
+"""The wheels `pallet remote install` ships: pallet's own (as installed, or built from source) and its dependencies'."""
 from __future__ import annotations
 
 import base64
@@ -20,8 +20,8 @@ from urllib.parse import unquote, urlparse
 
 from bundles.errors import PalletError
 
-_SOURCE_JUNK = (".git", "target", ".hg", ".svn", ".venv", "venv", ".tox", ".nox", "build", "dist", "*.egg-info", "__pycache__",
-                ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "*.pyc")
+_SOURCE_JUNK = (".git", "target", ".hg", ".svn", ".venv", "venv", ".tox", ".nox", "build", "dist", "*.egg-info",
+                "__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "*.pyc")
 
 NATIVE_TARGET = os.path.join("bundles", "native", "target")     # cargo's output for the native engine's crate
 
@@ -62,11 +62,11 @@ class WheelTarget:
         glibc = re.match(r"glibc (\d+)\.(\d+)", self.libc)
         if not glibc:
             return [f"musllinux_1_{n}_{arch}" for n in (2, 1)] + [plat]
-        major, minor = int(glibc[1]), int(glibc[2])
+        libc_major, libc_minor = int(glibc[1]), int(glibc[2])
         floor = 5 if arch in ("x86_64", "i686") else 17
-        tags = [f"manylinux_{major}_{n}_{arch}" for n in range(minor, floor - 1, -1)]
+        tags = [f"manylinux_{libc_major}_{n}_{arch}" for n in range(libc_minor, floor - 1, -1)]
         legacy = [(17, "manylinux2014"), (12, "manylinux2010"), (5, "manylinux1")]
-        tags += [f"{name}_{arch}" for low, name in legacy if minor >= low and (low == 17 or floor == 5)]
+        tags += [f"{name}_{arch}" for low, name in legacy if libc_minor >= low and (low == 17 or floor == 5)]
         return tags + [plat]
 
 
@@ -134,20 +134,20 @@ def repack_installed(out: str) -> str | None:
     files = _installed_files(dist)
     if files is None or len(tags) != 1:
         return None
-    info_dir = next(str(f.parent) for f, _ in files if f.name == "METADATA")
+    info_dir = next(str(f.parent) for f, _, _ in files if f.name == "METADATA")
     wheel = os.path.join(out, f"pallet-{dist.version}-{tags[0]}.whl")
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
-        for file, path in sorted(files, key=lambda item: (str(item[0].parent) == info_dir, str(item[0]))):
+        for file, path, _ in sorted(files, key=lambda item: (str(item[0].parent) == info_dir, str(item[0]))):
             with open(path, "rb") as handle:
                 archive.writestr(_entry(str(file), path), handle.read())
-        record = [f"{file},sha256={file.hash.value},{os.path.getsize(path)}" for file, path in files]
+        record = [f"{file},sha256={digest},{os.path.getsize(path)}" for file, path, digest in files]
         archive.writestr(_entry(f"{info_dir}/RECORD"), "\n".join([*record, f"{info_dir}/RECORD,,", ""]))
     return wheel
 
 
-def _installed_files(dist: metadata.Distribution) -> list[tuple[metadata.PackagePath, str]] | None:
-    """The files of ``dist`` that belong in its wheel, each with its path here; None if one is missing, differs
-    from its RECORD hash, or lies outside site-packages without being an entry-point script."""
+def _installed_files(dist: metadata.Distribution) -> list[tuple[metadata.PackagePath, str, str]] | None:
+    """The files of ``dist`` that belong in its wheel, each with its path here and its RECORD sha256; None if one is
+    missing, differs from its RECORD hash, or lies outside site-packages without being an entry-point script."""
     scripts = {e.name for e in dist.entry_points if e.group in ("console_scripts", "gui_scripts")}
     kept = []
     for file in dist.files or []:
@@ -161,8 +161,8 @@ def _installed_files(dist: metadata.Distribution) -> list[tuple[metadata.Package
         with open(path, "rb") as handle:
             if _sha256(handle.read()) != file.hash.value:
                 return None
-        kept.append((file, path))
-    return kept if any(f.name == "METADATA" for f, _ in kept) else None
+        kept.append((file, path, file.hash.value))
+    return kept if any(f.name == "METADATA" for f, _, _ in kept) else None
 
 
 _INSTALL_TIME = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}     # written by the installer, not in wheels

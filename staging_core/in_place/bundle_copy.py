@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 from bundles.errors import DestinationError, SourceError
 from bundles.tarformat import Kind
@@ -72,7 +72,9 @@ def _copy(view: BundleView, item: str, node: Node, target: str, done: CopiedOut)
         done = CopiedOut(done.files, done.bytes, done.links, done.directories + 1)
         for name in view.listdir(item):
             child = f"{item.rstrip('/')}/{name}" if item.strip("/") else name
-            done = _copy(view, child, view.lookup(child), os.path.join(target, name), done)
+            child_node = view.lookup(child)
+            assert child_node is not None           # a name listdir() just gave
+            done = _copy(view, child, child_node, os.path.join(target, name), done)
         os.chmod(target, node.mode, follow_symlinks=False)
         os.utime(target, ns=(node.mtime_ns, node.mtime_ns), follow_symlinks=False)
         return done

@@ -78,7 +78,7 @@ class PalletFileSystem(AbstractFileSystem):
             entries = [_info(path, node)]
         else:
             entries = [_info(posixpath.join(path, name) if path else name,
-                             self.view.lookup(posixpath.join(where, name) if where else name))
+                             self._resolve(posixpath.join(where, name) if where else name, follow_last=False)[1])
                        for name in self.view.listdir(where)]
         return entries if detail else [entry["name"] for entry in entries]
 
@@ -187,7 +187,8 @@ def _open_source(fo, target_protocol: str | None, target_options: dict, ssh_opti
     if hasattr(fo, "read") and hasattr(fo, "seek"):
         return _FileObjectSource(fo, getattr(fo, "name", "bundle"))
     if not isinstance(fo, (str, os.PathLike)) or not os.fspath(fo):
-        raise UsageError("no bundle given", None, 'pass fo="PATH" (or an ssh://HOST/PATH URL) to the pallet file system')
+        raise UsageError("no bundle given", None,
+                         'pass fo="PATH" (or an ssh://HOST/PATH URL) to the pallet file system')
     fo = os.fspath(fo)
     if target_protocol in _SSH_PROTOCOLS:
         return RemoteRanges.open_url(_ssh_url(fo, target_options), ssh_options)

@@ -101,7 +101,8 @@ class Session:
                 ("fuse_session_unmount", None, [c_void_p]), ("fuse_session_destroy", None, [c_void_p]),
                 ("fuse_set_signal_handlers", c_int, [c_void_p]), ("fuse_remove_signal_handlers", None, [c_void_p]),
                 ("fuse_reply_err", c_int, [_REQ, c_int]), ("fuse_reply_entry", c_int, [_REQ, c_void_p]),
-                ("fuse_reply_attr", c_int, [_REQ, c_void_p, c_double]), ("fuse_reply_readlink", c_int, [_REQ, c_char_p]),
+                ("fuse_reply_attr", c_int, [_REQ, c_void_p, c_double]),
+                ("fuse_reply_readlink", c_int, [_REQ, c_char_p]),
                 ("fuse_reply_buf", c_int, [_REQ, c_char_p, c_size_t]), ("fuse_reply_open", c_int, [_REQ, c_void_p]),
                 ("fuse_reply_statfs", c_int, [_REQ, c_void_p]),
                 ("fuse_add_direntry_plus", c_size_t, [_REQ, c_void_p, c_size_t, c_char_p, c_void_p, _OFF]),
@@ -142,7 +143,8 @@ class Session:
         handler: a store waits for the page's lock, which a reader holds until its READ is answered."""
         vector = _BufVec(1, 0, 0)
         buf, pointer = vector.buf[0], ctypes.byref(vector)
-        base = ctypes.cast(data, c_void_p).value
+        # ctypes.cast takes bytes (as a pointer to its buffer, no copy) at run time; typeshed does not list bytes
+        base = ctypes.cast(data, c_void_p).value  # type: ignore[arg-type]
         store, session, missing = self.lib.fuse_lowlevel_notify_store, self.session, -errno.ENOENT
         for inode, start, size in files:
             if not going():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bundles.errors import PalletError, SetupError, UsageError
 from bundles.tarformat import Kind
@@ -17,6 +18,9 @@ from bundles.view import BundleView, Node
 
 from staging_core.in_place.fuse_lowlevel import FuseError
 from staging_core.in_place.remote_bytes import open_view
+
+if TYPE_CHECKING:
+    from staging_core.in_place.fuse_lowlevel import Session
 
 _READY_TIMEOUT_S = 60
 _CACHE_S = 3600              # seconds the kernel may trust attributes and names
@@ -112,11 +116,12 @@ def _check_mountpoint(path: str) -> None:
 def _mount_in_background(args) -> int:
     """Start `pallet mount --foreground` detached, and return once MOUNTPOINT is mounted."""
     log_path = args.log or _default_log()
-    command = [sys.executable, "-m", "staging_core.cli.main", "mount", "--foreground", "--cache-mib", str(args.cache_mib),
-               *[f"--ssh-option={opt}" for opt in args.ssh_option], "--", args.bundle, args.mountpoint]
+    command = [sys.executable, "-m", "staging_core.cli.main", "mount", "--foreground",
+               "--cache-mib", str(args.cache_mib), *[f"--ssh-option={opt}" for opt in args.ssh_option],
+               "--", args.bundle, args.mountpoint]
     try:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        log = open(log_path, "ab")
+        log = open(log_path, "ab")      # noqa: SIM115 (its OSError is a UsageError here; the with below closes it)
     except OSError as exc:
         raise UsageError(f"cannot write the mount's log ({exc.strerror})", log_path,
                          "give a writable file with --log FILE") from None
@@ -165,7 +170,7 @@ class BundleFileSystem:
 
     def __init__(self, view: BundleView):
         self.view = view
-        self.session = None               # the fuse_lowlevel.Session serving this, for notify_store
+        self.session: Session | None = None     # the fuse_lowlevel.Session serving this, for notify_store
         self._pending: dict[int, set[int]] = {}     # by shard: file inodes the kernel knows, not stored yet
         self._pending_lock = threading.Lock()        # the request thread and the storing thread share _pending
         self._reported: set[int] = set()
@@ -209,7 +214,9 @@ class BundleFileSystem:
             if position < 2:
                 yield (b".", b"..")[position], self._attr(here), position + 1
             else:
-                yield names[position - 2], self._attr(self.view.child(here, names[position - 2])), position + 1
+                child = self.view.child(here, names[position - 2])
+                assert child is not None            # a name children() just gave
+                yield names[position - 2], self._attr(child), position + 1
 
     def listed(self, inode: int) -> None:
         self._known(self._node(inode))
@@ -271,10 +278,10 @@ class BundleFileSystem:
     def _store_all(self) -> None:
         while (job := self._jobs.get()) is not None:
             number, data, files, started = job
-            status = self.session.notify_store(data, files[:_HEAD_START_FILES], lambda: self._store)
+            status = self._notify_store(data, files[:_HEAD_START_FILES])
             started.set()
             if not status:
-                status = self.session.notify_store(data, files[_HEAD_START_FILES:], lambda: self._store)
+                status = self._notify_store(data, files[_HEAD_START_FILES:])
             limit = number + _READ_AHEAD_SHARDS
             while not status and self._store and self._jobs.empty():     # no READ waits: read the next shard ahead
                 ahead = self._store_next(number, limit)
@@ -290,9 +297,10 @@ class BundleFileSystem:
         with self._pending_lock:
             ahead = min((n for n in self._pending if after < n <= limit), default=None)
             inodes = self._pending.pop(ahead) if ahead is not None else None
-        if not inodes:
+        if ahead is None or not inodes:
             return None
         node = self.view.by_inode(min(inodes))
+        assert node is not None                     # a file inode the kernel was given
         try:
             self.view.read(node, 0, 1)
         except (PalletError, OSError):
@@ -302,7 +310,13 @@ class BundleFileSystem:
         if data is None:
             self._put_back(ahead, inodes)
             return None
-        return ahead, self.session.notify_store(data, self._files(inodes), lambda: self._store)
+        return ahead, self._notify_store(data, self._files(inodes))
+
+    def _notify_store(self, data: bytes, files: list[tuple[int, int, int]]) -> int:
+        """Store ``files`` of the decoded shard ``data`` into the kernel's page cache while storing goes on."""
+        session = self.session
+        assert session is not None                  # set by run() before the session serves a request
+        return session.notify_store(data, files, lambda: self._store)
 
     def _check(self, status: int) -> None:
         """Stop storing after the kernel refused a store (or the mount went)."""

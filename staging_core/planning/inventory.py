@@ -5,7 +5,7 @@ import os
 import posixpath
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import zstandard
 

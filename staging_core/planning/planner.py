@@ -27,7 +27,7 @@ class TreeStats:
     large_bytes: int = 0
 
     @classmethod
-    def from_sizes(cls, sizes, large_file_bytes: int = LARGE_FILE_BYTES) -> "TreeStats":
+    def from_sizes(cls, sizes, large_file_bytes: int = LARGE_FILE_BYTES) -> TreeStats:
         large = [s for s in sizes if s >= large_file_bytes]
         return cls(len(sizes), sum(sizes), len(large), sum(large))
 
@@ -149,7 +149,8 @@ def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, 
     raw, on_wire = bundle_bytes(files, nbytes, ratio, compress)
     pack = files * profile.pack_per_file_s / workers + (raw / (profile.compress_rate * workers) if compress else 0)
     wire = on_wire / stream_rate(profile, 1)
-    unpack = files / (profile.create_rate * max(1, ranks)) + (raw / (profile.decompress_rate * ranks) if compress else 0)
+    unpack = (files / (profile.create_rate * max(1, ranks))
+              + (raw / (profile.decompress_rate * ranks) if compress else 0))
     return profile.rtt_s * 2 + max(pack, wire, unpack)
 
 
@@ -222,4 +223,5 @@ def _reason(best: Candidate, candidates: list[Candidate], stats: TreeStats, prof
     codec = (f"; compress (ratio {ratio:.2f}): compression and decompression both outrun the link"
              if compress else "; no compression: it would not outrun the link or the data does not shrink")
     default = " (default link profile: generic figures, not measured on this route)" if profile.is_default else ""
-    return f"{best.strategy} ({best.predicted_seconds:.2f} s): {why}; vs {others}{codec if best.strategy != 'individual' else ''}{default}"
+    codec = codec if best.strategy != "individual" else ""
+    return f"{best.strategy} ({best.predicted_seconds:.2f} s): {why}; vs {others}{codec}{default}"

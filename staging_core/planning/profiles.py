@@ -11,6 +11,7 @@ import tempfile
 import time
 import tomllib
 from dataclasses import asdict, fields, replace
+from typing import Any
 
 import zstandard
 
@@ -84,8 +85,8 @@ def load_profile(name: str | None) -> LinkProfile:
         raise UsageError(f"link profile {name!r} is not valid TOML ({exc})", path,
                          f"fix the file or measure it again: pallet calibrate --name {name} URL") from None
     known = {f.name for f in fields(LinkProfile)}
-    return replace(LinkProfile(), **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()
-                                     if k in known}, is_default=False)
+    stored: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
+    return replace(LinkProfile(), **stored, is_default=False)
 
 
 def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: str = "python3") -> LinkProfile:
