@@ -19,7 +19,12 @@ _PUBLIC = {
     "PackOptions": "writer", "PackResult": "writer", "pack": "writer",
 }
 
-__all__ = sorted(_PUBLIC)
+# the keys of _PUBLIC, written out so that tools reading the source see them
+__all__ = [
+    "Bundle", "BundleError", "CorruptBundleError", "DestinationError", "Entry", "FORMAT_VERSION", "Index", "Kind",
+    "PackOptions", "PackResult", "PalletError", "Shard", "SourceError", "UnpackOptions", "UnpackResult",
+    "UnsafeMemberError", "UsageError", "VerifyReport", "pack", "unpack", "verify_bundle", "verify_tree",
+]
 
 
 def __getattr__(name: str):

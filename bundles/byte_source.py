@@ -26,6 +26,13 @@ class ByteSource(Protocol):
     def close(self) -> None: ...
 
 
+class Readable(Protocol):
+    """A sequential stream of bytes (a file, a codec's decoded stream): ``read(size)`` returns at most ``size``
+    bytes, ``b""`` only at its end."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+
 class FileSource:
     """A ByteSource over an open file descriptor (not closed by ``close``: its owner closes it)."""
 

@@ -7,11 +7,13 @@ import shutil
 import subprocess
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import zstandard
 
+from .byte_source import Readable
 from .errors import BundleError, UsageError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -81,13 +83,14 @@ class Codec:
             raise self.damaged(f"shard decompressed to {len(result)} bytes, index says {raw_size}")
         return result
 
-    def open_stream(self, raw: BinaryIO, max_window: int = 0) -> BinaryIO:
+    def open_stream(self, raw: Readable, max_window: int = 0) -> Readable:
         """Return a reader of the decompressed bytes of the frames in ``raw``; a zstd frame that needs a window
         larger than ``max_window`` bytes (0: zstd's own limit) cannot be read (its memory would not be bounded
         by the buffers)."""
         if self.name == "zstd":
             decompressor = zstandard.ZstdDecompressor(max_window_size=max_window)
-            return _ZstdReader(decompressor.stream_reader(raw, read_across_frames=True), self)
+            # zstandard's stubs ask for IO[bytes]; a stream reader calls only read(), as its documentation says
+            return _ZstdReader(decompressor.stream_reader(raw, read_across_frames=True), self)  # type: ignore[arg-type]
         if self.name == "gzip":
             return _GzipReader(raw, self)
         return raw
@@ -111,7 +114,8 @@ def get_codec(name: str, level: int | None = None, source: str | None = None) ->
 
 def sniff(head: bytes) -> str:
     """Name the codec of a stream from its first bytes: 'zstd', 'gzip' or 'none'."""
-    if head.startswith(ZSTD_MAGIC) or (len(head) >= 4 and 0x184D2A50 <= int.from_bytes(head[:4], "little") <= 0x184D2A5F):
+    skippable = len(head) >= 4 and 0x184D2A50 <= int.from_bytes(head[:4], "little") <= 0x184D2A5F
+    if head.startswith(ZSTD_MAGIC) or skippable:
         return "zstd"
     if head.startswith(GZIP_MAGIC):
         return "gzip"
@@ -125,8 +129,8 @@ def _pigz() -> str | None:
 def _gzip_compress(data: bytes, level: int) -> bytes:
     pigz = _pigz()
     if pigz:
-        done = subprocess.run([pigz, "-c", "-n", f"-{level}", "-p", "1"], input=data,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
+        done = subprocess.run([pigz, "-c", "-n", f"-{level}", "-p", "1"], input=data, capture_output=True,
+                              check=False)
         if done.returncode != 0:
             raise _pigz_failure(done.stderr)
         return done.stdout
@@ -146,7 +150,9 @@ def _gzip_compress_stream(chunks: Iterator[bytes], out: BinaryIO, level: int, th
     proc = subprocess.Popen([pigz, "-c", "-n", f"-{level}", "-p", str(max(1, threads))],
                             stdin=subprocess.PIPE, stdout=out.fileno(), stderr=subprocess.PIPE)
     errors: list[bytes] = []
-    reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
+    stderr = proc.stderr
+    assert stderr is not None       # stderr=PIPE
+    reader = threading.Thread(target=lambda: errors.append(stderr.read()), daemon=True)
     reader.start()
     complete = False
     try:
@@ -231,7 +237,7 @@ def _gunzip_bounded(data: bytes, limit: int) -> bytes:
 class _GzipReader:
     """Read-only stream over concatenated gzip members; memory is bounded by the reads' sizes."""
 
-    def __init__(self, raw: BinaryIO, codec: Codec):
+    def __init__(self, raw: Readable, codec: Codec):
         self._raw, self._codec = raw, codec
         self._inflate = zlib.decompressobj(31)
         self._fed = False

@@ -124,7 +124,7 @@ def damaged_locator(fd: int | ByteSource, file_size: int) -> bool:
             continue
         tail = pread_from(fd, tail_size, file_size - tail_size)
         raw = _raw_locator_place(codec_name, tail)
-        near_magic = sum(a != b for a, b in zip(raw[:len(_LOCATOR_MAGIC)], _LOCATOR_MAGIC)) <= 2
+        near_magic = sum(a != b for a, b in zip(raw[:len(_LOCATOR_MAGIC)], _LOCATOR_MAGIC, strict=False)) <= 2
         if near_magic or (codec_name != "none" and _unwrap_locator(codec_name, tail) is not None):
             return True
     return False

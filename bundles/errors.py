@@ -15,7 +15,7 @@ class PalletError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None):
+    def __init__(self, message: str, path: str | bytes | os.PathLike | None = None, hint: str | None = None):
         super().__init__(message)
         self.message = message
         self.path = None if path is None else os.fsdecode(path)

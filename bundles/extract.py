@@ -1,33 +1,27 @@
 """Extract indexed bundles: directory tree, shards (by any worker or MPI rank), then links and metadata."""
 from __future__ import annotations
 
-import errno
 import os
-from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
+from types import ModuleType
 
-from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
 from . import native
-from .byte_source import ByteSource, pread_from
-from .index import Index, Shard, content_hash, new_hasher
+from .errors import CorruptBundleError, DestinationError, UnsafeMemberError
+from .extract_common import (NEW_FILE_FLAGS, REFETCH_HINT, ShardOutcome, damaged_shard, destination_error,
+                             members_differ, write_all)
+from .index import Index, Shard, content_hash
 from .reader import Bundle
 from .safety import index_problems, safe_mode
 from .shards import stands_alone
+from .streamed import extract_streamed
 from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header
 
-NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-STREAM_CHUNK = 8 << 20
+# Names that moved to bundles.extract_common (below both this module and bundles.streamed), still importable
+# from here, where the rest of pallet imports them.
+from .extract_common import (SHARD_WINDOW as SHARD_WINDOW, STREAM_CHUNK as STREAM_CHUNK,
+                             RangeReader as RangeReader, hash_range as hash_range, read_up_to as read_up_to)
+
 HOLD_LIMIT = 256 << 20            # a shard's compressed plus decoded bytes that unpack and verify hold at most
-SHARD_WINDOW = 8 << 20            # the largest zstd window a shard streamed from a bundle may need (level 19's)
-
-
-@dataclass(frozen=True)
-class ShardOutcome:
-    """What extracting one shard did: files written and their bytes."""
-
-    shard: int
-    files: int
-    file_bytes: int
 
 
 def check_index(index: Index, bundle_path: str) -> None:
@@ -91,7 +85,6 @@ def extract_shard(bundle: Bundle, index: Index, shard: Shard, dest: str, verify:
     shard rewrites the same files, so it is idempotent.
     """
     if not held_whole(index, shard):
-        from .streamed import extract_streamed      # it builds on this module
         return extract_streamed(bundle, index, shard, dest, verify, last)
     compressed = bundle.read_shard(shard)
     if verify and content_hash(compressed) != shard.hash:
@@ -115,9 +108,9 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
     engine = native.module()
     if engine is not None:
         return _extract_natively(engine, native.as_bytes(data), index, shard, root, verify, source, last)
-    data = memoryview(data)
+    view = memoryview(data)
     if verify:
-        check_members(data, index, shard, source, last)
+        check_members(view, index, shard, source, last)
     files = nbytes = 0
     bad: list[str] = []
     umask = current_umask()
@@ -125,7 +118,7 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
         if index.kinds[i] != Kind.FILE:
             continue
         start, size = index.data_offsets[i], index.sizes[i]
-        content = data[start:start + size]
+        content = view[start:start + size]
         if len(content) != size or (verify and content_hash(content) != index.hashes[i * 16:i * 16 + 16]):
             bad.append(os.fsdecode(index.paths[i]))
             continue
@@ -136,7 +129,7 @@ def extract_shard_data(data: bytes, index: Index, shard: Shard, dest: str, verif
     return ShardOutcome(shard.number, files, nbytes)
 
 
-def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: bytes, verify: bool,
+def _extract_natively(engine: ModuleType, data: bytes, index: Index, shard: Shard, root: bytes, verify: bool,
                       source: str | None, last: bool) -> ShardOutcome:
     """extract_shard_data in the native engine: the same checks, files and errors, the per-file loop compiled."""
     part = index.slice(shard.first_entry, shard.entry_count)
@@ -158,7 +151,7 @@ def _extract_natively(engine, data: bytes, index: Index, shard: Shard, root: byt
     return ShardOutcome(shard.number, files, nbytes)
 
 
-def _check_natively(engine, data: bytes, part: Index, index: Index, shard: Shard, source: str | None,
+def _check_natively(engine: ModuleType, data: bytes, part: Index, index: Index, shard: Shard, source: str | None,
                     last: bool) -> None:
     """check_members in the native engine, for the entries of ``shard`` sliced out as ``part``."""
     first_bad = engine.check_members(data, native.entry_columns(part), native.raw(part.offsets),
@@ -219,15 +212,6 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
 def _only_end_zeros(rest, pad: int) -> bool:
     """True when ``rest`` is ``pad`` zero bytes, optionally followed by the end-of-archive blocks."""
     return len(rest) in (pad, pad + len(END_OF_ARCHIVE)) and not any(rest)
-
-
-def members_differ(source: str | None, index: Index, shard: Shard, i: int) -> CorruptBundleError:
-    if not 0 <= i < len(index):         # a shard of no entries holds more than the end-of-archive blocks
-        return CorruptBundleError(f"shard {shard.number}: holds tar members the index does not list", source,
-                                  REFETCH_HINT)
-    return CorruptBundleError(f"shard {shard.number}: its tar members do not match the index at "
-                              f"{os.fsdecode(index.paths[i])!r} (a member added, missing or altered)", source,
-                              REFETCH_HINT, [os.fsdecode(index.paths[i])])
 
 
 def finish_tree(index: Index, dest: str) -> None:
@@ -320,15 +304,6 @@ def current_umask() -> int | None:
     return None
 
 
-def write_all(fd: int, content, path: bytes) -> None:
-    view = memoryview(content)
-    try:
-        while view:
-            view = view[os.write(fd, view):]
-    except OSError as exc:
-        raise destination_error(exc, path) from None
-
-
 def remove_stale(path: bytes) -> None:
     """Remove a non-directory at ``path`` (a stale file or link from an earlier run)."""
     try:
@@ -340,60 +315,3 @@ def remove_stale(path: bytes) -> None:
         pass
     except OSError as exc:
         raise destination_error(exc, path) from None
-
-
-def read_up_to(reader, count: int) -> bytes:
-    """``count`` bytes from a stream reader (fewer only at its end); ``count`` is a header's or tail's size."""
-    parts = []
-    while count:
-        chunk = reader.read(count)
-        if not chunk:
-            break
-        parts.append(chunk)
-        count -= len(chunk)
-    return b"".join(parts)
-
-
-def hash_range(source: int | ByteSource, shard: Shard) -> bytes:
-    """Content hash of a shard's compressed bytes in a file descriptor or a ByteSource, read in chunks."""
-    hasher, done = new_hasher(), 0
-    while done < shard.length:
-        chunk = pread_from(source, min(STREAM_CHUNK, shard.length - done), shard.offset + done)
-        if not chunk:
-            break
-        hasher.update(chunk)
-        done += len(chunk)
-    return hasher.digest()
-
-
-class RangeReader:
-    """File-like reader over one byte range of a file descriptor or a ByteSource."""
-
-    def __init__(self, source: int | ByteSource, offset: int, length: int):
-        self.source, self.position, self.end = source, offset, offset + length
-
-    def read(self, size: int = -1) -> bytes:
-        size = self.end - self.position if size < 0 else min(size, self.end - self.position)
-        data = pread_from(self.source, size, self.position) if size > 0 else b""
-        self.position += len(data)
-        return data
-
-
-def damaged_shard(source: str | None, index: Index, shard: Shard) -> CorruptBundleError:
-    """The error for a shard whose compressed bytes do not match its hash; it names the shard's files."""
-    names = [os.fsdecode(index.paths[i]) for i in range(shard.first_entry, shard.first_entry + shard.entry_count)
-             if index.kinds[i] == Kind.FILE]
-    return CorruptBundleError(f"shard {shard.number} is damaged (hash of its bytes does not match the index); "
-                              f"it holds {len(names)} file(s)", source, REFETCH_HINT, names)
-
-
-def destination_error(exc: OSError, path: bytes) -> DestinationError:
-    name = os.fsdecode(path)
-    if exc.errno == errno.ENOSPC:
-        return DestinationError("no space left on device", name, "free space, or unpack to another file system")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return DestinationError(f"cannot write ({exc.strerror})", name, "fix the destination's permissions")
-    return DestinationError(f"cannot write ({exc.strerror})", name, "check the destination")
-
-
-REFETCH_HINT = "the bundle was damaged in transit or on disk: fetch it again, or repack the source"

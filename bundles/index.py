@@ -139,7 +139,7 @@ class Index:
     def shard_entries(self, shard: Shard):
         return (self.entry(i) for i in range(shard.first_entry, shard.first_entry + shard.entry_count))
 
-    def slice(self, first: int, count: int) -> "Index":
+    def slice(self, first: int, count: int) -> Index:
         """A new Index of entries ``first .. first+count-1`` only, renumbered from 0, with no shards.
 
         It carries exactly what a worker needs to build, extract or check one
@@ -216,7 +216,7 @@ class Index:
         return _decode_bounded(payload, source)
 
     @classmethod
-    def from_bytes(cls, payload: bytes, source: str | None = None) -> "Index":
+    def from_bytes(cls, payload: bytes, source: str | None = None) -> Index:
         """Decode a ``.pidx`` payload; raise CorruptBundleError naming ``source`` if damaged, BundleError if it
         does not fit in this process's memory."""
         try:
@@ -225,7 +225,7 @@ class Index:
             raise _out_of_memory(payload, source) from None
 
     @classmethod
-    def _decode(cls, payload: bytes, source: str | None) -> "Index":
+    def _decode(cls, payload: bytes, source: str | None) -> Index:
         blob = _decode_bounded(payload, source)
         if len(blob) < _HEAD.size + HASH_SIZE or content_hash(memoryview(blob)[:-HASH_SIZE]) != blob[-HASH_SIZE:]:
             raise CorruptBundleError("index is damaged (its hash does not match)", source, _REPACK_HINT)
@@ -289,7 +289,7 @@ class Index:
         return os.fsdecode(self.paths[i]) if 0 <= i < len(self.paths) else f"#{i}"
 
     @classmethod
-    def _from_header(cls, header) -> tuple["Index", int]:
+    def _from_header(cls, header) -> tuple[Index, int]:
         """An empty Index with the shards a decoded JSON header lists, and its entry count; ValueError,
         KeyError or TypeError when a field is missing or of the wrong type."""
         if not isinstance(header, dict) or not isinstance(header["shards"], list):
@@ -303,7 +303,7 @@ class Index:
             if not isinstance(shard, dict) or not all(_natural(shard[key]) for key in fields) \
                     or not isinstance(shard["hash"], str):
                 raise ValueError(f"shard {n} is not valid")
-            index.shards.append(Shard(n, *(shard[key] for key in fields), bytes.fromhex(shard["hash"])))
+            index.shards.append(Shard(n, **{key: shard[key] for key in fields}, hash=bytes.fromhex(shard["hash"])))
         return index, header["entries"]
 
     def load_columns(self, view: memoryview, names: list[str], count: int, source: str | None) -> int:
@@ -322,16 +322,17 @@ class Index:
                 raise CorruptBundleError(f"index column {name!r} is cut short", source, _REPACK_HINT)
             raw = view[pos + _LEN.size:pos + _LEN.size + length]
             pos += _LEN.size + length
+            values: list[bytes] | bytearray | array
             if kind == "blob":
                 values = bytes(raw).split(b"\0") if count else []
             elif kind == "hash":
                 values = bytearray(raw)
             else:
-                values = array(kind)
-                if length % values.itemsize:
+                column = array(kind)
+                if length % column.itemsize:
                     raise CorruptBundleError(f"index column {name!r} has the wrong length", source, _REPACK_HINT)
-                values.frombytes(raw)
-                values = little_endian(values)
+                column.frombytes(raw)
+                values = little_endian(column)
             if len(values) != count * (HASH_SIZE if kind == "hash" else 1):
                 raise CorruptBundleError(f"index column {name!r} has the wrong length", source, _REPACK_HINT)
             setattr(self, _ATTRIBUTES[name], values)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from .codecs import Codec
 from .errors import BundleError
@@ -23,7 +23,7 @@ class BundleRef:
     codec: Codec
 
     @classmethod
-    def of(cls, bundle: Bundle) -> "BundleRef":
+    def of(cls, bundle: Bundle) -> BundleRef:
         st = os.fstat(bundle.fd)
         return cls(bundle.path, st.st_dev, st.st_ino, st.st_size, bundle.codec)
 
@@ -55,6 +55,7 @@ class ShardJob:
 def shard_jobs(bundle: Bundle, shards: list[Shard]) -> Iterator[ShardJob]:
     """A job per shard of the open, indexed ``bundle``, in the order given, made as they are drawn."""
     ref, index = BundleRef.of(bundle), bundle.index
+    assert index is not None, "shard_jobs needs an indexed bundle"
     final = len(index.shards) - 1
     for shard in shards:
         yield ShardJob(ref, index.slice(shard.first_entry, shard.entry_count),

@@ -25,9 +25,10 @@ def peak_bytes(index: Index, workers: int) -> int:
 
     where a shard counts its compressed plus decoded size when that is at most HOLD_LIMIT (bundles.extract),
     and STREAM_BUFFER otherwise: such a shard (one file too large to share a shard, or a shard cut at a large
-    ``--shard-size``) is read as a stream. ARENA is address space glibc reserves per thread, not memory used: the resident
-    peak is lower by up to that much per worker. The input's size does not appear: files are never held whole.
+    ``--shard-size``) is read as a stream. ARENA is address space glibc reserves per thread, not memory used: the
+    resident peak is lower by up to that much per worker. The input's size does not appear: files are never held whole.
     """
     names = sum(map(len, index.paths)) + sum(map(len, index.links))
     largest = max((shard_bytes(index, shard) for shard in index.shards), default=0)
-    return BASE_BYTES + len(index) * PER_ENTRY_BYTES + names + max(1, workers) * (WORKER_STACK_BYTES + WORKER_ARENA_BYTES + largest)
+    per_worker = WORKER_STACK_BYTES + WORKER_ARENA_BYTES + largest
+    return BASE_BYTES + len(index) * PER_ENTRY_BYTES + names + max(1, workers) * per_worker

@@ -8,16 +8,18 @@ import queue
 import subprocess
 import sys
 from collections import deque
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from . import native
 from .errors import WorkerError
 from .workers import receive_message, send_message
 
 # Measured on a 2-core machine: a worker is ready about 60 ms after it is started (interpreter start,
-# imports of zstandard and xxhash, no site processing); work estimated below INLINE_SECONDS runs inline, in the calling thread.
+# imports of zstandard and xxhash, no site processing); work estimated below INLINE_SECONDS runs inline, in the
+# calling thread.
 WORKER_START_SECONDS = 0.06
 INLINE_SECONDS = 4 * WORKER_START_SECONDS
 
@@ -43,7 +45,7 @@ def jobs_for(estimated_seconds: float, requested: int) -> int:
 
 
 @contextmanager
-def pool_for(pool: "WorkerPool | None", jobs: int) -> Iterator["WorkerPool"]:
+def pool_for(pool: WorkerPool | None, jobs: int) -> Iterator[WorkerPool]:
     """``pool`` itself (left open for its owner), or a new pool of ``jobs`` workers closed on exit."""
     if pool is not None:
         yield pool
@@ -140,7 +142,7 @@ class WorkerPool:
         """True once worker processes run (never for an inline pool)."""
         return self._threads is not None
 
-    def start(self) -> "WorkerPool":
+    def start(self) -> WorkerPool:
         """Start the worker processes now (no-op inline or when already started)."""
         if self.jobs > 1 and self._threads is None:
             self._threads = ThreadPoolExecutor(self.jobs, thread_name_prefix="pallet-worker")
@@ -151,7 +153,7 @@ class WorkerPool:
         return self
 
     def map(self, func: Callable, items: Iterable, inline: bool = False, window: int | None = None,
-            ordered: bool = True) -> Iterator:
+            ordered: bool = True) -> Generator[Any, None, None]:
         """Yield ``func(item)`` for every item; at most ``window`` (default 2·jobs) items are in flight.
 
         Results come in the order of ``items``, or as they finish when
@@ -166,12 +168,15 @@ class WorkerPool:
         self.start()
         return self._map_on_workers(func, iter(items), window or 2 * self.jobs, ordered)
 
-    def _map_on_workers(self, func: Callable, items: Iterator, window: int, ordered: bool) -> Iterator:
+    def _map_on_workers(self, func: Callable, items: Iterator, window: int, ordered: bool
+                        ) -> Generator[Any, None, None]:
+        threads = self._threads
+        assert threads is not None, "map() starts the pool first"
         pending: deque = deque()
         try:
             while True:
                 for item in itertools.islice(items, window - len(pending)):
-                    pending.append(self._threads.submit(self._call, func, item))
+                    pending.append(threads.submit(self._call, func, item))
                 if not pending:
                     return
                 if ordered:
@@ -208,7 +213,7 @@ class WorkerPool:
             worker.stop()
         self._workers.clear()
 
-    def __enter__(self) -> "WorkerPool":
+    def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

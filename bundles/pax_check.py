@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import tarfile
+from collections.abc import Mapping
 
 DIGIT_COST_LIMIT = 1 << 28          # about a second of tarfile's pax search, for the whole archive
 GLOBAL_LIMIT = 1 << 20              # the most bytes of global pax headers (typeflag g) in one archive, all together
@@ -46,7 +47,7 @@ def digit_cost(data: bytes) -> int:
     return sum((match.end() - match.start()) ** 2 for match in _LONG_DIGIT_RUN.finditer(data))
 
 
-def applied_records(pax: dict) -> dict:
+def applied_records(pax: Mapping[str, str]) -> dict[str, str]:
     """The records of ``pax`` that tarfile applies to a member (its fields, the charset of names, GNU sparse
     maps): the others change nothing pallet writes, but tarfile copies every global record into each member
     that follows, so keeping them would cost time and memory per member."""

@@ -4,18 +4,21 @@ from __future__ import annotations
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal, DecimalException
-from typing import Iterator
 
 from . import native as native_engine
+from .byte_source import Readable
+from .codecs import Codec
 from .errors import BundleError, UnsafeMemberError
 from .extract import current_umask, destination_error, remove_stale, write_chunks
 from .plain_reader import DecodedAhead, PlainReader
-
-_VOLUME_LABEL = b"V"          # GNU tar -V: not a file; GNU tar skips it too
 from .progress import Progress
 from .safety import path_problem, safe_mode, symlink_problem
+
+_VOLUME_LABEL = b"V"          # GNU tar -V: not a file; GNU tar skips it too
+
 
 @dataclass
 class PlainStats:
@@ -31,8 +34,8 @@ class StreamedArchive:
     """A plain archive read from a pipe (e.g. a far side's ``tar -c``): what it is called, its codec, the reader."""
 
     path: str
-    codec: object
-    raw: object
+    codec: Codec
+    raw: Readable
 
 
 def iter_members(bundle) -> Iterator[tuple[tarfile.TarInfo, PlainReader]]:
@@ -60,6 +63,17 @@ class _WrittenFiles:
 
     def has_file(self, name: bytes) -> bool:
         return name in self.files
+
+    # Link names matter only to the native engine's runs (it must not write through a symlink member's name);
+    # the pure-Python engine keeps them itself (_PlainExtraction.symlink_names and .links), so these do nothing.
+    def add_symlink(self, name: bytes) -> None:
+        pass
+
+    def add_link(self, name: bytes) -> None:
+        pass
+
+    def drop_link(self, name: bytes) -> None:
+        pass
 
 
 def extract_plain(bundle, dest: str, progress: Progress) -> PlainStats:
@@ -90,7 +104,9 @@ class _PlainExtraction:
         self.native = native_engine.module()
         self.written = (self.native.PlainExtraction(self.root + b"/", current_umask()) if self.native
                         else _WrittenFiles())
-        self.stats, self.refused, self.symlink_names = PlainStats(), [], set()
+        self.stats = PlainStats()
+        self.refused: list[tuple[str, str]] = []
+        self.symlink_names: set[bytes] = set()
         self.links: dict[bytes, tarfile.TarInfo] = {}       # by name: a later member of that name replaces a link
         self.directories: dict[bytes, tuple[int, int]] = {}
 
@@ -131,7 +147,7 @@ class _PlainExtraction:
                 self.written.drop_link(name)
         if member.isdir():
             _make_directory(os.path.join(self.root, name), 0o700, replace=self.written.has_file(name))
-            self.directories[name] = (member.mode, mtime_ns(member))
+            self.directories[name] = (member.mode, _kept_mtime_ns(member))
         elif member.isfile():
             self._write_file(member, name)
         elif member.islnk() and not _pending_symlink(self.links, target):
@@ -143,7 +159,7 @@ class _PlainExtraction:
 
     def _write_file(self, member: tarfile.TarInfo, name: bytes) -> None:
         size = write_chunks(os.path.join(self.root, name), self.reader.data_chunks(member), member.mode,
-                            mtime_ns(member))
+                            _kept_mtime_ns(member))
         self.written.add_file(name)
         self.stats.files, self.stats.file_bytes = self.stats.files + 1, self.stats.file_bytes + size
         self.progress.advance(1, size)
@@ -217,6 +233,13 @@ def mtime_ns(member: tarfile.TarInfo) -> int | None:
     return int(seconds * 1_000_000_000)
 
 
+def _kept_mtime_ns(member: tarfile.TarInfo) -> int:
+    """mtime_ns of a member :func:`_member_problem` let through: it refuses those whose time is None."""
+    mtime = mtime_ns(member)
+    assert mtime is not None
+    return mtime
+
+
 def _member_problem(member: tarfile.TarInfo, name: bytes, written, symlinks: set) -> str | None:
     reason = path_problem(name)
     if reason:
@@ -265,7 +288,7 @@ def _make_link(root: bytes, member: tarfile.TarInfo, name: bytes, symlinks: set,
             remove_stale(path)
             if member.issym():
                 os.symlink(os.fsencode(member.linkname), path)
-                os.utime(path, ns=(mtime_ns(member),) * 2, follow_symlinks=False)
+                os.utime(path, ns=(_kept_mtime_ns(member),) * 2, follow_symlinks=False)
             else:
                 os.link(os.path.join(root, _normalized(os.fsencode(member.linkname))), path,
                         follow_symlinks=False)

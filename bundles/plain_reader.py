@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import cast
 
 from .errors import BundleError
 from .pax_check import DIGIT_COST_LIMIT, GLOBAL_LIMIT, applied_records, digit_cost, framing_problem
@@ -138,7 +139,8 @@ class _Cursor:
     """What ``tarfile.TarInfo.fromtarfile`` reads a member through (a TarFile's reading state)."""
 
     def __init__(self, window: Window, path: str):
-        self.fileobj, self.offset, self.pax_headers = _HeaderReads(window, path), 0, {}
+        self.fileobj, self.offset = _HeaderReads(window, path), 0
+        self.pax_headers: dict[str, str] = {}
         self.encoding, self.errors = tarfile.ENCODING, "surrogateescape"
 
 
@@ -181,7 +183,7 @@ class PlainReader:
         self._check_extensions(start)
         self.cursor.fileobj.budget = HEADER_LIMIT
         try:
-            member = tarfile.TarInfo.fromtarfile(self.cursor)
+            member = tarfile.TarInfo.fromtarfile(cast(tarfile.TarFile, self.cursor))  # as a TarFile: see _Cursor
         except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError) as exc:
             raise self._damaged(exc, start) from None
         if member.size < 0 or self.cursor.offset < self.window.tell():

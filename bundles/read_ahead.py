@@ -1,9 +1,11 @@
 """Items produced on a thread of their own, a few ahead of the thread that reads them."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 _POLL_SECONDS = 0.05
@@ -34,10 +36,8 @@ class ReadAhead(Generic[Item]):
     def __exit__(self, *exc_info) -> None:
         self._stopped.set()
         while self._join and self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._queue.get(timeout=_POLL_SECONDS)     # unblock a put, drop what was produced
-            except queue.Empty:
-                pass
 
     def next(self) -> Item | None:
         item = self._queue.get()
@@ -49,6 +49,7 @@ class ReadAhead(Generic[Item]):
 
     def _run(self) -> None:
         while not self._stopped.is_set():
+            item: Item | Exception | None
             try:
                 item = self._produce()
             except Exception as exc:            # raised by next(), in the reading thread
@@ -57,7 +58,7 @@ class ReadAhead(Generic[Item]):
             if item is None or isinstance(item, Exception):
                 return
 
-    def _put(self, item) -> None:
+    def _put(self, item: Item | Exception | None) -> None:
         while not self._stopped.is_set():
             try:
                 self._queue.put(item, timeout=_POLL_SECONDS)

@@ -31,7 +31,7 @@ class Bundle:
     sidecar_index: Index | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike, use_index: bool = True) -> "Bundle":
+    def open(cls, path: str | os.PathLike, use_index: bool = True) -> Bundle:
         """Open ``path``; without ``use_index`` it is read as a plain archive (no index, nothing verified)."""
         path = os.fspath(path)
         try:
@@ -47,7 +47,7 @@ class Bundle:
             raise
 
     @classmethod
-    def _load(cls, path: str, fd: int) -> "Bundle":
+    def _load(cls, path: str, fd: int) -> Bundle:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):            # opening a directory read-only succeeds on Linux
             raise BundleError("is a directory, not a bundle", path, _NOT_FOUND_HINT)
@@ -65,7 +65,7 @@ class Bundle:
         return cls(path, fd, size, codec, index, sidecar)
 
     @classmethod
-    def _plain(cls, path: str, fd: int) -> "Bundle":
+    def _plain(cls, path: str, fd: int) -> Bundle:
         size = os.fstat(fd).st_size
         return cls(path, fd, size, get_codec(container.sniff_file(fd), source=path), None)
 
@@ -82,7 +82,7 @@ class Bundle:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Bundle":
+    def __enter__(self) -> Bundle:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import stat
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import native
 from .errors import SourceError
@@ -66,8 +66,8 @@ def scan(src: str | os.PathLike, codec: str, level: int, exclude: frozenset[byte
     if pool is not None:
         _warm_up(pool)(len(names))
     chunks = (StatChunk(root, start, names[start:start + _STAT_CHUNK]) for start in range(0, len(names), _STAT_CHUNK))
-    inline = pool is None or not pool.started
-    for chunk in (map(_stat_chunk, chunks) if inline else pool.map(_stat_chunk, chunks)):
+    stats = pool.map(_stat_chunk, chunks) if pool is not None and pool.started else map(_stat_chunk, chunks)
+    for chunk in stats:
         _add_chunk(index, chunk, multi_linked, problems)
     _link_hard_links(index, multi_linked)
     if problems:

@@ -6,9 +6,9 @@ import hashlib
 import os
 import zlib
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from stat import S_ISREG
-from typing import Iterator
 
 from .codecs import Codec
 from .errors import SourceError
@@ -121,10 +121,7 @@ def place_shard(index: Index, plan: ShardPlan, built: BuiltShard, out, offset: i
     if not plan.big:
         out.write(built.compressed)
     length = out.tell() - offset
-    if not plan.big:
-        digest = content_hash(built.compressed)
-    else:
-        digest = streamed_hash or hash_region(out, offset, length)
+    digest = content_hash(built.compressed) if not plan.big else (streamed_hash or hash_region(out, offset, length))
     shard = Shard(plan.number, offset, length, built.raw_size, plan.first, plan.count, built.file_bytes, digest)
     record_shard(index, plan, built, shard)
     return shard

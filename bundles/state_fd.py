@@ -5,11 +5,11 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import DestinationError
-from .extract import destination_error
+from .extract_common import destination_error
 from .reserved import STATE_DIR
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -1,21 +1,23 @@
 """Files written from a streamed shard: into DEST/.pallet/writing first, renamed into place once checked."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
+from .byte_source import Readable
 from .errors import CorruptBundleError, DestinationError
-from .extract import (NEW_FILE_FLAGS, REFETCH_HINT, STREAM_CHUNK, SHARD_WINDOW, RangeReader, ShardOutcome, write_all,
-                      damaged_shard, destination_error, hash_range, members_differ, read_up_to)
+from .extract_common import (NEW_FILE_FLAGS, REFETCH_HINT, SHARD_WINDOW, STREAM_CHUNK, RangeReader, ShardOutcome,
+                             damaged_shard, destination_error, hash_range, members_differ, read_up_to, write_all)
 from .index import Index, Shard, new_hasher
 from .reader import Bundle
 from .reserved import STATE_DIR, WRITING_DIR
 from .safety import safe_mode
 from .shards import entry_header
-from .tarformat import END_OF_ARCHIVE, Kind, padding
 from .state_fd import open_private_dir, state_dir_fd
+from .tarformat import END_OF_ARCHIVE, Kind, padding
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,8 @@ class StreamedFile:
             raise destination_error(exc, self.path) from None
 
     def discard(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp, dir_fd=self.writing)
-        except FileNotFoundError:
-            pass
 
 
 @contextmanager
@@ -56,7 +56,7 @@ def writing_directory(dest: str) -> Iterator[int]:
         os.close(writing)
 
 
-def write_streamed_file(reader, index: Index, i: int, dest: str, writing: int, shard_number: int,
+def write_streamed_file(reader: Readable, index: Index, i: int, dest: str, writing: int, shard_number: int,
                         source: str | None) -> StreamedFile:
     """Write file entry ``i`` from ``reader`` into the ``writing`` directory (see :func:`writing_directory`)
     and return it, hashed, with its mode and mtime, for the caller to check and then commit or discard.
@@ -115,10 +115,11 @@ def extract_streamed(bundle: Bundle, index: Index, shard: Shard, dest: str, veri
         return _extract_members(reader, bundle, index, shard, dest, writing, verify, last)
 
 
-def _extract_members(reader, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
+def _extract_members(reader: Readable, bundle: Bundle, index: Index, shard: Shard, dest: str, writing: int,
                      verify: bool, last: bool) -> ShardOutcome:
     """The members of ``shard`` from the stream ``reader``, for :func:`extract_streamed`."""
-    position, files, nbytes, bad = 0, 0, 0, []
+    position, files, nbytes = 0, 0, 0
+    bad: list[str] = []
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
         header = entry_header(index, i)       # its size, not the index's offsets, says how much to read
         if index.offsets[i] != position or index.data_offsets[i] != position + len(header) or \

@@ -6,8 +6,9 @@ import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import IO
 
-from .byte_source import ByteSource, FileSource
+from .byte_source import ByteSource, FileSource, Readable
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
 from .extract import RangeReader, check_members, damaged_shard, is_streamed, read_up_to, unsafe_entries
@@ -76,7 +77,7 @@ class BundleView:
         self._root = Node(-1, Kind.DIR, 0o755, max(index.mtimes, default=0), 0, b"", 1, 2)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
+    def open(cls, path: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES) -> BundleView:
         """The view of a local bundle file (its ``.pidx`` sidecar is used as ``pallet unpack`` uses it)."""
         bundle = Bundle.open(path)
         try:
@@ -90,7 +91,7 @@ class BundleView:
             raise
 
     @classmethod
-    def from_source(cls, source: ByteSource, cache_bytes: int = DEFAULT_CACHE_BYTES) -> "BundleView":
+    def from_source(cls, source: ByteSource, cache_bytes: int = DEFAULT_CACHE_BYTES) -> BundleView:
         """The view of the bundle held by ``source`` (its embedded index; no sidecar); the view owns ``source``
         and closes it, also when the view cannot be made."""
         try:
@@ -219,7 +220,7 @@ class BundleView:
                 _, dropped = self._cache.popitem(last=False)
                 self._cached_bytes -= len(dropped)
 
-    def _cursor(self, shard: Shard) -> "_StreamCursor":
+    def _cursor(self, shard: Shard) -> _StreamCursor:
         with self._lock:
             cursor = self._cursors.get(shard.number)
             if cursor is None:
@@ -242,7 +243,7 @@ class BundleView:
         else:
             self.source.close()
 
-    def __enter__(self) -> "BundleView":
+    def __enter__(self) -> BundleView:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -257,8 +258,8 @@ class _StreamCursor:
     def __init__(self, view: BundleView, shard: Shard):
         self.view, self.shard = view, shard
         self.lock = threading.Lock()
-        self.spool = None
-        self.reader = None
+        self.spool: IO[bytes] | None = None
+        self.reader: Readable | None = None
         self.position = 0
 
     def read(self, start: int, size: int) -> bytes:
@@ -270,7 +271,7 @@ class _StreamCursor:
                 if self.reader is None or start < self.position:
                     self.reader = self.view.codec.open_stream(RangeReader(self.spool.fileno(), 0, self.shard.length))
                     self.position = 0
-                self._skip(start - self.position)
+                self._skip(self.reader, start - self.position)
                 data = read_up_to(self.reader, size)
             except BaseException:
                 self.reader = None          # the next read starts over rather than from a broken decoder
@@ -281,9 +282,10 @@ class _StreamCursor:
                                          "fetch the bundle again, or repack the source")
             return data
 
-    def _spool(self):
+    def _spool(self) -> IO[bytes]:
         """An unnamed temporary file holding the shard's compressed bytes, hashed on the way in."""
-        spool, hasher, done, shard = tempfile.TemporaryFile(prefix="pallet-view-"), new_hasher(), 0, self.shard
+        spool = tempfile.TemporaryFile(prefix="pallet-view-")      # noqa: SIM115 (kept open: close() closes it)
+        hasher, done, shard = new_hasher(), 0, self.shard
         try:
             while done < shard.length:
                 chunk = self.view.source.pread(min(_SPOOL_CHUNK, shard.length - done), shard.offset + done)
@@ -300,9 +302,9 @@ class _StreamCursor:
             raise
         return spool
 
-    def _skip(self, count: int) -> None:
+    def _skip(self, reader: Readable, count: int) -> None:
         while count > 0:
-            chunk = self.reader.read(min(count, _SPOOL_CHUNK))
+            chunk = reader.read(min(count, _SPOOL_CHUNK))
             if not chunk:
                 raise CorruptBundleError(f"shard {self.shard.number} ends early", self.view.name,
                                          "fetch the bundle again, or repack the source")
@@ -322,7 +324,7 @@ def _key(path: str) -> bytes:
 
 def _build_tree(index: Index, refused: set[bytes]) -> tuple[dict[bytes, int], dict[bytes, list[bytes]]]:
     """Entry numbers by path and names by directory, leaving out ``refused`` entries and everything under them."""
-    entries: dict[bytes, int] = dict(zip(index.paths, range(len(index))))
+    entries: dict[bytes, int] = dict(zip(index.paths, range(len(index)), strict=True))
     children: dict[bytes, list[bytes]] = {_ROOT: []}
     kinds, directory = index.kinds, Kind.DIR
     for i, path in enumerate(index.paths):

@@ -7,6 +7,7 @@ import pickle
 import signal
 import struct
 import sys
+from typing import Any
 
 _LENGTH = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
@@ -21,8 +22,9 @@ def send_message(fd: int, message: object) -> None:
             view = view[os.write(fd, view):]
 
 
-def receive_message(fd: int) -> object:
-    """Read one message written by :func:`send_message`; raise EOFError if the pipe closes first."""
+def receive_message(fd: int) -> Any:
+    """Read one message written by :func:`send_message` (unpickled: of whatever type was sent); raise EOFError
+    if the pipe closes first."""
     (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size))
     return pickle.loads(_read_exactly(fd, length))
 

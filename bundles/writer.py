@@ -4,8 +4,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 from . import container, native
 from .codecs import Codec, get_codec
