@@ -5,18 +5,20 @@ import argparse
 import json
 import os
 import shlex
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any
 
 from bundles.errors import UsageError
 
 from staging_core.cli.display import human_bytes, jobs_arg, make_progress, report, seconds_range, size_arg, summary_line
+from staging_core.options import GROUPS, OptionDeclaration, StagingOptions, TransportSetting, declarations, \
+    transport_settings
 from staging_core.planning.planner import LARGE_FILE_BYTES
 from staging_core.transports.base import local_or_url
 
 if TYPE_CHECKING:
-    from staging_core.options import StagingOptions
+    from staging_core.transports.base import EarlyConnection
 
 EXIT_OK = 0
 _STAGING_EPILOG = """\
@@ -50,13 +52,7 @@ def _add_plan(commands) -> None:
     p.add_argument("src", metavar="SRC")
     p.add_argument("dest", metavar="DEST", type=local_or_url,
                    help="destination URL or local path (an ssh host is probed once: see --reprobe)")
-    p.add_argument("--ranks", type=int, default=1, metavar="N", help="ranks available to unpack (default 1)")
-    p.add_argument("--remote-python", default="python3", metavar="CMD", help="as for push")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="as for push")
-    p.add_argument("--reprobe", action="store_true", help="probe the ssh far side again (findings are cached an hour)")
-    p.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    p.add_argument("--unpack-via", metavar="SSH_URL", help="as for push: gives GridFTP/Globus destinations a route")
-    p.add_argument("--keep-packed", action="store_true", help="as for push: gives any destination a route")
+    add_declared_options(p, "plan")
     p.add_argument("--json", action="store_true", help='print {"strategy", "candidates", "reason", "details"}')
     p.set_defaults(run=_run_plan)
 
@@ -67,25 +63,22 @@ def _run_plan(args) -> int:
     from staging_core.operations.dry_run import planned_files
     from staging_core.planning.inventory import compress_ratio
     from staging_core.planning.local_profile import local_profile, uses_local_copy
-    from staging_core.options import StagingOptions
     from staging_core.planning.planner import plan
     from staging_core.planning.profiles import load_profile
     from staging_core.routes.registry import check_route_options
     from staging_core.routes.unpack import has_unpack_route
     from staging_core.transports.base import Direction, parse_url
     destination = parse_url(args.dest)
-    routes = StagingOptions(unpack_via=args.unpack_via, keep_packed=args.keep_packed, reprobe=args.reprobe,
-                            remote_python=args.remote_python,
-                            ssh_options=split_ssh_options(args.ssh_option))
+    routes = staging_options(args, "plan")
     check_route_options(routes, Direction.PUSH)
     tree = scan(args.src, "none", 0)
     far, comparison = _look_at_dest(destination, routes, tree)
     inventory, paths = planned_files(tree, comparison, LARGE_FILE_BYTES)
     routed = has_unpack_route(destination, routes) if far is None else bool(far.routes())
-    profile = load_profile(args.profile)
-    if uses_local_copy(destination.scheme, args.profile) and not args.unpack_via and not args.keep_packed:
+    profile = load_profile(routes.profile)
+    if uses_local_copy(destination.scheme, routes.profile) and not routes.unpack_via and not routes.keep_packed:
         profile, routed = local_profile(destination.path), False
-    chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths) if paths else 1.0, max(1, args.ranks),
+    chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths) if paths else 1.0, max(1, routes.ranks),
                   bundle_possible=routed, in_place=None if comparison is None else comparison.in_place)
     source_files = sum(1 for kind in tree.index.kinds if kind == Kind.FILE)
     if args.json:
@@ -152,19 +145,8 @@ def _add_push(commands) -> None:
     p.add_argument("dest", metavar="DEST_URL", type=local_or_url,
                    help="a local path (relative ones too), file://, ssh://[user@]host[:port]/abs, host:/abs, "
                         "gsiftp://, ftp://, globus://")
-    routes = _staging_options(p, "SRC lacks (local and ssh destinations)", "sends only what differs from SRC",
-                              "sent (and deleted with --delete)")
-    routes.add_argument("--unpack-via", metavar="SSH_URL",
-                        help="ssh://[user@]host[:port] of a node that mounts the destination's file system "
-                             "under the same paths; mpi_stager unpacks there")
-    routes.add_argument("--unpack-job", choices=("slurm",),
-                        help="submit the unpack as a batch job through --unpack-via (a login node) and wait for it")
-    routes.add_argument("--job-option", action="append", default=[], metavar="OPT",
-                        help="extra #SBATCH line for the unpack.sbatch of --unpack-job and --keep-packed, "
-                             "repeatable (e.g. --job-option=--partition=io --job-option=--time=1:00:00)")
-    routes.add_argument("--keep-packed", action="store_true",
-                        help="leave the bundle, its index and a ready-to-submit unpack.sbatch in "
-                             "DEST/.pallet/incoming (any destination); submit it later with sbatch")
+    add_declared_options(p, "push")
+    p.set_defaults(run=_run_staging)
 
 
 def _add_pull(commands) -> None:
@@ -182,84 +164,108 @@ def _add_pull(commands) -> None:
     p.add_argument("src", metavar="SRC_URL", type=local_or_url,
                    help="a remote directory (or a local path), or a bundle whose .pidx sits beside it")
     p.add_argument("dest", metavar="DEST", help="local destination directory (created if missing)")
-    routes = _staging_options(p, "the source lacks (ssh and local sources)", "fetches only what differs",
-                              "fetched (and deleted with --delete) from one listing of an ssh or local source")
-    routes.add_argument("--pack-via", metavar="SSH_URL",
-                        help="ssh://[user@]host[:port] of a node that mounts the source's file system under the "
-                             "same paths; mpi_stager packs there into a temporary directory beside the source")
-
-
-def _staging_options(p: argparse.ArgumentParser, lacks: str, rerun: str, listed: str):
-    """Options push and pull share, in the sections of StagingOptions' groups (``lacks``, ``rerun`` and ``listed``
-    word --delete and --dry-run for the command); return the routing section, to which each command adds its
-    own routes."""
-    plan = p.add_argument_group("planning: what the planner decides with, and the bundle it makes")
-    plan.add_argument("--strategy", choices=("auto", "individual", "bundle", "hybrid"), default="auto",
-                      help="override the planner (default: auto)")
-    plan.add_argument("--codec", choices=("zstd", "gzip", "none"),
-                      help="bundle codec (default: the plan's for push, zstd for pull)")
-    plan.add_argument("--shard-size", type=size_arg, metavar="SIZE",
-                      help="target uncompressed shard size, e.g. 16M (default: automatic, 4-64 MiB; "
-                           "above 64M the bundle is stored and forwarded, not streamed)")
-    plan.add_argument("--large-file", type=size_arg, default=LARGE_FILE_BYTES, metavar="SIZE",
-                      help="hybrid: files at least this big travel individually (default 64M)")
-    plan.add_argument("--profile", metavar="NAME", help="link profile from `pallet calibrate` (default: generic)")
-    plan.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N",
-                      help="local worker processes (default: one per CPU, none for small work)")
-    far = p.add_argument_group("far side: how pallet runs there, and how it is reached")
-    far.add_argument("--remote-python", default="python3", metavar="CMD",
-                     help="Python with pallet on an ssh far side, used as given. By default pallet is looked for: "
-                          "where `pallet remote install` put it, as python3, behind `pallet` on the login PATH or "
-                          "in ~/.local/bin; without pallet there, bundles go into the far side's own tar (plain "
-                          "tools)")
-    far.add_argument("--ranks", type=jobs_arg, default=0, metavar="N",
-                     help="far-side unpack/pack processes without a launcher (default 0: one per CPU there)")
-    far.add_argument("--launcher", metavar="CMD",
-                     help="start mpi_stager through this, e.g. 'mpirun -n 8' or 'srun -n 64'")
-    far.add_argument("--reprobe", action="store_true",
-                     help="probe the ssh far side again (its findings are cached for an hour)")
-    far.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
-                     help="extra ssh argument, repeatable (also $PALLET_SSH_OPTIONS)")
-    policy = p.add_argument_group("policy: what is checked, retried and shown")
-    policy.add_argument("--no-verify", dest="verify", action="store_false", help="skip hash checks at unpack")
-    policy.add_argument("--checksum", "-c", action="store_true",
-                        help="when DEST already holds files, compare those whose size, mtime and mode match by "
-                             "md5 too (both sides are read; md5sum runs at an ssh far side)")
-    policy.add_argument("--retries", type=jobs_arg, default=2, metavar="N",
-                        help="retries after network errors, each resuming (default 2)")
-    shown = policy.add_mutually_exclusive_group()
-    shown.add_argument("--progress", dest="progress", action="store_true", default=None,
-                       help="always show per-stage progress (default: only on a terminal)")
-    shown.add_argument("--quiet", "-q", dest="progress", action="store_false", help="no progress")
-    policy.add_argument("--json", action="store_true", help="print a summary as JSON")
-    policy.add_argument("--delete", action="store_true",
-                        help=f"remove what DEST holds that {lacks}; without it such entries are kept. A rerun "
-                             f"always {rerun} (type, size, mtime, mode, link target)")
-    policy.add_argument("--dry-run", "-n", action="store_true", help=f"list what would be {listed}; change nothing")
-    policy.add_argument("--allow-root-dest", action="store_true",
-                        help="let DEST be the root directory / or a home directory itself (/root, /home, "
-                             "/home/NAME, /Users/NAME, and your own $HOME for a local DEST); refused by default, "
-                             "since pallet would list and mark all of it, and --delete would empty it of all else")
-    routes = p.add_argument_group("routing: how bundles travel, and where they are unpacked or packed")
-    routes.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
-                        help="stream bundles into the far-side unpacker when the transport can (default: auto)")
+    add_declared_options(p, "pull")
     p.set_defaults(run=_run_staging)
-    return routes
 
 
-def staging_options(args) -> StagingOptions:
-    """StagingOptions from parsed push/pull arguments."""
-    from staging_core.options import StagingOptions
-    split = split_ssh_options(args.ssh_option)
-    return StagingOptions(
-        strategy=args.strategy, codec=args.codec, shard_size=args.shard_size, large_file_bytes=args.large_file,
-        jobs=args.jobs, ranks=args.ranks, launcher=args.launcher,
-        remote_python=args.remote_python, ssh_options=split, verify=args.verify, profile=args.profile,
-        stream=args.stream, unpack_via=getattr(args, "unpack_via", None), unpack_job=getattr(args, "unpack_job", None),
-        job_options=tuple(getattr(args, "job_option", ())), keep_packed=getattr(args, "keep_packed", False),
-        pack_via=getattr(args, "pack_via", None), retries=args.retries, progress=args.progress,
-        reprobe=args.reprobe, delete=getattr(args, "delete", False), dry_run=getattr(args, "dry_run", False),
-        checksum=args.checksum, allow_root_dest=args.allow_root_dest)
+# how --delete and --dry-run are worded for each command (OptionDeclaration.help's {lacks}, {rerun}, {listed})
+_WORDS = {"push": {"lacks": "SRC lacks (local and ssh destinations)", "rerun": "sends only what differs from SRC",
+                   "listed": "sent (and deleted with --delete)"},
+          "pull": {"lacks": "the source lacks (ssh and local sources)", "rerun": "fetches only what differs",
+                   "listed": "fetched (and deleted with --delete) from one listing of an ssh or local source"}}
+_METAVARS: dict[type, str] = {int: "N", float: "SECONDS", str: "VALUE"}
+
+
+def add_declared_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The options ``command`` (plan, push or pull) takes, built from their declarations
+    (staging_core.options.OPTION_DECLARATIONS), each in the section of its group; push and pull also take every
+    option a transport declares (staging_core.options.transport_settings), as --SCHEME-NAME in the transports
+    section, and --json in the policy section."""
+    for group in GROUPS:
+        chosen = declarations(group.attribute, command=command)
+        offered = transport_settings() if group.attribute == "transports" and command != "plan" else ()
+        json_here = group.attribute == "policy" and command != "plan"
+        if not (chosen or offered or json_here):
+            continue
+        section = p.add_argument_group(group.section)
+        for declared in chosen:
+            _add_declared(section, declared, command)
+        for setting in offered:
+            _add_transport_setting(section, setting)
+        if json_here:
+            section.add_argument("--json", action="store_true", help="print a summary as JSON")
+
+
+def _add_declared(section, declared: OptionDeclaration, command: str) -> None:
+    """One declared option as argparse arguments (its value in ``args.NAME``)."""
+    words = _WORDS.get(command)
+    text = declared.help.format_map(words) if words else declared.help
+    default = declared.command_line_default
+    if declared.type is bool:
+        if declared.negative_flags:              # --progress / --quiet: True, False or not given (None)
+            either = section.add_mutually_exclusive_group()
+            either.add_argument(*declared.flags, dest=declared.name, action="store_true", default=default,
+                                help=text)
+            either.add_argument(*declared.negative_flags, dest=declared.name, action="store_false",
+                                help=declared.negative_help)
+        else:                                    # --no-verify sets False; --keep-packed sets True
+            section.add_argument(*declared.flags, dest=declared.name,
+                                 action="store_false" if default else "store_true", help=text)
+        return
+    if declared.multiple:
+        text += " (repeatable)"
+    elif "default" not in text and default is not None:
+        text += f" (default: {default})"
+    section.add_argument(*declared.flags, dest=declared.name, metavar=declared.metavar, help=text,
+                         choices=declared.choices or None, type=_parser(declared),
+                         **({"action": "append", "default": []} if declared.multiple else {"default": default}))
+
+
+def _parser(declared: OptionDeclaration) -> Callable[[str], Any] | None:
+    """The argparse ``type`` of a declared option's values."""
+    if declared.size:
+        return size_arg
+    if declared.type is int:
+        return jobs_arg if declared.minimum == 0 else int
+    return None
+
+
+def _transport_dest(setting: TransportSetting) -> str:
+    return f"transport:{setting.scheme}:{setting.option.name}"
+
+
+def _add_transport_setting(section, setting: TransportSetting) -> None:
+    """A transport's declared option as --SCHEME-NAME (not given: the transport's default)."""
+    option, dest = setting.option, _transport_dest(setting)
+    if option.type is bool:
+        section.add_argument(setting.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                             help=setting.help)
+        return
+    section.add_argument(setting.flag, dest=dest, default=None, help=setting.help,
+                         action="append" if option.multiple else "store",
+                         type=None if option.type is str else option.type, choices=option.choices or None,
+                         metavar=None if option.choices else "ARG" if option.multiple else
+                         _METAVARS.get(option.type, "VALUE"))
+
+
+def staging_options(args, command: str | None = None) -> StagingOptions:
+    """StagingOptions from parsed plan, push or pull arguments (``command``; None: ``args.command``), following
+    the declarations: the options the command does not take keep their defaults, and the transports' options
+    given go to ``transport_options``."""
+    command = command or args.command
+    values: dict[str, Any] = {}
+    for declared in declarations(command=command):
+        value = getattr(args, declared.name)
+        if declared.multiple:
+            value = split_ssh_options(value) if declared.shell_split else tuple(value)
+        values[declared.name] = value
+    options = StagingOptions(**values)
+    if command == "plan":
+        return options
+    given = [(setting, getattr(args, _transport_dest(setting), None)) for setting in transport_settings()]
+    given = [(setting, tuple(value) if setting.option.multiple else value) for setting, value in given
+             if value is not None]
+    return options.with_transport_values(given) if given else options
 
 
 def split_ssh_options(given: list[str]) -> tuple[str, ...]:
@@ -278,32 +284,39 @@ def split_ssh_options(given: list[str]) -> tuple[str, ...]:
 def _run_staging(args) -> int:
     """Run push or pull (the same options and summary)."""
     remote = args.dest if args.command == "push" else args.src
-    with connecting_early(remote, staging_options(args)) as options:
+    options = staging_options(args)
+    with connecting_early(remote, options) as early:
         from staging_core.operations.push_pull import pull, push                      # loaded while ssh connects
         operation = push if args.command == "push" else pull
-        result = operation(args.src, args.dest, options, make_progress(args.progress))
+        result = operation(args.src, args.dest, options, make_progress(options.progress),
+                           early_connection=early)
     report(args.json, result.to_json(), summary_line(args.command, result))
     return EXIT_OK
 
 
 @contextmanager
-def connecting_early(url: str, options: StagingOptions) -> Iterator[StagingOptions]:
-    """``options`` for a push or pull whose far side is ``url``: for an ssh URL, with the connection to its
-    host already being made (an SSHMaster in ``transport_options``, which the operation's ssh transport takes
-    over), so that ssh's round trips overlap the loading of the rest of pallet; the connection is ended here
-    if the operation did not take it. Other URLs: ``options`` as they are."""
+def connecting_early(url: str, options: StagingOptions) -> Iterator[EarlyConnection | None]:
+    """For a push or pull with these ``options`` whose far side is ``url``: the connection its transport would
+    make, already being made (``Transport.connect_early``: an ssh ControlMaster), so that its round trips
+    overlap the loading of the rest of pallet. The caller hands it to the operation (the ``early_connection``
+    of push and pull), whose transport takes it over; it is ended here if the transport did not take it. None
+    for a transport without such a connection, or one whose dependencies are missing (the operation then says
+    which)."""
     from staging_core.transports.base import parse_url
+    from staging_core.transports.errors import MissingDependencyError
+    from staging_core.transports.registry import transport_class
     endpoint = parse_url(url)
-    if endpoint.scheme != "ssh":
-        yield options
-        return
-    from staging_core.transports.ssh_master import SSHMaster, ssh_options_for
-    master = SSHMaster(endpoint, ssh_options_for(options.ssh_options)).start()
-    given = options.transport_options
     try:
-        yield replace(options, transport_options={**given, "ssh": {**given.get("ssh", {}), "master": master}})
+        kind = transport_class(endpoint.scheme)
+    except MissingDependencyError:
+        yield None
+        return
+    early = kind.connect_early(endpoint, options) if kind.capabilities.shared_connection else None
+    try:
+        yield early
     finally:
-        master.close()
+        if early is not None:
+            early.close()
 
 
 def _add_calibrate(commands) -> None:
@@ -325,7 +338,6 @@ def _add_calibrate(commands) -> None:
 
 
 def _run_calibrate(args) -> int:
-    from staging_core.options import StagingOptions
     from staging_core.planning.profiles import calibrate, save_profile
     from staging_core.transports.base import parse_url
     from staging_core.transports.registry import open_endpoint
@@ -339,7 +351,8 @@ def _run_calibrate(args) -> int:
     report(args.json, {**doc, "path": path},
             f"profile {profile.name} saved to {path}: rtt {profile.rtt_s * 1e3:.1f} ms, "
             f"{human_bytes(profile.bandwidth)}/s, {profile.per_file_s * 1e3:.2f} ms per file, "
-            f"{profile.create_rate:.0f} creates/s{'' if profile.create_rate_measured else ' (default, not measured)'}, zstd "
+            f"{profile.create_rate:.0f} creates/s"
+            f"{'' if profile.create_rate_measured else ' (default, not measured)'}, zstd "
             f"{human_bytes(profile.compress_rate)}/s compress, {human_bytes(profile.decompress_rate)}/s decompress")
     return EXIT_OK
 

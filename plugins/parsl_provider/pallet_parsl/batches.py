@@ -5,9 +5,12 @@ import os
 import posixpath
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import cast
+
+from parsl.dataflow.futures import AppFuture
 
 from staging_core import StagingOptions
 
@@ -69,7 +72,7 @@ class Batch:
     sealed: bool = False
     released: bool = False
     manifest: Future = field(default_factory=Future)
-    done: Future | None = None
+    done: Future = field(default_factory=Future)     # replaced, as the batch opens, by its opener's future
     timer: threading.Timer | None = None
     kept: PackedBatch = field(default_factory=PackedBatch)
     activity: Activity | None = None
@@ -126,7 +129,7 @@ class Batcher:
             member.gate.add_done_callback(lambda _: self._gate_done(batch))
         if full:
             self.seal(batch)
-        return member.result or batch.done, batch.done.tid, batch.kept
+        return member.result or batch.done, cast(AppFuture, batch.done).tid, batch.kept
 
     def seal(self, batch: Batch) -> None:
         """Take no more members into ``batch``; release it if nothing is awaited."""
@@ -202,7 +205,7 @@ class Batcher:
             batch.released = True
         kept = [m for m in batch.members if m.gate is None or m.gate.exception() is None]
         for member in batch.members:
-            if member.gate is not None and member.gate.exception() is not None:
+            if member.gate is not None and member.gate.exception() is not None and member.result is not None:
                 member.result.set_exception(member.gate.exception())
         waiting = [m for m in kept if m.result is not None]
         if waiting:
@@ -219,7 +222,8 @@ def spec_for(batch: Batch, members: list[Member], options: StagingOptions) -> Ba
     items = tuple(posixpath.relpath(m.path, common) for m in members)
     remote_root = f"{batch.key.scheme}://{batch.key.netloc}{common}"
     local_root = os.path.join(batch.host_root, common.lstrip("/"))
-    sizes = None if any(m.size is None for m in members) else tuple(m.size for m in members)
+    known = tuple(m.size for m in members if m.size is not None)
+    sizes = known if len(known) == len(members) else None
     ident = BatchSpec.ident(batch.key.direction, remote_root, local_root, items, batch.key.packed)
     return BatchSpec(batch.number, ident, batch.key.direction, remote_root, local_root, items, sizes, options,
                      state_root(batch.host_root), batch.key.packed)
@@ -234,6 +238,8 @@ def state_root(host_root: str) -> str:
 def _settle(done: Future, members: list[Member]) -> None:
     error = done.exception()
     for member in members:
+        if member.result is None:
+            continue
         if error is None:
             member.result.set_result(done.result())
         else:

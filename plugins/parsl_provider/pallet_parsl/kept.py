@@ -8,8 +8,9 @@ import shutil
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any
 
 from staging_core import SetupError, copy_out, open_bundle, parse_url, private_directory
 
@@ -24,7 +25,7 @@ class PackedBatch:
 
     def __init__(self):
         self.bundles: tuple[tuple[str, str], ...] = ()
-        self._views: dict[str, object] = {}
+        self._views: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def fill(self, done: Future) -> None:
@@ -53,7 +54,7 @@ class PackedBatch:
         return {"bundles": self.bundles}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        PackedBatch.__init__(self)
         self.bundles = state["bundles"]
 
 

@@ -3,26 +3,31 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shlex
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
+from dataclasses import replace
+from typing import Any, cast
 
 import parsl
 from parsl.app.futures import DataFuture
 from parsl.data_provider.files import File
 from parsl.data_provider.staging import Staging
 from parsl.dataflow.dflow import DataFlowKernel
+from parsl.dataflow.futures import AppFuture
 from parsl.utils import RepresentationMixin
 
-from staging_core import StagingOptions, UsageError
+from staging_core import StagingOptions, UsageError, declarations, transport_settings
 
 from .batches import Activity, Batch, Batcher, BatchKey, Member
 from .kept import PackedBatch, ReadsKeptInputs, private_copy_path
 from .tasks import UnpackPlan, move_batch, send_batch, unpack_batch
 
 DEFAULT_SCHEMES = ("ssh", "gsiftp", "globus")
+DEFAULT_OPTIONS = StagingOptions()
 _SUBMIT = DataFlowKernel.submit.__code__       # a thread running this is submitting an app
 
 
@@ -55,6 +60,13 @@ class PalletStaging(Staging, RepresentationMixin):
     - ``options``: the StagingOptions of every fetch and send (strategy,
       ``remote_python``, ``ssh_options``, ``pack_via`` for GridFTP/Globus
       sources, retries inside a task ...).
+    - any other keyword: one of pallet's options, as :data:`STAGING_KEYWORDS`
+      (StagingOptions fields, e.g. ``strategy="bundle"``,
+      ``ssh_options=["-p", "2222"]``) and :data:`TRANSPORT_KEYWORDS`
+      (``SCHEME_NAME`` for an option a transport declares, e.g.
+      ``ssh_parallel=4``, ``globus_local_endpoint=UUID``) list them, both
+      derived from pallet's option declarations; each replaces that value of
+      ``options``.
     - ``mover``: label of the executor that runs the plan-and-move tasks;
       None: the app's executor (use a ThreadPoolExecutor on the submit host
       when compute nodes cannot reach the remote side).
@@ -94,13 +106,14 @@ class PalletStaging(Staging, RepresentationMixin):
 
     def __init__(self, schemes: Sequence[str] = DEFAULT_SCHEMES, local_root: str | None = None,
                  window: float | None = 60.0, max_files: int = 10_000, max_bytes: int = 1 << 30,
-                 size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = StagingOptions(),
+                 size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = DEFAULT_OPTIONS,
                  mover: str | None = None, unpack_executor: str | None = None, mpi_ranks: int = 2,
                  mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1, keep_packed: bool = False,
-                 scratch: str | None = None, idle: float = 0.5):
+                 scratch: str | None = None, idle: float = 0.5, **pallet_options: Any):
         counts = (max_files, max_bytes, mpi_ranks, unpack_workers)
         if idle <= 0 or (window is not None and window <= 0) or min(counts) < 1:
             raise UsageError("idle, window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
+        options = with_keywords(options, pallet_options)
         self.schemes, self.local_root, self.size_hint = tuple(schemes), local_root, size_hint
         self.idle, self.window, self.max_files, self.max_bytes = idle, window, max_files, max_bytes
         self.options, self.mover, self.unpack_executor = options, mover, unpack_executor
@@ -130,7 +143,8 @@ class PalletStaging(Staging, RepresentationMixin):
         mirrored = _below(host_root, file.path)
         if mirrored in self._produced and parent_fut is not None:
             file.local_path = mirrored
-            return DataFuture(parent_fut, file, tid=parent_fut.tid)      # written here by an upstream app
+            upstream = cast(AppFuture, parent_fut)                 # an app's future, written here by that app
+            return DataFuture(upstream, file, tid=upstream.tid)
         gated = parent_fut is not None and not (parent_fut.done() and parent_fut.exception() is None)
         kept = self.keep_packed and not gated
         with self._lock:
@@ -152,6 +166,8 @@ class PalletStaging(Staging, RepresentationMixin):
     def replace_task(self, dm, executor: str, file: File, func):
         """For a kept input (``keep_packed``): ``func`` wrapped to copy the input out of its batch's bundle
         before it runs, and to remove the copy after; otherwise None (``func`` runs as it is)."""
+        if file.local_path is None:
+            return None
         with self._lock:
             kept = self._to_wrap.pop(file.local_path, None)
         return None if kept is None else ReadsKeptInputs(func, kept[0], kept[1], file.local_path)
@@ -242,6 +258,41 @@ class PalletStaging(Staging, RepresentationMixin):
         if parent not in self._made_dirs:
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
+
+
+STAGING_KEYWORDS = {declared.name: declared for declared in declarations(parsl=True)}
+TRANSPORT_KEYWORDS = {setting.name: setting for setting in transport_settings()}
+
+
+def with_keywords(options: StagingOptions, given: Mapping[str, Any]) -> StagingOptions:
+    """``options`` with the keyword arguments of PalletStaging that are pallet's options (:data:`STAGING_KEYWORDS`,
+    :data:`TRANSPORT_KEYWORDS`) put in: TypeError for a keyword that is neither, UsageError naming each value
+    pallet cannot use. A ``multiple`` option takes a sequence (``ssh_options`` also one string, split like a
+    shell line)."""
+    unknown = sorted(set(given) - set(STAGING_KEYWORDS) - set(TRANSPORT_KEYWORDS))
+    if unknown:
+        raise TypeError(f"PalletStaging() got unexpected keyword argument(s): {', '.join(unknown)} (pallet's "
+                        f"options: {', '.join(sorted(STAGING_KEYWORDS))}, and SCHEME_NAME for a transport's: "
+                        f"{', '.join(sorted(TRANSPORT_KEYWORDS))})")
+    fields: dict[str, Any] = {}
+    transport = []
+    problems = []
+    for name, value in given.items():
+        declared = STAGING_KEYWORDS.get(name)
+        multiple = declared.multiple if declared is not None else TRANSPORT_KEYWORDS[name].option.multiple
+        if multiple:
+            value = tuple(shlex.split(value) if declared is not None and declared.shell_split else (value,)) \
+                if isinstance(value, str) else tuple(value)
+        problem = (declared or TRANSPORT_KEYWORDS[name]).problem(value, name)
+        if problem:
+            problems.append(problem)
+        elif declared is not None:
+            fields[name] = value
+        else:
+            transport.append((TRANSPORT_KEYWORDS[name], value))
+    if problems:
+        raise UsageError("PalletStaging: " + "; ".join(problems))
+    return replace(options, **fields).with_transport_values(transport) if given else options
 
 
 class SubmitWatch:

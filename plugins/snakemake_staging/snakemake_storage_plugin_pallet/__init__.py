@@ -1,4 +1,5 @@
-"""Snakemake storage plugin `pallet`: remote inputs of a scheduler round fetched, and outputs sent, as one planned operation."""
+"""Snakemake storage plugin `pallet`: remote inputs of a scheduler round fetched, and outputs sent, as one planned
+operation."""
 from .provider import StorageProvider
 from .settings import StorageProviderSettings
 from .storage_object import StorageObject

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 Request = TypeVar("Request")
-Runner = Callable[[list], dict[int, Exception]]
+Runner = Callable[[list], Mapping[int, Exception]]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class Batcher(Generic[Request]):
         task.add_done_callback(self._running.discard)
 
     async def _execute(self, batch: _Open) -> None:
-        live = [(request, future) for request, future in zip(batch.requests, batch.futures) if not future.done()]
+        live = [(request, future) for request, future in zip(batch.requests, batch.futures, strict=True)
+                if not future.done()]
         if not live:
             return                                   # every task of the round was cancelled before it started
         requests = [request for request, _ in live]

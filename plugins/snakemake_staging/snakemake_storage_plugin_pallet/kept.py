@@ -5,9 +5,9 @@ import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Iterator
 
 from staging_core import (Endpoint, OpenSource, RemoteEntry, SourceError, StagingOptions, UsageError,
                           missing_members, move_packed, private_directory)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, List
+from typing import Any, cast
 
 from snakemake_interface_common.exceptions import WorkflowError
 from snakemake_interface_storage_plugins.storage_provider import (ExampleQuery, Operation, QueryType,
@@ -15,7 +15,7 @@ from .batching import Batcher, Limits
 from .inventory import RemoteInventory, host_key
 from .kept import KeptBundles
 from .queries import EXAMPLES, validate
-from .settings import StorageProviderSettings, check, staging_options
+from .settings import PluginSettings, StorageProviderSettings, check, staging_options
 from .storage_object import StorageObject
 from .transfers import BatchFailed, Request, Stager, remove_local
 
@@ -34,7 +34,7 @@ class StorageProvider(StorageProviderBase):
     """
 
     def __post_init__(self):
-        settings = self.settings or StorageProviderSettings()
+        settings = cast(PluginSettings, self.settings or StorageProviderSettings())
         check(settings)
         options = staging_options(settings)
         self.inventory = RemoteInventory(options)
@@ -46,8 +46,10 @@ class StorageProvider(StorageProviderBase):
                              self.wait_for_free_local_storage, kept)
         self.limits = Limits(settings.batch_window, settings.batch_max_files, settings.batch_max_bytes)
         self.links_on_demand = not settings.no_ondemand_links
-        self.retrievals = Batcher(lambda requests: self._errors(requests, self.stager.retrieve), self.limits)
-        self.stores = Batcher(lambda requests: self._errors(requests, self.stager.store), self.limits)
+        self.retrievals: Batcher[Request] = Batcher(lambda requests: self._errors(requests, self.stager.retrieve),
+                                                    self.limits)
+        self.stores: Batcher[Request] = Batcher(lambda requests: self._errors(requests, self.stager.store),
+                                                self.limits)
         weakref.finalize(self, self.inventory.close)
 
     @classmethod
@@ -55,7 +57,7 @@ class StorageProvider(StorageProviderBase):
         return StorageObject
 
     @classmethod
-    def example_queries(cls) -> List[ExampleQuery]:
+    def example_queries(cls) -> list[ExampleQuery]:
         return [ExampleQuery(query=query, description=text, type=QueryType.ANY) for query, text in EXAMPLES]
 
     @classmethod

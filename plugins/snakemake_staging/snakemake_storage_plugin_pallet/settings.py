@@ -1,16 +1,26 @@
-"""The plugin's `--storage-pallet-*` settings and their translation into pallet's StagingOptions."""
+"""The plugin's `--storage-pallet-*` settings and their translation into pallet's StagingOptions.
+
+``StorageProviderSettings`` is derived, not written out: its fields are the plugin's own (:class:`PluginSettings`:
+how requests are batched and bundles kept), then one for every StagingOptions field declared as a Snakemake
+setting (``staging_core.declarations(snakemake=True)``), then one for every option a transport declares
+(``staging_core.transport_settings()``: ``SCHEME_NAME``, e.g. ``--storage-pallet-ssh-parallel 4``). Snakemake
+reads the fields (their ``type`` metadata, defaults and help), so the class is made with
+``dataclasses.make_dataclass``.
+"""
 # No `from __future__ import annotations` here: Snakemake reads these field types at run time (bool flags).
 
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 from snakemake_interface_common.exceptions import WorkflowError
 from snakemake_interface_storage_plugins.settings import StorageProviderSettingsBase
 
-from staging_core import STRATEGIES, StagingOptions, parse_size
+from staging_core import OptionDeclaration, StagingOptions, TransportSetting, declarations, parse_size, \
+    transport_settings
 
-CODECS = ("zstd", "gzip", "none")
+PREFIX = "--storage-pallet-"
 
 
 def _setting(default, text: str, kind):
@@ -19,34 +29,15 @@ def _setting(default, text: str, kind):
 
 
 @dataclass
-class StorageProviderSettings(StorageProviderSettingsBase):
-    """Every `--storage-pallet-NAME VALUE` flag (also `[TAG::]VALUE` for tagged providers).
+class PluginSettings(StorageProviderSettingsBase):
+    """The plugin's own settings: how it batches the requests of a round, and keeps bundles.
 
-    None of them carries a secret: credentials come from the transports'
-    own sources (ssh keys and agent, X509 proxy, Globus token file), never
-    from settings, because Snakemake copies settings into job scripts.
+    None of the settings carries a secret: credentials come from the
+    transports' own sources (ssh keys and agent, X509 proxy, Globus token
+    file), never from settings, because Snakemake copies settings into job
+    scripts.
     """
 
-    strategy: str = _setting("auto", "How to move a batch: auto (the planner decides), individual, bundle or "
-                                     "hybrid.", str)
-    codec: Optional[str] = _setting(None, "Bundle compression: zstd, gzip or none (default: the planner's "
-                                          "choice, zstd for fetches).", str)
-    ssh_options: Optional[str] = _setting(None, "Extra ssh arguments for every connection, one string split "
-                                                "like a shell command line, e.g. '-o ProxyJump=gateway'.", str)
-    remote_python: str = _setting("python3", "Python with pallet installed on ssh hosts (runs mpi_stager "
-                                             "pack/unpack there).", str)
-    jobs: int = _setting(0, "Local worker processes for packing and unpacking (0: one per CPU).", int)
-    ranks: int = _setting(1, "Processes that pack or unpack at the far side.", int)
-    launcher: Optional[str] = _setting(None, "Command prefix that starts mpi_stager at the far side, e.g. "
-                                             "'srun -n 16'.", str)
-    profile: Optional[str] = _setting(None, "Link profile measured with `pallet calibrate --name NAME` "
-                                            "(default: the documented generic profile).", str)
-    pack_via: Optional[str] = _setting(None, "ssh://HOST that sees a GridFTP/Globus source's file system and "
-                                             "packs bundles there.", str)
-    unpack_via: Optional[str] = _setting(None, "ssh://HOST that sees a GridFTP/Globus destination's file "
-                                               "system and unpacks bundles there.", str)
-    retries: int = _setting(2, "Attempts after the first when a batch fails for network reasons.", int)
-    no_verify: bool = _setting(False, "Do not check unpacked files against the bundle index hashes.", bool)
     no_ondemand_links: bool = _setting(False, "Copy file:// inputs that Snakemake marks on-demand eligible "
                                               "(read once, sequentially, by one job) instead of linking them "
                                               "in place.", bool)
@@ -54,7 +45,7 @@ class StorageProviderSettings(StorageProviderSettingsBase):
                                         "bundle kept below --storage-pallet-packed-dir, and copy each object "
                                         "out of it (hash-checked) when it is retrieved: remote jobs on one node "
                                         "share one fetch. Needs pallet at the source.", bool)
-    packed_dir: Optional[str] = _setting(None, "Where kept bundles live (default: .pallet-packed below the "
+    packed_dir: str | None = _setting(None, "Where kept bundles live (default: .pallet-packed below the "
                                                "local storage prefix; in remote jobs, node-local when "
                                                "--remote-job-local-storage-prefix is); a directory "
                                                "only you can write into. $VARS and ~ are expanded where the "
@@ -62,34 +53,119 @@ class StorageProviderSettings(StorageProviderSettingsBase):
     batch_window: float = _setting(0.0, "Seconds a batch stays open for more requests of the same round "
                                         "(0: until the scheduler has handed over the whole round).", float)
     batch_max_files: int = _setting(0, "Start a new batch after this many objects (0: no limit).", int)
-    batch_max_bytes: Optional[int] = _setting(None, "Start a new batch after this many bytes, e.g. 64G "
+    batch_max_bytes: int | None = _setting(None, "Start a new batch after this many bytes, e.g. 64G "
                                                     "(default: no limit).", parse_size)
 
 
-def check(settings: StorageProviderSettings) -> None:
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else text + "."
+
+
+def _declared_field(declared: OptionDeclaration) -> tuple[str, Any, Any]:
+    """The setting of a declared StagingOptions field: ``no_NAME`` (a flag) for a bool whose default is True,
+    one string split like a shell line for a ``multiple`` option, else a value of the declared type."""
+    text = declared.help
+    if declared.type is bool:
+        return declared.setting, bool, _setting(False, _sentence(text), bool)
+    if declared.multiple:
+        return declared.setting, str | None, _setting(None, _sentence(text + "; one string"), str)
+    default = declared.default
+    if "default" not in text and default is not None:
+        text += f" (default: {default})"
+    kind = declared.type | None if default is None else declared.type
+    return declared.setting, kind, _setting(default, _sentence(text), parse_size if declared.size else declared.type)
+
+
+def transport_setting_name(setting: TransportSetting) -> str:
+    """The setting of a transport's option: ``SCHEME_NAME``, or ``no_SCHEME_NAME`` for a bool whose default is
+    True (Snakemake makes a bool defaulting to True a global --no-NAME flag, so none does)."""
+    option = setting.option
+    return f"no_{setting.name}" if option.type is bool and option.default is True else setting.name
+
+
+def _transport_field(setting: TransportSetting) -> tuple[str, Any, Any]:
+    """The setting of a transport's option (unset: the transport's default): a flag for a bool, one string split
+    like a shell line for a ``multiple`` option, else a value of its type."""
+    option, name = setting.option, transport_setting_name(setting)
+    if option.type is bool:
+        says = "turns it off" if name.startswith("no_") else "turns it on"
+        return name, bool, _setting(False, _sentence(f"{setting.help}; this flag {says}"), bool)
+    if option.multiple:
+        return name, str | None, _setting(None, _sentence(setting.help + " (one string, split like a shell "
+                                                                           "command line)"), str)
+    return name, option.type | None, _setting(None, _sentence(setting.help), option.type)
+
+
+DECLARED = declarations(snakemake=True)
+TRANSPORT_SETTINGS = transport_settings()
+
+StorageProviderSettings = dataclasses.make_dataclass(
+    "StorageProviderSettings",
+    [*(_declared_field(declared) for declared in DECLARED), *(_transport_field(s) for s in TRANSPORT_SETTINGS)],
+    bases=(PluginSettings,))
+StorageProviderSettings.__module__ = __name__                      # found by pickle (remote jobs, tagged copies)
+StorageProviderSettings.__doc__ = (
+    "Every `--storage-pallet-NAME VALUE` flag (also `[TAG::]VALUE` for tagged providers): the plugin's own "
+    "(PluginSettings), pallet's options declared as Snakemake settings, and every transport's declared options "
+    "as SCHEME_NAME.")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of setting ``name``."""
+    return PREFIX + name.replace("_", "-")
+
+
+def check(settings: PluginSettings) -> None:
     """Raise WorkflowError naming the flag of any setting with a value pallet cannot use."""
     problems = []
-    if settings.strategy not in STRATEGIES:
-        problems.append(f"--storage-pallet-strategy must be one of {', '.join(STRATEGIES)}, not {settings.strategy!r}")
-    if settings.codec is not None and settings.codec not in CODECS:
-        problems.append(f"--storage-pallet-codec must be one of {', '.join(CODECS)}, not {settings.codec!r}")
-    for name in ("jobs", "ranks", "retries", "batch_max_files"):
-        if getattr(settings, name) < 0:
-            problems.append(f"--storage-pallet-{name.replace('_', '-')} must not be negative")
+    for declared in DECLARED:
+        value = getattr(settings, declared.setting)
+        if declared.multiple:
+            problems.append(_split_problem(value, flag(declared.setting)))
+        elif declared.type is not bool:
+            problems.append(declared.problem(value, flag(declared.setting)))
+    for setting in TRANSPORT_SETTINGS:
+        name = transport_setting_name(setting)
+        value = getattr(settings, name)
+        if setting.option.multiple:
+            problems.append(_split_problem(value, flag(name)))
+        elif value is not None and setting.option.type is not bool:
+            problems.append(setting.problem(value, flag(name)))
+    if settings.batch_max_files < 0:
+        problems.append(f"{flag('batch_max_files')} must not be negative")
     if settings.batch_window < 0:
-        problems.append("--storage-pallet-batch-window must not be negative")
+        problems.append(f"{flag('batch_window')} must not be negative")
+    found = [problem for problem in problems if problem]
+    if found:
+        raise WorkflowError("invalid pallet storage settings: " + "; ".join(found))
+
+
+def _split_problem(value: str | None, label: str) -> str | None:
     try:
-        shlex.split(settings.ssh_options or "")
+        shlex.split(value or "")
     except ValueError as exc:
-        problems.append(f"--storage-pallet-ssh-options cannot be split: {exc}")
-    if problems:
-        raise WorkflowError("invalid pallet storage settings: " + "; ".join(problems))
+        return f"{label} cannot be split: {exc}"
+    return None
 
 
-def staging_options(settings: StorageProviderSettings) -> StagingOptions:
-    """The StagingOptions every batch of this provider runs with (no progress bars inside Snakemake's log)."""
-    return StagingOptions(strategy=settings.strategy, codec=settings.codec, jobs=settings.jobs,
-                          ranks=settings.ranks, launcher=settings.launcher, remote_python=settings.remote_python,
-                          ssh_options=tuple(shlex.split(settings.ssh_options or "")),
-                          verify=not settings.no_verify, profile=settings.profile, pack_via=settings.pack_via,
-                          unpack_via=settings.unpack_via, retries=settings.retries, progress=False)
+def staging_options(settings: PluginSettings) -> StagingOptions:
+    """The StagingOptions every batch of this provider runs with (no progress bars inside Snakemake's log): each
+    declared setting's value, and the transports' options that were set, in ``transport_options``."""
+    values: dict[str, Any] = {}
+    for declared in DECLARED:
+        value = getattr(settings, declared.setting)
+        if declared.type is bool and declared.setting != declared.name:
+            value = not value                                       # no_verify
+        elif declared.multiple:
+            value = tuple(shlex.split(value or ""))
+        values[declared.name] = value
+    given: list[tuple[TransportSetting, Any]] = []
+    for setting in TRANSPORT_SETTINGS:
+        name = transport_setting_name(setting)
+        value = getattr(settings, name)
+        if setting.option.type is bool:
+            if value:                                               # the flag: the other value than the default
+                given.append((setting, not name.startswith("no_")))
+        elif value is not None:
+            given.append((setting, tuple(shlex.split(value)) if setting.option.multiple else value))
+    return StagingOptions(**values, progress=False).with_transport_values(given)

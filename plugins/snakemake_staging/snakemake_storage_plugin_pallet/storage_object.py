@@ -5,9 +5,9 @@ import os
 import posixpath
 import shutil
 import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import cached_property
-from typing import Iterable, Optional
 
 from snakemake_interface_common.exceptions import WorkflowError
 from snakemake_interface_storage_plugins.io import IOCacheStorageInterface, Mtime, get_constant_prefix
@@ -60,7 +60,7 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
             cache.mtime[key] = Mtime(storage=seconds(mtime_ns))
             cache.size[key] = sibling.size if sibling.kind == "f" else 0
 
-    def get_inventory_parent(self) -> Optional[str]:
+    def get_inventory_parent(self) -> str | None:
         parent = posixpath.dirname(self.endpoint.path)
         return None if parent == "/" else query_for(replace(self.endpoint, path=parent))
 
@@ -105,7 +105,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
         """Join this round's batch; the batch checks free space for all its objects at once. A file:// object
         Snakemake marks on-demand eligible is linked in place instead (see :meth:`_link_in_place`)."""
         if self._links_in_place():
-            return self._link_in_place()
+            self._link_in_place()
+            return
         nbytes = await self.managed_local_footprint() if self.provider.limits.max_bytes else 0
         await self.provider.retrievals.submit(self.request(), nbytes)
 
@@ -116,7 +117,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
 
     def retrieve_object(self):
         if self._links_in_place():
-            return self._link_in_place()
+            self._link_in_place()
+            return
         self.provider.run_now("retrieve", self.request())
 
     def _links_in_place(self) -> bool:

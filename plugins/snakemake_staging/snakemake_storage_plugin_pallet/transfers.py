@@ -96,7 +96,8 @@ class Stager:
         root = _common_root(group)
         items, sizes, directories = self._selection(group, root)
         if self.kept is not None:
-            return self._retrieve_kept(group, root, sum(sizes))
+            self._retrieve_kept(group, root, sum(sizes))
+            return
         self._ensure_space(sum(sizes), self.scratch_root)
         source = replace(group[0].remote, path=root).url()
         self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
@@ -132,15 +133,17 @@ class Stager:
         """Copy the group's objects out of the kept bundle of ``directory``: found, or fetched whole first. One
         more try with a fresh listing when the directory changed while it was packed, and with a new fetch when
         the kept bundle turns out damaged, cut short or gone."""
-        tries = 2
+        tries, bundles = 2, self.kept
+        if bundles is None:
+            raise UsageError("pallet: objects are copied out of kept bundles only with --storage-pallet-keep-packed")
         while True:
             tries -= 1
             listing, kept = self.inventory.children(directory), None
             try:
-                kept = self.kept.find(directory, listing)
+                kept = bundles.find(directory, listing)
                 if kept is None:
-                    self._ensure_space(sum(e.size for e in listing), self.kept.store)
-                    kept = self.kept.bundle_for(directory, listing)
+                    self._ensure_space(sum(e.size for e in listing), bundles.store)
+                    kept = bundles.bundle_for(directory, listing)
                 _copy_objects_out(kept.path, group, directory.path, self.scratch_root)
                 return kept
             except ListingChanged:
@@ -152,7 +155,7 @@ class Stager:
                     raise
                 self.logger.warning(f"pallet: the kept bundle {kept.path} cannot be read ({exc}); fetching it "
                                     "again")
-                self.kept.discard(kept)
+                bundles.discard(kept)
 
     def _selection(self, group: list[Request], root: str) -> tuple[list[str], list[int], set[str]]:
         """The items to fetch, their sizes, and the remote paths of the directory objects: a file is its own
@@ -198,7 +201,7 @@ class Stager:
         absent = [r.local for r in group if not os.path.lexists(r.local)]
         if absent:
             raise SourceError(f"local file(s) missing: {', '.join(absent[:SHOWN])}", hint="the job did not write them")
-        items = [item for rel, r in zip(rels, group) for item in _expand_local(rel, r.local)]
+        items = [item for rel, r in zip(rels, group, strict=True) for item in _expand_local(rel, r.local)]
         dest = replace(group[0].remote, path=root).url()
         base = _shared_base(group, rels)
         self.logger.info(f"pallet: sending {len(group)} object(s) to {dest}")
@@ -207,7 +210,7 @@ class Stager:
                 result = send(base, items, dest, self.options)
             else:
                 with scratch_space(".pallet-send-", self.scratch_root) as staged:
-                    for rel, request in zip(rels, group):
+                    for rel, request in zip(rels, group, strict=True):
                         _link_copy(request.local, os.path.join(staged, rel))
                     result = send(staged, items, dest, self.options)
         finally:
@@ -328,5 +331,6 @@ def _expand_local(rel: str, local: str) -> list[str]:
 
 def _shared_base(group: list[Request], rels: list[str]) -> str | None:
     """The local directory B with B/rel == local path for every object (Snakemake's usual layout), else None."""
-    bases = {r.local[:-len(rel)].rstrip("/") if r.local.endswith("/" + rel) else None for r, rel in zip(group, rels)}
+    bases = {r.local[:-len(rel)].rstrip("/") if r.local.endswith("/" + rel) else None
+             for r, rel in zip(group, rels, strict=True)}
     return bases.pop() if len(bases) == 1 and None not in bases else None
