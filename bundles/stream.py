@@ -6,7 +6,7 @@ import json
 import struct
 from array import array
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import zstandard
 
@@ -16,7 +16,7 @@ from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_siz
 from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan, entry_bound
 from .tarformat import BLOCK, Kind
 
-STREAM_VERSION = 1
+STREAM_VERSION = 1                       # listed with every protocol version in mpi_stager.wire (docs/wire.md)
 SKELETON_COLUMNS = ["path", "kind", "mode", "mtime_ns", "size", "link", "link_group"]
 DATA_CHUNK = 4 << 20                     # largest DATA frame payload
 MAX_STREAMED_SHARD_SIZE = MAX_AUTO_SHARD  # the largest --shard-size a stream carries (beyond: store and forward)
@@ -133,8 +133,9 @@ def decode_shard_record(payload: bytes, index: Index, plan: ShardPlan, inline: b
     hashes_end = _SHARD_HEAD.size + count * HASH_SIZE
     offsets = _u64_column(view[hashes_end:hashes_end + 8 * count])
     data_offsets = _u64_column(view[hashes_end + 8 * count:columns_end])
-    built = BuiltShard(view[columns_end:] if inline else b"", raw_size, file_bytes,
-                       bytes(view[_SHARD_HEAD.size:hashes_end]), offsets, data_offsets)
+    inline_bytes = cast(bytes, view[columns_end:]) if inline else b""     # a view of the payload, not a copy
+    built = BuiltShard(inline_bytes, raw_size, file_bytes, bytes(view[_SHARD_HEAD.size:hashes_end]), offsets,
+                       data_offsets)
     return ShardRecord(built, length, digest)
 
 
@@ -241,17 +242,19 @@ class FrameReader:
         return DATA_CHUNK if kind == FrameKind.DATA else self.shard_limit
 
     def _read(self, size: int) -> bytes:
-        if size <= _READ_CHUNK:
-            data = self.inp.read(size)
-        else:                        # grow with what arrives, never by what a header claims
-            data = bytearray()
-            while len(data) < size:
-                chunk = self.inp.read(min(_READ_CHUNK, size - len(data)))
-                if not chunk:
-                    break
-                data += chunk
+        data = self.inp.read(size) if size <= _READ_CHUNK else self._read_growing(size)
         self.bytes_read += len(data)
         return data
+
+    def _read_growing(self, size: int) -> bytes:
+        """Up to ``size`` bytes, the buffer grown with what arrives, never by what a header claims."""
+        data = bytearray()
+        while len(data) < size:
+            chunk = self.inp.read(min(_READ_CHUNK, size - len(data)))
+            if not chunk:
+                break
+            data += chunk
+        return cast(bytes, data)        # read as bytes are: not copied again
 
 
 def frame_limit(skeleton: Skeleton, source: str | None) -> int:
@@ -329,7 +332,7 @@ def _plan_column(blob: memoryview, pos: int, typecode: str, count: int, source: 
 
 def _plans(index: Index, counts: array, big: array, source: str | None) -> list[ShardPlan]:
     plans, first = [], 0
-    for n, (count, is_big) in enumerate(zip(counts, big)):
+    for n, (count, is_big) in enumerate(zip(counts, big, strict=True)):
         if first + count > len(index) or (count == 0 and len(index)):
             raise StreamError(f"skeleton's shard {n} does not fit its entries", source, _HINT)
         if is_big and (count != 1 or index.kinds[first] != Kind.FILE):

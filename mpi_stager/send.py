@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import BinaryIO, cast
 
 from bundles.codecs import Codec, get_codec
 from bundles.errors import SourceError, StreamError
@@ -14,11 +15,10 @@ from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
 from bundles.shards import (BuiltShard, ShardPlan, auto_shard_size, build_streamed_shard, plan_shards, record_shard,
                             reset_columns)
-from bundles.stream import (DATA_CHUNK, FrameKind, FrameWriter, decode_resume_reply, encode_shard_record,
-                            encode_skeleton)
+from bundles.stream import DATA_CHUNK, FrameKind, FrameWriter, encode_shard_record, encode_skeleton
 from bundles.writer import iter_shards
 
-from .summaries import RECEIVER_GONE, SOURCE_MISSING
+from .wire import RECEIVER_GONE, SOURCE_MISSING, decode_resume_reply
 
 _SELECTION_LIMIT = 1 << 30        # bytes of a selection block: far above 10M names
 _HINT = "rerun the pull: shards finished at the receiver are not sent again"
@@ -131,10 +131,10 @@ class _ShardSender:
             self.answer = self.resume()
         return self.answer
 
-    def sink(self, plan: ShardPlan) -> RelaySink:
+    def sink(self, plan: ShardPlan) -> BinaryIO:
         """Where a big shard is compressed to: the wire, or only a hasher if the far side may have it."""
         self.current = self._data_sink(None if plan.number in self.done else self.wire, plan.number)
-        return self.current
+        return self.current.as_file()
 
     @staticmethod
     def _data_sink(wire: FrameWriter | None, number: int) -> RelaySink:
@@ -148,9 +148,10 @@ class _ShardSender:
         return RelaySink(frames, wire.flush)
 
     def send(self, plan: ShardPlan, built: BuiltShard) -> None:
-        if plan.big:
-            digest, length = self.current.finish()
-            if self.current.emit is None and self.done.get(plan.number) != digest:
+        relay = self.current        # set by sink() for every big shard
+        if plan.big and relay is not None:
+            digest, length = relay.finish()
+            if relay.emit is None and self.done.get(plan.number) != digest:
                 built, digest, length = self._resend_big(plan)
         else:
             digest, length = content_hash(built.compressed), len(built.compressed)
@@ -188,6 +189,10 @@ class RelaySink:
         self.hasher, self.length = new_hasher(), 0
         self._relay: tuple[threading.Thread, int] | None = None
         self._relay_error: Exception | None = None
+
+    def as_file(self) -> BinaryIO:
+        """Itself, as the binary file bundles.writer.iter_shards writes a big shard to (write, flush, fileno)."""
+        return cast(BinaryIO, self)
 
     def write(self, data) -> int:
         view = memoryview(data)
@@ -234,7 +239,7 @@ def send(src: str, inp: BinaryIO, out: BinaryIO, codec: str, shard_size: int | N
 
     This is the source end of a streamed pull (``python -m mpi_stager
     send``): the skeleton goes out, the receiver's one-line reply
-    (:func:`bundles.stream.decode_resume_reply`) names the shards it holds,
+    (:func:`mpi_stager.wire.decode_resume_reply`) names the shards it holds,
     and every other shard follows as it is built, then the index. The
     source is only read. Raises ReceiverGoneError when the receiver goes
     away (end of ``inp`` before its reply, or a broken ``out``),

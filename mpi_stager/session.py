@@ -4,74 +4,36 @@ from __future__ import annotations
 import os
 import subprocess
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import BinaryIO
-
-import zstandard
 
 from bundles.errors import DestinationError, StreamError
 from bundles.safety import path_problem, safe_mode
-from bundles.state import INCOMPLETE, STATE_DIR, holding_lock, remove_state, state_path
+from bundles.state import INCOMPLETE, holding_lock, remove_state, state_path
 from bundles.stream import FrameKind, FrameReader
 
 from .receive import receive
-from .summaries import encode
-
-SESSION_VERSION = 2
-HELLO = b"pallet-session %d\n" % SESSION_VERSION
-HELLO_PREFIX = b"pallet-session "
-LISTING_TAG = b"listing"
-NOT_COMPARABLE = b"INCOMPLETE"      # the listing of a DEST marked incomplete: it resumes from its journal
-OK = b"ok\n"
-DECLINED = b"declined\n"      # the answer to ``receive-new`` in a DEST that holds something
-
-# Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target,
-# inode, links, path (staging_core.routes.tar_tools.parse_records reads them; its far-side scripts run the same find).
-LISTING_ARGV = ("find", ".", "-mindepth", "1", "-path", "./" + STATE_DIR, "-prune", "-o",
-                "-printf", r"%y\0%m\0%T@\0%s\0%l\0%i\0%n\0%P\0")
+from .wire import encode_summary as encode
+from .wire import (DECLINED, LISTING_ARGV, NOT_COMPARABLE, OK, Hello, SessionRequest, WireVersionError, decode_dirs,
+                   far_hello_for, install_hint, listing_block)
+from .wire import HELLO as HELLO                # the session's vocabulary is mpi_stager.wire's; these two stay
+from .wire import encode_dirs as encode_dirs    # importable from here for callers written before it
 
 
-@dataclass(frozen=True)
-class SessionRequest:
-    """One request line to a session: ``receive [noverify]`` (a bundle stream follows, up to its index frame),
-    ``receive-new [noverify]`` (the same, received only into a DEST the session listed empty: else only the
-    stream's prelude and skeleton follow, which are read and dropped), ``dirs N`` (N bytes of directory
-    metadata follow, see :func:`encode_dirs`) or ``clear``."""
-
-    op: str
-    verify: bool = True
-    size: int = 0
-
-    def encode(self) -> bytes:
-        receiving = [] if self.verify else ["noverify"]
-        words = {"receive": ["receive", *receiving], "receive-new": ["receive-new", *receiving],
-                 "dirs": ["dirs", str(self.size)], "clear": ["clear"]}[self.op]
-        return " ".join(words).encode() + b"\n"
-
-    @classmethod
-    def decode(cls, line: bytes, source: str) -> "SessionRequest":
-        """The request on ``line``; StreamError for anything else."""
-        op, *rest = line.decode(errors="replace").split()
-        if op in ("receive", "receive-new") and rest in ([], ["noverify"]):
-            return cls(op, verify=not rest)
-        if op == "dirs" and len(rest) == 1 and rest[0].isdigit():
-            return cls(op, size=int(rest[0]))
-        if op == "clear" and not rest:
-            return cls(op)
-        raise StreamError(f"unknown session request {line[:80]!r}", source, "run the same pallet version on both sides")
-
-
-def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False) -> int:
-    """Serve one push into ``dest`` over ``inp``/``out`` (session protocol v2, docs/bundle-format.md §8) and return
-    the number of requests served.
+def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False,
+                client: Hello | None = None) -> int:
+    """Serve one push into ``dest`` over ``inp``/``out`` (the session protocol, docs/wire.md) and return the
+    number of requests served.
 
     DEST is made if missing and locked (the flock `pallet push` takes;
     DestinationLocked at once if another operation holds it, or with
     ``wait`` once it is free) for as long as the session runs, so the lock
-    dies with it. Then ``HELLO`` is written, and with ``listing`` one block
-    ``listing N\\n`` + N bytes, one zstd frame of DEST's entries as
-    :data:`LISTING_ARGV` prints them, or of ``INCOMPLETE`` for a DEST marked
-    incomplete. Then
+    dies with it. Then the far side's hello is written: its versions and
+    capabilities, opening with the session version it speaks to ``client``
+    (the client's hello, None: it sent none). A client it has no common
+    version with is then refused (WireVersionError). With ``listing`` one
+    block follows, ``listing N\\n`` + N bytes, one zstd frame of DEST's
+    entries as :data:`mpi_stager.wire.LISTING_ARGV` prints them, or of
+    ``INCOMPLETE`` for a DEST marked incomplete. Then
     :class:`SessionRequest` lines are served until ``inp`` ends: ``receive``
     runs :func:`mpi_stager.receive.receive` on the stream that follows and
     answers its JSON summary; ``receive-new``, as the first request after
@@ -84,11 +46,10 @@ def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, lis
     source = f"session at {dest}"
     served = 0
     with _locked(dest, wait):
-        out.write(HELLO)
+        _hello(out, client, source)
         listed = _listing(dest) if listing else NOT_COMPARABLE
         if listing:
-            block = zstandard.ZstdCompressor(level=1).compress(listed)
-            out.write(b"%s %d\n" % (LISTING_TAG, len(block)) + block)
+            out.write(listing_block(listed))
         out.flush()
         for line in iter(inp.readline, b""):
             request = SessionRequest.decode(line, source)
@@ -96,6 +57,15 @@ def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, lis
             out.flush()
             served += 1
     return served
+
+
+def _hello(out: BinaryIO, client: Hello | None, source: str) -> None:
+    """Write the far side's hello to ``client``; WireVersionError (after it) when they share no version."""
+    hello, agreed = far_hello_for(client)
+    out.write(hello.far_line())
+    if not agreed.ok:
+        out.flush()
+        raise WireVersionError(agreed.problem(client_side=False), source, install_hint(None))
 
 
 def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO, empty: bool = False) -> bytes:
@@ -111,16 +81,6 @@ def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO, emp
     else:
         remove_state(dest)
     return OK
-
-
-def encode_dirs(entries: list[tuple[bytes, int, int]]) -> bytes:
-    """``dirs`` payload: per directory, its relative path, mode (octal) and mtime in ns, each NUL-terminated."""
-    return b"".join(b"%s\0%o\0%d\0" % (path, mode, mtime) for path, mode, mtime in entries)
-
-
-def decode_dirs(payload: bytes) -> list[tuple[bytes, int, int]]:
-    fields = payload.split(b"\0")
-    return [(fields[i], int(fields[i + 1], 8), int(fields[i + 2])) for i in range(0, len(fields) - 2, 3)]
 
 
 def set_directories(dest: str, entries: list[tuple[bytes, int, int]]) -> None:
@@ -149,7 +109,7 @@ def drop_offer(inp: BinaryIO, source: str) -> None:
     frame = reader.next()
     if frame is None or frame.kind != FrameKind.SKELETON:
         raise StreamError("a receive-new request is not followed by a stream's skeleton", source,
-                          "run the same pallet version on both sides")
+                          install_hint(None))
 
 
 def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:

@@ -1,6 +1,7 @@
-"""What the far side of an ssh destination offers (pallet, python3, tar, codecs, launchers, space), probed once per host."""
+"""What the far side of an ssh destination offers (pallet, python3, tar, codecs, launchers, space), probed per host."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -10,8 +11,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bundles.errors import PalletError
-from bundles.stream import STREAM_VERSION
+from mpi_stager.wire import STREAM_VERSION, WireVersionError
 
 from staging_core.options import StagingOptions
 from staging_core.transports.base import Endpoint, Transport
@@ -21,13 +21,18 @@ DEFAULT_REMOTE_PYTHON = "python3"
 RECORDED_PYTHON = "~/.config/pallet/python"     # where `pallet remote install` records its Python
 _TOOLS = ("zstd", "pigz", "gzip", "md5sum", "flock", "rsync", "mpirun", "srun", "sbatch")
 
-# $1 DEST, then candidate Pythons (shell words; "@recorded" and "@shebang" are looked up there).
-# Prints key=value lines; "pallet=CANDIDATE<TAB>EXECUTABLE<TAB>VERSION<TAB>STREAM" for the first that imports pallet.
+# $1 DEST, then candidate Pythons (shell words; "@recorded" and "@shebang" are looked up there). Prints key=value
+# lines; "pallet=CANDIDATE<TAB>EXECUTABLE<TAB>VERSION<TAB>STREAM<TAB>SESSION" for the first that imports pallet
+# (SESSION 0: a pallet before mpi_stager.wire, whose session hello says its version).
 _SCRIPT = r"""
 dest=$1; shift
 say() { printf '%s=%s\n' "$1" "$2"; }
 code='import sys, mpi_stager, bundles.stream as s; from importlib.metadata import version as v
-print(sys.executable, v("pallet"), s.STREAM_VERSION, sep="\t")'
+try:
+    from mpi_stager.wire import SESSION_VERSION as w
+except ImportError:
+    w = 0
+print(sys.executable, v("pallet"), s.STREAM_VERSION, w, sep="\t")'
 for candidate in "$@"; do
   case $candidate in            # a path found there runs as one word; a command given to pallet as shell words
     @recorded) candidate=$(cat "$HOME/.config/pallet/python" 2>/dev/null); run='"$candidate"' ;;
@@ -54,8 +59,9 @@ class FarSide:
     """The probe's findings for one host and destination.
 
     ``pallet_python`` is the command that runs a Python importing pallet
-    there (None: pallet is absent), with its ``pallet_version`` and
-    ``stream_version``; ``tools`` maps each of zstd, pigz, gzip, md5sum,
+    there (None: pallet is absent), with its ``pallet_version``,
+    ``stream_version`` and ``session_version`` (0: a pallet from before
+    mpi_stager.wire, or not said; its session's hello says more); ``tools`` maps each of zstd, pigz, gzip, md5sum,
     flock, rsync, mpirun, srun, sbatch to its path ('' when missing);
     ``free_bytes``/``free_inodes`` are those of DEST's file system (None:
     unknown); ``probed_at`` is a Unix time.
@@ -66,6 +72,7 @@ class FarSide:
     pallet_python: str | None = None
     pallet_version: str = ""
     stream_version: int = 0
+    session_version: int = 0
     python3: str = ""
     tar: str = ""
     find_printf: bool = False
@@ -98,7 +105,8 @@ class FarSide:
 
     def summary(self) -> list[str]:
         """Lines for `pallet plan`: what was found and which routes it allows."""
-        pallet = (f"pallet {self.pallet_version} (stream v{self.stream_version}) via {self.pallet_python}"
+        session = f", session v{self.session_version}" if self.session_version else ""
+        pallet = (f"pallet {self.pallet_version} (stream v{self.stream_version}{session}) via {self.pallet_python}"
                   if self.pallet_python else "no pallet")
         tools = ", ".join(name for name in _TOOLS if self.tools.get(name)) or "none"
         space = "unknown" if self.free_bytes is None else f"{self.free_bytes / 2**30:.1f} GiB"
@@ -115,8 +123,9 @@ class FarSide:
         return {**asdict(self), "routes": self.routes()}
 
 
-class RemoteVersionError(PalletError):
-    """pallet at the far side speaks another stream protocol than this one."""
+class RemoteVersionError(WireVersionError):
+    """pallet at the far side speaks another stream protocol than this one (found by the probe, before any
+    session's hello)."""
 
 
 def far_side_options(transport: Transport, endpoint: Endpoint, options: StagingOptions,
@@ -143,7 +152,7 @@ def far_side_options(transport: Transport, endpoint: Endpoint, options: StagingO
             f"v{far.stream_version}; this pallet {version('pallet')} speaks v{STREAM_VERSION}", endpoint.url(),
             f"run `pallet remote install {endpoint.host}` to install this version there, or pass "
             "--remote-python naming a matching one")
-    if far.pallet_usable:
+    if far.pallet_usable and far.pallet_python is not None:
         options = replace(options, remote_python=far.pallet_python)
     return options, far
 
@@ -177,17 +186,18 @@ def probe_far_side(transport: Transport, endpoint: Endpoint, remote_python: str 
 def parse_probe(endpoint: Endpoint, text: str, now: float) -> FarSide:
     """The FarSide that the probe script's ``key=value`` lines describe."""
     values = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    tools = {name: values.get(name, "") for name in _TOOLS}
+    found = FarSide(endpoint.host or "", endpoint.path, python3=values.get("python3", ""), tar=values.get("tar", ""),
+                    find_printf=values.get("find_printf") == "ok", tools=tools,
+                    free_bytes=_int(values.get("free_kib"), 1024), free_inodes=_int(values.get("free_inodes"), 1),
+                    probed_at=now)
     pallet = values.get("pallet", "").split("\t")
-    found = dict(host=endpoint.host, dest=endpoint.path, python3=values.get("python3", ""),
-                 tar=values.get("tar", ""), find_printf=values.get("find_printf") == "ok",
-                 tools={name: values.get(name, "") for name in _TOOLS},
-                 free_bytes=_int(values.get("free_kib"), 1024), free_inodes=_int(values.get("free_inodes"), 1),
-                 probed_at=now)
-    if len(pallet) == 4:
-        command = pallet[0]         # shell words as given, or a path found there (quoted)
-        found.update(pallet_python=shlex.quote(command) if command.startswith("/") else command,
-                     pallet_version=pallet[2], stream_version=_int(pallet[3], 1) or 0)
-    return FarSide(**found)
+    if len(pallet) not in (4, 5):       # CANDIDATE, EXECUTABLE, VERSION, STREAM[, SESSION: a pallet with wire]
+        return found
+    command = pallet[0]                 # shell words as given, or a path found there (quoted)
+    return replace(found, pallet_python=shlex.quote(command) if command.startswith("/") else command,
+                   pallet_version=pallet[2], stream_version=_int(pallet[3], 1) or 0,
+                   session_version=_int(pallet[4] if len(pallet) == 5 else None, 1) or 0)
 
 
 def _int(text: str | None, scale: int) -> int | None:
@@ -198,10 +208,8 @@ def forget_probes(host: str) -> None:
     """Drop every cached finding about ``host`` (after something changed there, e.g. `pallet remote install`)."""
     directory = _cache_dir()
     for path in glob.glob(os.path.join(glob.escape(directory), f"{glob.escape(host)}-*.json")):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _cache_dir() -> str:

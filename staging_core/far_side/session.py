@@ -3,36 +3,38 @@ from __future__ import annotations
 
 import shlex
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
-from bundles.errors import DestinationLocked, PalletError, StreamError
-from bundles.index import decode_zstd_bounded
-from bundles.stream import decode_resume_reply
+from bundles.errors import PalletError, StreamError
 from mpi_stager.send import BegunStream, StreamSource, begin_stream
-from mpi_stager.session import (DECLINED, HELLO, HELLO_PREFIX, LISTING_TAG, NOT_COMPARABLE, OK, SessionRequest,
-                                encode_dirs)
-from mpi_stager.summaries import ReceiveSummary, decode
+from mpi_stager.wire import (DECLINED, LOCKED, MAX_LISTING_HEADER, NOT_COMPARABLE, OK, USAGE_ERROR, Agreement,
+                             FarEntry, Hello, ReceiveSummary, SessionRequest, WireVersionError, agree, client_hello,
+                             decode_listing, decode_resume_reply, decode_summary, encode_dirs, hello_env, install_hint,
+                             listing_size, parse_records)
 
 from staging_core.operations.locking import DestinationLock, locked_error
 from staging_core.options import StagingOptions
-from staging_core.routes.tar_tools import FarEntry, parse_records
 from staging_core.far_side.streaming import FarStager
 from staging_core.transports.base import Endpoint, Transport
 
-_USAGE_ERROR = 2
-_MAX_LISTING_HEADER = 64
 _OFFER_GRACE_S = 5
 
 
 class SessionUnavailable(PalletError):
-    """The far side's pallet has no `mpi_stager session` (an older version): the caller locks and lists with
-    separate commands instead."""
+    """The far side's pallet is older than this one's session protocol (its hello says so, or it has no
+    `mpi_stager session` at all: status 2 and no hello), or lacks a capability the push wants: the caller
+    locks, lists and receives with separate commands instead, which that pallet has."""
 
 
 class FarSession:
     """``remote_python -m mpi_stager session DEST`` over ``transport`` (ssh): DEST's lock, its listing, bundle
-    streams, directory times and the final clean-up, all on one channel (docs/bundle-format.md §8).
+    streams, directory times and the final clean-up, all on one channel (docs/wire.md, "The session").
+
+    The client's hello (its versions and the capabilities it wants) rides
+    in the command's environment, the far side's is its first line; what
+    they agree on is checked before anything else is read, and
+    :attr:`hello` keeps the far side's.
 
     Entering it makes DEST and locks it (DestinationLocked at once if another
     operation holds it, or with ``wait`` once free); with ``listing`` the
@@ -43,9 +45,11 @@ class FarSession:
     :meth:`clear`) are queued and sent with the session's end in one write,
     so that they cost one round trip between them, not one each; their
     errors are raised by :meth:`close`, and a session closed as failed
-    drops them unsent. SessionUnavailable when the far side's pallet predates
-    sessions (or speaks another session version); FarStagerError or
-    TransportError for other failures. ``supported`` is always True: it
+    drops them unsent. SessionUnavailable when the far side's pallet is older
+    (see there); WireVersionError, naming both sides' versions and the fix,
+    when it is newer and no longer speaks this session version, or shares
+    no bundle stream or summary version; FarStagerError or TransportError
+    for other failures. ``supported`` is always True: it
     stands in for a DestinationLock.
 
     ``offer`` gives the stream a push would send into an empty DEST (None:
@@ -65,6 +69,7 @@ class FarSession:
         self._listing: bytes | None = None
         self._begun: BegunStream | None = None
         self.declined_bytes = 0
+        self.hello: Hello | None = None
         self._far = self._start(listing, offer)
         self.offer_taken = self._begun is not None
         self._broken = False
@@ -78,7 +83,7 @@ class FarSession:
             return None
         return parse_records(self._listing)
 
-    def receiver(self, verify: bool) -> "SessionStream":
+    def receiver(self, verify: bool) -> SessionStream:
         """Ask the session to receive a bundle stream; the returned stager's stdin takes it
         (:func:`staging_core.far_side.streaming.stream_push`), and its summary is the session's answer."""
         if self._broken:
@@ -111,13 +116,13 @@ class FarSession:
             self._send_all(queued)
             self._far.close_input()
             for _ in queued:
-                if self._far.process.stdout.readline() != OK:
+                if self._far.stdout.readline() != OK:
                     raise self._far.failure()
         self._far.close()
         if not failed and self._far.process.returncode != 0:
             raise self._far.failure()
 
-    def __enter__(self) -> "FarSession":
+    def __enter__(self) -> FarSession:
         return self
 
     def __exit__(self, kind, *exc) -> None:
@@ -126,17 +131,21 @@ class FarSession:
         self.close(failed=kind is not None or self._broken)
 
     def _start(self, listing: bool, offer: Callable[[], StreamSource | None] | None = None) -> FarStager:
-        far = FarStager(self.transport, session_argv(self.options, self.endpoint.path, self.wait, listing),
+        mine = client_hello(wanted_caps(listing, self.wait, offer is not None))
+        far = FarStager(self.transport, session_argv(self.options, self.endpoint.path, self.wait, listing, mine),
                         self.endpoint.url())
         offering = None
         try:
             source = offer() if offer is not None else None
             offering = _Offer(far, source, self.options.verify) if source is not None else None
-            hello = far.process.stdout.readline()
-            if hello != HELLO:
-                if offering is not None:        # a far side of another version reads no offer: end it now
-                    offering.stop(kill=hello.startswith(HELLO_PREFIX))
-                raise self._refused(far, hello)
+            line = far.stdout.readline()
+            answered = Hello.parse_far(line)
+            agreed = agree(mine, answered) if answered is not None else None
+            if agreed is None or not agreed.ok:
+                if offering is not None:        # a far side that goes no further may read no offer: end it
+                    offering.stop(kill=agreed is not None and not agreed.far_older)
+                raise self._refused(far, line, agreed)
+            self.hello = answered
             if listing:
                 self._listing = _read_listing(far)
             if offering is not None:
@@ -151,18 +160,26 @@ class FarSession:
             raise
         return far
 
-    def _refused(self, far: FarStager, hello: bytes) -> PalletError:
-        if hello.startswith(HELLO_PREFIX):      # another version: it would wait for requests it cannot serve
+    def _refused(self, far: FarStager, line: bytes, agreed: Agreement | None) -> PalletError:
+        """The error of a far side that answered ``line`` and is not to be spoken with: a hello of versions this
+        pallet does not share (``agreed``), something else, or nothing (then its exit status says why)."""
+        url = self.endpoint.url()
+        if agreed is not None and agreed.far_older:     # it ends as its input does, releasing DEST's lock for
+            far.close(_OFFER_GRACE_S)                   # the separate commands that replace it
+            return SessionUnavailable(agreed.problem(client_side=True), url)
+        if line:                    # it would wait for requests it cannot serve: end it at once
             far.abandon()
             far.close()
-            return SessionUnavailable(f"the far side's pallet speaks {hello.strip().decode(errors='replace')}, not "
-                                      f"{HELLO.strip().decode()}", self.endpoint.url())
+            if agreed is not None:
+                return WireVersionError(agreed.problem(client_side=True), url, install_hint(url))
+            return StreamError(f"the far side answered {line[:60]!r} instead of a session hello", url,
+                               install_hint(url))
         far.close()
         status = far.process.returncode
-        if status == DestinationLocked.exit_code:
+        if status == LOCKED:
             return locked_error(self.endpoint)
-        if status == _USAGE_ERROR and "invalid choice: 'session'" in far.stderr_text():
-            return SessionUnavailable("the far side's pallet has no sessions", self.endpoint.url())
+        if status == USAGE_ERROR:           # no hello and a usage error: a pallet before sessions
+            return SessionUnavailable("the far side's pallet has no session command", url)
         return far.failure()
 
     def _send(self, request: SessionRequest, payload: bytes = b"") -> None:
@@ -170,8 +187,8 @@ class FarSession:
 
     def _send_all(self, requests: list[bytes]) -> None:
         try:
-            self._far.process.stdin.write(b"".join(requests))
-            self._far.process.stdin.flush()
+            self._far.stdin.write(b"".join(requests))
+            self._far.stdin.flush()
         except (BrokenPipeError, ConnectionResetError):
             raise self._far.failure() from None
 
@@ -194,8 +211,8 @@ class _Offer:
 
     def _write(self) -> None:
         try:
-            self.far.process.stdin.write(SessionRequest("receive-new", self.verify).encode())
-            self.begun = begin_stream(self.source, self.far.process.stdin)
+            self.far.stdin.write(SessionRequest("receive-new", self.verify).encode())
+            self.begun = begin_stream(self.source, self.far.stdin)
         except (OSError, ValueError):       # the far side went away: reading its answers says why
             self.begun = None
 
@@ -218,7 +235,7 @@ class _Offer:
             raise self.far.failure()
         if taken:
             return self.begun, 0
-        if self.far.process.stdout.readline() != DECLINED:
+        if self.far.stdout.readline() != DECLINED:
             raise self.far.failure()
         return None, self.begun.wire.bytes_written
 
@@ -237,7 +254,7 @@ class SessionStream:
 
     def __init__(self, session: FarSession, holds_no_shards: bool = False, begun: BegunStream | None = None):
         self.session, self.far = session, session._far
-        self.process = self.far.process
+        self.process, self.stdin, self.stdout = self.far.process, self.far.stdin, self.far.stdout
         self.holds_no_shards, self.begun = holds_no_shards, begun
         self._answer: threading.Thread | None = None
         self._answer_line = b""
@@ -254,23 +271,23 @@ class SessionStream:
     def _read_answer(self) -> None:
         """On the answer's thread: read its line, nothing else (the pipes and errors are the caller's)."""
         try:
-            self._answer_line = self.process.stdout.readline()
+            self._answer_line = self.stdout.readline()
         except (OSError, ValueError):        # the caller closed the pipe after a failure it reports
             self._answer_line = b""
 
     def summary(self) -> ReceiveSummary:
         """The receiver's summary line; the session is then ready for its next request. No line: the far side's
         error; a line that is no receive summary: SummaryError (the session then ends)."""
-        self.process.stdin.flush()
+        self.stdin.flush()
         if self._answer is not None:
             self._answer.join()
             if not self._answer_line:
                 raise self.failure()
             decode_resume_reply(self._answer_line, self._stream_id, self.far.url)
-        line = self.process.stdout.readline()
+        line = self.stdout.readline()
         if not line.strip():
             raise self.failure()
-        summary = decode(line, "receive", self.far.url)
+        summary = decode_summary(line, "receive", self.far.url)
         self.session._broken = False
         return summary
 
@@ -285,22 +302,31 @@ class SessionStream:
         """Nothing to do: the session outlives its streams (a failed one ends when the session is closed)."""
 
 
-def session_argv(options: StagingOptions, dest: str, wait: bool, listing: bool) -> list[str]:
-    """The far-side command: ``remote_python -m mpi_stager session [--wait] [--list] DEST``."""
+def session_argv(options: StagingOptions, dest: str, wait: bool, listing: bool, hello: Hello | None = None
+                 ) -> list[str]:
+    """The far-side command: ``env PALLET_HELLO=HELLO remote_python -m mpi_stager session [--wait] [--list] DEST``,
+    ``hello`` the client's (None: the one for these flags, offering no stream)."""
     flags = (["--wait"] if wait else []) + (["--list"] if listing else [])
-    return [*shlex.split(options.remote_python), "-m", "mpi_stager", "session", *flags, dest]
+    hello = hello or client_hello(wanted_caps(listing, wait, False))
+    return [*hello_env(hello), *shlex.split(options.remote_python), "-m", "mpi_stager", "session", *flags, dest]
+
+
+def wanted_caps(listing: bool, wait: bool, offering: bool) -> set[str]:
+    """The session capabilities a push asks for: receive, dirs and clear, and as it lists, waits or offers."""
+    optional = {"listing": listing, "wait": wait, "receive-new": offering}
+    return {"receive", "dirs", "clear", *(cap for cap, wanted in optional.items() if wanted)}
 
 
 def _read_listing(far: FarStager) -> bytes:
-    header = far.process.stdout.readline(_MAX_LISTING_HEADER)
-    tag, _, size = header.strip().partition(b" ")
-    if tag != LISTING_TAG or not size.isdigit():
+    header = far.stdout.readline(MAX_LISTING_HEADER)
+    size = listing_size(header)
+    if size is None:
         raise far.failure() if not header else StreamError(f"unexpected session reply {header[:40]!r}", far.url,
-                                                            "run the same pallet version on both sides")
-    block = _read_declared(far.process.stdout, int(size))
-    if len(block) != int(size):
+                                                            install_hint(far.url))
+    block = _read_declared(far.stdout, size)
+    if len(block) != size:
         raise far.failure()
-    return decode_zstd_bounded(block, far.url, "the session's listing", StreamError, "rerun the push")
+    return decode_listing(block, far.url)
 
 
 def _read_declared(stream, size: int, chunk: int = 1 << 20) -> bytes:

@@ -1,22 +1,23 @@
 """Streamed bundles over ssh: a push feeds the far side's `mpi_stager receive`, a pull reads its `mpi_stager send`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import BinaryIO, cast
 
 from bundles.errors import PalletError, StreamError
 from bundles.progress import Progress
-from bundles.stream import decode_resume_reply
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.receive import read_skeleton, receive
 from mpi_stager.send import prepare_source, selection_block, send_stream
-from mpi_stager.summaries import RECEIVER_GONE, SOURCE_MISSING, ReceiveSummary, decode
+from mpi_stager.wire import RECEIVER_GONE, SOURCE_MISSING, ReceiveSummary, decode_resume_reply, decode_summary
 
 from staging_core.options import StagingOptions
 from staging_core.transports.base import Endpoint, Transport
@@ -70,7 +71,7 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     source = begun.source if begun is not None else prepare_source(src, codec, options.jobs, options.shard_size, tree)
     scanned = time.monotonic()
     try:
-        report = send_stream(source, far.process.stdin, far.handshake, progress, begun)
+        report = send_stream(source, far.stdin, far.handshake, progress, begun)
         sent = time.monotonic()
         summary = far.summary()
     except (BrokenPipeError, ConnectionResetError):
@@ -119,21 +120,21 @@ class PullStream:
                              endpoint.url())
         try:
             if selection is not None:
-                self.far.process.stdin.write(selection_block(selection))
-                self.far.process.stdin.flush()
-            self.opened = read_skeleton(self.far.process.stdout, f"stream from {endpoint.url()}")
+                self.far.stdin.write(selection_block(selection))
+                self.far.stdin.flush()
+            self.opened = read_skeleton(self.far.stdout, f"stream from {endpoint.url()}")
         except BaseException as exc:
             self._fail(exc)
 
     def file_sizes(self) -> list[int]:
         """The sizes of the regular files the stream carries, from its skeleton."""
         index = self.opened[1].index
-        return [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
+        return [size for kind, size in zip(index.kinds, index.sizes, strict=True) if kind == Kind.FILE]
 
     def receive_into(self, dest: str, progress: Progress) -> StreamOutcome:
         """Receive the stream into ``dest`` (see the class) and return what was done."""
         try:
-            summary = receive(self.far.process.stdout, self.far.process.stdin, dest, self.verify, lock_held=True,
+            summary = receive(self.far.stdout, self.far.stdin, dest, self.verify, lock_held=True,
                               progress=progress, opened=self.opened)
         except BaseException as exc:
             self._fail(exc)
@@ -147,7 +148,7 @@ class PullStream:
         """Stop the sender if the stream was not received (it sees its receiver go away)."""
         self.far.close(_GRACE_SECONDS)
 
-    def __enter__(self) -> "PullStream":
+    def __enter__(self) -> PullStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -203,16 +204,18 @@ class FarStager:
         self.argv, self.url = argv, url
         self.command = argv[argv.index("mpi_stager") + 1]
         self.process: subprocess.Popen = transport.stream_into(argv)
+        self.stdin = cast(BinaryIO, self.process.stdin)         # pipes: stream_into makes all three
+        self.stdout = cast(BinaryIO, self.process.stdout)
         self._stderr: list[bytes] = []
         self._interrupted = False
-        self._drain = threading.Thread(target=lambda: self._stderr.append(self.process.stderr.read()),
+        self._drain = threading.Thread(target=lambda: self._stderr.append(cast(BinaryIO, self.process.stderr).read()),
                                        name="pallet-far-stderr", daemon=True)
         self._drain.start()
 
     def handshake(self, stream_id: str) -> dict[int, bytes]:
         """Read the receiver's first line: the shards (number -> hash) it already holds for ``stream_id``."""
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
+        self.stdin.flush()
+        line = self.stdout.readline()
         if not line:
             raise self.failure()
         return decode_resume_reply(line, stream_id, self.url)
@@ -220,11 +223,11 @@ class FarStager:
     def summary(self) -> ReceiveSummary:
         """Close the stream, wait for the receiver and return its summary (its last stdout line; SummaryError
         when that is none)."""
-        self.process.stdin.close()
-        output = self.process.stdout.read()
+        self.stdin.close()
+        output = self.stdout.read()
         if self.process.wait() != 0:
             raise self.failure()
-        return decode(output, "receive", self.url)
+        return decode_summary(output, "receive", self.url)
 
     def failure(self) -> PalletError:
         """The error the far side (or ssh) reported, once it has exited."""
@@ -267,7 +270,7 @@ class FarStager:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.abandon()
-        self.process.stdout.close()
+        self.stdout.close()
         self._drain.join(0 if self._interrupted else _GRACE_SECONDS)   # a lingering far side holds its stderr
 
     def abandon(self) -> None:
@@ -276,7 +279,7 @@ class FarStager:
         side ends at its next write.) Our input is left to :meth:`close`: a thread may be writing it."""
         self.process.kill()
         self.process.wait()
-        self.process.stdout.close()
+        self.stdout.close()
 
     def interrupt(self) -> None:
         """On an interrupt (SIGINT, SIGTERM): end our input (unless ``writer`` still writes it) and :meth:`abandon`
@@ -294,10 +297,8 @@ class FarStager:
         ``writer`` (a thread writing our input) still runs: closing would wait for its write."""
         if self.writer is not None and self.writer.is_alive():
             return
-        try:
-            self.process.stdin.close()
-        except (BrokenPipeError, ConnectionResetError, ValueError):
-            pass
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ValueError):
+            self.stdin.close()
 
 
 def _without_hints(message: str) -> str:
