@@ -5,17 +5,17 @@ import errno
 import fcntl
 import os
 import shutil
-from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 from .errors import DestinationError, DestinationLocked
-from .extract import destination_error
+from .extract_common import destination_error
+from .journal import JOURNAL_KINDS as JOURNAL_KINDS, untrusted_journals
 from .reserved import STATE_DIR, TRANSFER_DIR, WRITING_DIR
 from .state_fd import read_text, remove_entry, state_dir_fd, write_new
 
 INCOMPLETE = "INCOMPLETE"       # file in STATE_DIR: says what is unfinished and that a rerun finishes it
 _NEW_MARKER = INCOMPLETE + ".new"
-JOURNAL_KINDS = ("journal-", "stream-")     # journals in STATE_DIR: a bundle's unpack, a stream's receive
 
 
 def state_path(dest: str, *parts: str) -> str:
@@ -65,8 +65,9 @@ def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
     """Create DEST/.pallet (if needed) and write ``text`` to DEST/.pallet/INCOMPLETE; return the marker's path.
 
     First the journals this writer cannot trust are removed (see
-    :func:`untrusted_journals`; ``journal``: the name in DEST/.pallet of the
-    writer's own journal, None when it keeps none there). The marker is
+    :func:`bundles.journal.untrusted_journals`; ``journal``: the name in
+    DEST/.pallet of the writer's own journal, None when it keeps none there:
+    then every journal goes, as its files would make them lie). The marker is
     created anew under another name and renamed over the old one, relative to
     the state directory's descriptor (a file or link already there is
     replaced, never written through), so DEST is never unmarked meanwhile
@@ -75,7 +76,7 @@ def mark_incomplete(dest: str, text: str, journal: str | None = None) -> str:
     marker = state_path(dest, INCOMPLETE)
     with state_dir_fd(dest) as state:
         try:
-            for name in untrusted_journals(state, journal):
+            for name in untrusted_journals(os.listdir(state), journal, _marked(state)):
                 remove_entry(state, name)
             try:
                 write_new(state, _NEW_MARKER, text if text.endswith("\n") else text + "\n")
@@ -94,37 +95,18 @@ def marker_text(dest: str) -> str:
         return read_text(state, INCOMPLETE, state_path(dest, INCOMPLETE))
 
 
-def drop_journals(dest: str) -> None:
-    """Remove every journal in DEST/.pallet, if there is one: a writer that keeps none is about to write files
-    there (see :func:`untrusted_journals`). The marker and other state are left alone."""
-    if not os.path.lexists(state_path(dest)):
-        return
-    with state_dir_fd(dest, create=False) as state:
-        for name in untrusted_journals(state, None):
-            remove_entry(state, name)
-
-
-def _rename_if_there(state: int, name: str, new_name: str) -> None:
-    try:
-        os.replace(name, new_name, src_dir_fd=state, dst_dir_fd=state)
-    except FileNotFoundError:
-        pass
-
-
-def untrusted_journals(state: int, journal: str | None) -> list[str]:
-    """The journals (``journal-ID``, ``stream-ID``) in the state directory ``state`` that a writer about to
-    write into DEST must not trust. A journal vouches for the files it lists only until another operation
-    writes into DEST. With no INCOMPLETE marker, one has finished since: all are stale. A writer that keeps
-    no journal there, or journals of two kinds, mean that some writer's files may differ from what another's
-    journal says: all go. Otherwise the writer's kind stay: its own, to resume, and an interrupted run's,
-    which it may adopt (mpi_stager.journal)."""
-    names = sorted(n for n in os.listdir(state) if n.startswith(JOURNAL_KINDS))
-    kind = journal.split("-", 1)[0] + "-" if journal else None
+def _marked(state: int) -> bool:
+    """Whether the state directory ``state`` holds the INCOMPLETE marker (of any kind: it is not read)."""
     try:
         os.stat(INCOMPLETE, dir_fd=state, follow_symlinks=False)
     except FileNotFoundError:
-        return names
-    return [] if kind and all(n.startswith(kind) for n in names) else names
+        return False
+    return True
+
+
+def _rename_if_there(state: int, name: str, new_name: str) -> None:
+    with suppress(FileNotFoundError):
+        os.replace(name, new_name, src_dir_fd=state, dst_dir_fd=state)
 
 
 def finish(dest: str, *owned: str) -> None:

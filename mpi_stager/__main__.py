@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from bundles.errors import PalletError, UsageError
 
-from .summaries import RECEIVER_GONE, encode
+from .wire import RECEIVER_GONE
+from .wire import encode_summary as encode
 
 _EPILOG = """\
 run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
@@ -16,8 +18,10 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
             python -m mpi_stager send SRC | ...      (a bundle stream on stdout, as pallet pull reads it)
             python -m mpi_stager session --list DEST  (lock, listing, stream, clean-up: how pallet push uses ssh)
+            python -m mpi_stager hello               (the far side's versions and capabilities, docs/wire.md)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
-extracts only the shards the journal does not list as done. A success removes DEST/.pallet.
+(of this command, `pallet unpack` or `pallet pull`: one driver, one journal) extracts only the shards
+the journal does not list as done. A success removes DEST/.pallet.
 exit status: 0 success, 1 failure (one summary from rank 0), 2 usage error, 4 DEST is locked by another
 pallet operation, 3 (send) SRC does not exist, 5 (send) the receiver went away."""
 
@@ -30,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpi_stager", epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Parallel, resumable unpack of pallet bundles across MPI ranks.")
+    parser.add_argument("--version", action=_VersionAction, help="print the versions of pallet and its protocols")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     unpack = commands.add_parser("unpack", help="unpack BUNDLE into DEST with all ranks",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
@@ -45,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     unpack.add_argument("--comm", choices=("auto", "mpi", "serial"), default="auto",
                         help="communicator: mpi when started by mpirun/srun (auto), or serial")
     unpack.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="at most N worker processes when running as a single rank (default 1; 0: one per CPU; "
-                             "a bundle too small to repay their start is unpacked inline)")
+                        help="at most N worker processes (threads with the native engine) when running as a single "
+                             "rank (default 1; 0: one per CPU; a bundle too small to repay their start is unpacked "
+                             "inline)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     receive = commands.add_parser("receive", help="unpack a bundle stream read from stdin into DEST as it arrives",
                                   description="Read a bundle stream (docs/bundle-format.md, 'Bundle stream v1') "
@@ -74,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "or NUL-separated; '-' reads from stdin, before the reply, a line with the list's "
                            "length in bytes and then the NUL-separated list")
     session = commands.add_parser("session", help="lock DEST, list it, then serve a push's requests",
-                                  description="Serve one `pallet push` over one ssh channel (docs/bundle-format.md, "
-                                              "'Far-side session v2'): lock DEST, write a hello line and (--list) "
+                                  description="Serve one `pallet push` over one ssh channel (docs/wire.md, "
+                                              "'The session'): lock DEST, write a hello line (the versions and "
+                                              "capabilities it answers the client's hello in $PALLET_HELLO with) "
+                                              "and (--list) "
                                               "DEST's listing, then serve requests read on stdin until it ends: "
                                               "`receive` (a bundle stream follows, as for `receive`), `receive-new` "
                                               "(the same into a DEST it listed empty; else the stream's skeleton "
@@ -86,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--list", action="store_true", help="send DEST's listing after the hello line")
     session.add_argument("--wait", action="store_true",
                          help="wait for another operation's lock on DEST instead of exiting with status 4")
+    commands.add_parser("hello", help="print the hello line a session answers with: versions and capabilities",
+                        description="Print the line a session opens with (docs/wire.md, 'The hello'): the session "
+                                    "version it speaks, the session, summary and bundle stream versions it speaks, "
+                                    "and its capabilities; given the client's hello in $PALLET_HELLO, as answered "
+                                    "to that client. Exit status 1 when they share no version.")
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -109,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_send(args)
     if args.command == "session":
         return _run_session(args)
+    if args.command == "hello":
+        return _run_hello()
     from .comm import get_communicator
     try:
         comm = get_communicator(args.comm)
@@ -118,16 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = comm.rank == 0
     if args.command == "pack":
         return _run_pack(comm, args)
-    from .unpack import StagerError, StagerOptions, unpack_parallel
+    from .unpack import StagerOptions, unpack_parallel
     try:
         summary = unpack_parallel(comm, args.bundle, args.dest,
                                   StagerOptions(args.verify, args.journal, max(1, args.workers or os.cpu_count() or 1),
                                                 args.keep_journal, args.locked_by_caller))
-    except StagerError as exc:
-        if rank0:
-            print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)
-        return 1
-    except PalletError as exc:
+    except PalletError as exc:      # the same on every rank: rank 0 says it
         if rank0:
             print(f"mpi_stager unpack: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -155,10 +166,37 @@ def _run_receive(args) -> int:
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: pallet's version and those of the protocols it speaks (docs/wire.md), looked up only when
+    asked for (a far-side session starts without reading package metadata)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        from . import wire
+        print(f"mpi_stager (pallet {version('pallet')}): session protocol v{wire.SESSION_VERSION}, summary "
+              f"v{wire.SUMMARY_VERSION}, bundle stream v{wire.STREAM_VERSION}, tar tools v{wire.TAR_TOOLS_VERSION}")
+        parser.exit()
+
+
+def _run_hello() -> int:
+    from .wire import client_hello_in, far_hello_for
+    hello, agreed = far_hello_for(client_hello_in(os.environ))
+    sys.stdout.buffer.write(hello.far_line())
+    if not agreed.ok:
+        print(f"mpi_stager hello: error: {agreed.problem(client_side=False)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run_session(args) -> int:
     from .session import run_session
+    from .wire import client_hello_in
     try:
-        run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list)
+        run_session(args.dest, sys.stdin.buffer, sys.stdout.buffer, args.wait, args.list, client_hello_in(os.environ))
     except PalletError as exc:
         print(f"mpi_stager session: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -171,10 +209,11 @@ def _run_send(args) -> int:
     from .send import read_selection_block, send
     try:
         inp = sys.stdin.buffer
+        include: frozenset[bytes] | None = None
         if args.files_from == "-":
             include = read_selection_block(inp, args.src)
-        else:
-            include = read_selection(args.files_from) if args.files_from else None
+        elif args.files_from:
+            include = read_selection(args.files_from)
         send(args.src, inp, sys.stdout.buffer, args.codec, args.shard_size, args.jobs, include)
     except PalletError as exc:
         print(f"mpi_stager send: error: {exc}", file=sys.stderr)
@@ -225,10 +264,8 @@ def end_process(status: int) -> None:
     their workers are joined and their files closed before they return.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(status)
 
 

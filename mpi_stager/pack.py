@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 from dataclasses import replace
 
 from bundles import container
@@ -131,7 +132,5 @@ def _finish_on_root(index, codec, placed: list, final_tmp: str, bundle: str) -> 
 
 
 def _remove(path: str) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -21,12 +21,13 @@ from bundles.progress import NoProgress, Progress
 from bundles.read_ahead import ReadAhead
 from bundles.shards import ShardPlan, entry_header, record_shard, reset_columns
 from bundles.stream import (DATA_CHUNK, Frame, FrameKind, FrameReader, ShardRecord, Skeleton, decode_shard_record,
-                            decode_skeleton, encode_resume_reply, frame_limit, shard_key)
+                            decode_skeleton, frame_limit, shard_key)
 from bundles.tarformat import Kind
+from bundles.journal import Journal, new_run_name
 from bundles.state import finish, holding_lock, mark_incomplete
 
-from .journal import Journal, new_run_name
 from .summaries import ReceiveSummary
+from .wire import encode_resume_reply
 
 _HINT = "rerun the transfer: shards finished here are not sent again"
 _READ_AHEAD = 2          # frames buffered while the previous shard is written
@@ -143,6 +144,8 @@ class _Receiver:
     by the receiving thread alone, in shard order.
     """
 
+    pool: ThreadPoolExecutor        # the extracting threads, set once they run (before the first shard)
+
     def __init__(self, skeleton: Skeleton, dest: str, verify: bool, journal: Journal, source: str,
                  progress: Progress, run: str):
         self.index, self.dest, self.verify, self.journal, self.source = skeleton.index, dest, verify, journal, source
@@ -152,7 +155,6 @@ class _Receiver:
         self.run = run
         self.offset = self.received = self.skipped = self.files = self.file_bytes = self.data_bytes = 0
         self.threads = max(1, min(default_jobs(), len(skeleton.plans)))
-        self.pool: ThreadPoolExecutor | None = None
         self.pending: deque[tuple[Shard, int, Future]] = deque()
         self.journal_lock = threading.Lock()
         reset_columns(self.index)
@@ -229,11 +231,11 @@ class _Receiver:
         self._journal(shard)
         self._count(shard.length, 1, self.index.sizes[i])
 
-    def _check_big(self, plan: ShardPlan, raw: "_DataReader", header_size: int, digest: bytes) -> Shard:
+    def _check_big(self, plan: ShardPlan, raw: _DataReader, header_size: int, digest: bytes) -> Shard:
         """The rest of a big shard's frames, its record and hashes checked (the file's ``digest`` too)."""
         where = f"shard {plan.number}"
-        raw.drain()
-        record = decode_shard_record(raw.end.payload, self.index, plan, False, self.source)
+        end = raw.drain()
+        record = decode_shard_record(end.payload, self.index, plan, False, self.source)
         if (record.length, record.built.offsets[0], record.built.data_offsets[0]) != (raw.length, 0, header_size):
             raise StreamError(f"{where}: its sizes disagree with its data", self.source, _HINT)
         shard = self._record(plan, record)
@@ -297,7 +299,8 @@ class _DataReader:
 
     def __init__(self, frames: ReadAhead, number: int, first: Frame, source: str):
         self.frames, self.number, self.source = frames, number, source
-        self.buffer, self.end = memoryview(first.payload), None
+        self.buffer = memoryview(first.payload)
+        self.end: Frame | None = None
         self.hasher, self.length = new_hasher(), len(first.payload)
         self.hasher.update(first.payload)
 
@@ -308,11 +311,12 @@ class _DataReader:
         data, self.buffer = bytes(self.buffer[:size]), self.buffer[size:]
         return data
 
-    def drain(self) -> None:
-        """Read the rest of the shard's bytes (padding, end of archive) up to its SHARD frame."""
+    def drain(self) -> Frame:
+        """Read the rest of the shard's bytes (padding, end of archive) up to its SHARD frame; that frame."""
         while self.end is None:
             self.buffer = memoryview(b"")
             self._next_frame()
+        return self.end
 
     def digest(self) -> bytes:
         return self.hasher.digest()

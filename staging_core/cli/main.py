@@ -107,13 +107,16 @@ def _add_unpack(commands) -> None:
                             description="Unpack BUNDLE into DEST with N workers, verifying every file. "
                                         "Plain .tar/.tar.gz/.tar.zst archives without an index are "
                                         "extracted sequentially under the same safety rules.",
-                            epilog="DEST holds .pallet/INCOMPLETE until the unpack has finished; then nothing\n"
-                                   "but the bundle's tree is left there.\n"
+                            epilog="DEST holds .pallet/INCOMPLETE, and the journal of the shards already written,\n"
+                                   "until the unpack has finished; then nothing but the bundle's tree is left there.\n"
+                                   "Run it again after a failure or a kill: it extracts only the shards not done\n"
+                                   "(the same journal as `pallet pull` and `python -m mpi_stager unpack` keep).\n"
                                    "examples:\n  pallet unpack data.tar.zst /scratch/me/data\n"
                                    "  pallet unpack --jobs 16 data.tar.zst /scratch/me/data")
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("dest", metavar="DEST", help="destination directory (created if missing)")
-    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N", help="worker processes (default: one per CPU, none for small work)")
+    p.add_argument("--jobs", "-j", type=jobs_arg, default=0, metavar="N",
+                   help="worker processes (default: one per CPU, none for small work)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
     p.add_argument("--no-index", dest="use_index", action="store_false",
@@ -188,9 +191,10 @@ def _run_unpack(args) -> int:
     result = unpack(args.bundle, args.dest, UnpackOptions(args.jobs, args.verify, use_index=args.use_index),
                     make_progress(args.progress))
     checked = "verified" if result.verified else ("not verified (no index)" if not result.indexed else "not verified")
+    resumed = f"; {result.shards_skipped} of {result.shards} shard(s) were done before" if result.shards_skipped else ""
     report(args.json, {**result.__dict__, "seconds": round(result.seconds, 3)},
             f"unpacked {result.entries} entries ({result.files} files, {human_bytes(result.file_bytes)}) "
-            f"into {result.dest} in {result.seconds:.2f} s, {checked}")
+            f"into {result.dest} in {result.seconds:.2f} s, {checked}{resumed}")
     return EXIT_OK
 
 
