@@ -102,7 +102,7 @@ class WorkerError(PalletError):
 
 class SummaryError(PalletError):
     """A far side's JSON summary cannot be read: none printed, damaged, incomplete, or of a newer version than
-    this pallet knows (mpi_stager.summaries)."""
+    this pallet knows (mpi_stager.wire)."""
 
 
 class SetupError(PalletError):

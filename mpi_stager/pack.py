@@ -16,7 +16,7 @@ from bundles.shards import (BuiltShard, ShardPlan, auto_shard_size, build_shard,
 from bundles.writer import PackOptions, check_destination, temp_name, write_error, write_sidecar
 
 from .comm import Communicator
-from .summaries import PackSummary
+from .wire import PackSummary
 
 _COPY_CHUNK = 64 << 20
 

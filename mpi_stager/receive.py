@@ -26,7 +26,7 @@ from bundles.tarformat import Kind
 from bundles.journal import Journal, new_run_name
 from bundles.state import finish, holding_lock, mark_incomplete
 
-from .summaries import ReceiveSummary
+from .wire import ReceiveSummary
 from .wire import encode_resume_reply
 
 _HINT = "rerun the transfer: shards finished here are not sent again"

@@ -15,8 +15,6 @@ from .receive import receive
 from .wire import encode_summary as encode
 from .wire import (DECLINED, LISTING_ARGV, NOT_COMPARABLE, OK, Hello, SessionRequest, WireVersionError, decode_dirs,
                    far_hello_for, install_hint, listing_block)
-from .wire import HELLO as HELLO                # the session's vocabulary is mpi_stager.wire's; these two stay
-from .wire import encode_dirs as encode_dirs    # importable from here for callers written before it
 
 
 def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False,

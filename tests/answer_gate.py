@@ -15,7 +15,7 @@ import sys
 import threading
 
 from bundles.stream import FrameKind, FrameReader
-from mpi_stager.session import DECLINED
+from mpi_stager.wire import DECLINED
 from stream_gate import Tee          # a sibling script: this one runs as a file too
 
 HOLD_S = 3.0

@@ -218,8 +218,7 @@ import io, sys, types
 from bundles.errors import PalletError
 from staging_core.far_side.session import _read_listing
 block = open(sys.argv[1], "rb").read()
-far = types.SimpleNamespace(url="ssh://far/dest", process=types.SimpleNamespace(
-    stdout=io.BytesIO(b"listing %d\\n" % len(block) + block)))
+far = types.SimpleNamespace(url="ssh://far/dest", stdout=io.BytesIO(b"listing %d\\n" % len(block) + block))
 try:
     print(len(_read_listing(far)), "bytes listed")
 except PalletError as exc:

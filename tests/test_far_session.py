@@ -1,6 +1,7 @@
 """A push's far side is one session over one ssh channel: lock, listing, stream and clean-up, with a fallback."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -17,8 +18,9 @@ from bundles.errors import DestinationLocked, StreamError
 from bundles.progress import NoProgress
 from bundles.stream import FrameKind, FrameWriter
 from mpi_stager.send import begin_stream, prepare_source, send_stream
-from mpi_stager.session import DECLINED, HELLO, OK, encode_dirs, run_session
-from mpi_stager.summaries import decode
+from mpi_stager.session import run_session
+from mpi_stager.wire import DECLINED, HELLO, OK, encode_dirs
+from mpi_stager.wire import decode_summary as decode
 from staging_core.far_side.session import FarSession
 from staging_core.options import StagingOptions
 from staging_core.routes.tar_tools import parse_records
@@ -194,10 +196,8 @@ def test_a_far_side_of_another_session_version_is_left_at_once_for_separate_comm
     finally:
         left = [int(pid) for pid in pids.read_text().split()] if pids.exists() else []
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
     commands = far_commands(calls())
     assert summary["route"] == "stream" and len(left) == 1
     assert any("flock" in c for c in commands) and any("mpi_stager receive" in c for c in commands), commands
@@ -238,10 +238,8 @@ def test_ctrl_c_while_a_big_offer_waits_for_a_stuck_far_side_ends_the_push(sshd,
     finally:
         pushing.kill()
         for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
     assert pushing.returncode == 130, err.decode()
     assert err.decode().strip() == "pallet push: interrupted", err.decode()
 

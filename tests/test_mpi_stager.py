@@ -12,8 +12,8 @@ import pytest
 
 from bundles import PackOptions, pack
 from bundles.index import Index
-from mpi_stager.journal import Journal
-from mpi_stager.schedule import assign_shards
+from bundles.journal import Journal
+from bundles.unpacking import assign_shards
 from tests.conftest import assert_same_tree, make_nasty_tree
 from tests.programs import program, python_module, user_env
 
@@ -77,7 +77,8 @@ def test_serial_fallback_without_mpi4py_gives_the_same_tree(tmp_path, bundles_by
     blocker = "import sys; sys.modules['mpi4py'] = None; import runpy; sys.argv[0] = 'mpi_stager'; " \
               "runpy.run_module('mpi_stager', run_name='__main__')"
     for workers, dest in ((1, tmp_path / "one"), (3, tmp_path / "pool")):
-        done = subprocess.run([program("python"), "-c", blocker, "unpack", "--workers", str(workers), bundle, str(dest)],
+        done = subprocess.run([program("python"), "-c", blocker, "unpack", "--workers", str(workers), bundle,
+                               str(dest)],
                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=user_env(),
                               cwd=tmp_path)
         assert done.returncode == 0, done.stderr

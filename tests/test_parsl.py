@@ -10,6 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import parsl
 import pytest
@@ -411,4 +412,4 @@ def test_rerun_after_a_killed_batch_sends_no_finished_shard_again(sshd, tmp_path
     done = second.result()
     assert done.transfers == 1 and done.bytes_sent == 0                        # rsync matched the bundle left
     assert done.skipped_shards == finished_before >= 1
-    assert (dest / "d009" / "f00999.txt").read_bytes() == open(paths[-1], "rb").read()
+    assert (dest / "d009" / "f00999.txt").read_bytes() == Path(paths[-1]).read_bytes()

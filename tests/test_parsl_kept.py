@@ -63,9 +63,9 @@ def test_a_kept_batch_is_one_bundle_and_each_app_reads_its_own_checked_copy(sshd
     staging = PalletStaging(options=ssh_options(sshd), window=1.0, keep_packed=True, scratch=str(scratch))
     executor = threads(tmp_path, staging) if kind == "threads" else htex(tmp_path, staging)
     results, batches = _run(tmp_path, staging, executor, paths, sshd)
-    for path, (copy, text, mode, mtime_ns) in zip(paths, results):
+    for path, (copy, text, mode, mtime_ns) in zip(paths, results, strict=True):
         source = os.lstat(path)
-        assert text == open(path).read() and (mode, mtime_ns) == (source.st_mode, source.st_mtime_ns), path
+        assert text == Path(path).read_text() and (mode, mtime_ns) == (source.st_mode, source.st_mtime_ns), path
         assert copy.startswith(str(scratch) + os.sep) and os.path.basename(copy) == os.path.basename(path)
     assert len({copy for copy, *_ in results}) == FILES                  # each app had a copy of its own
     assert os.listdir(scratch) == []                                     # every copy removed after its app
@@ -166,7 +166,7 @@ def test_copy_out_copies_a_file_a_link_and_a_directory_as_stored(tmp_path):
                (stat.S_IFMT(theirs.st_mode), theirs.st_mode, theirs.st_mtime_ns), name
     assert os.readlink(out / "d1" / "link") == "f00001"
     copy_out(bundle, "d2/f00002", str(out / "f"))
-    assert (out / "f").read_bytes() == open(os.path.join(src, "d2", "f00002"), "rb").read()
+    assert (out / "f").read_bytes() == Path(src, "d2", "f00002").read_bytes()
     assert stat.S_IMODE(os.lstat(out / "f").st_mode) == 0o751
 
 

@@ -190,7 +190,8 @@ def test_an_unreachable_host_is_named(tmp_path):
 
 # ---------------------------------------------------------------- real snakemake runs
 
-def snakemake(workdir: Path, *args: str, snakefile: Path = EXAMPLE, timeout: float = 240) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, snakefile: Path = EXAMPLE,
+              timeout: float = 240) -> subprocess.CompletedProcess:
     """Run the installed snakemake in a user's environment: it must find the plugin by itself."""
     workdir.mkdir(parents=True, exist_ok=True)
     return subprocess.run([program("snakemake"), "--snakefile", str(snakefile), "--cores", "4", *args],

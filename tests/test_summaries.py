@@ -12,8 +12,9 @@ import pytest
 from bundles.errors import SummaryError
 from bundles.progress import NoProgress
 from mpi_stager.send import prepare_source, send_stream
-from mpi_stager.summaries import (KINDS, SUMMARY_VERSION, PackSummary, ReceiveSummary, StagerSummary, decode,
-                                  encode)
+from mpi_stager.wire import KINDS, SUMMARY_VERSION, PackSummary, ReceiveSummary, StagerSummary
+from mpi_stager.wire import decode_summary as decode
+from mpi_stager.wire import encode_summary as encode
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import python_module, user_env
 
@@ -147,7 +148,7 @@ def push_to(sshd, src: str, dest, python: str, *args: str) -> subprocess.Complet
                       *[f"--ssh-option={o}" for o in sshd.ssh_options], *args, src, sshd.url(str(dest)))
 
 
-_VERSIONED = r'"summary": %d, "kind": "([a-z]*)", ' % SUMMARY_VERSION
+_VERSIONED = r'"summary": ' + str(SUMMARY_VERSION) + r', "kind": "([a-z]*)", '
 
 
 def test_a_far_side_printing_unversioned_summaries_is_still_served(sshd, tmp_path):

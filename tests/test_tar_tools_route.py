@@ -53,7 +53,8 @@ def bare(tmp_path_factory):
 
 
 def push(server, src, dest, *flags: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([program("pallet"), "push", "--json", *flags, *[f"--ssh-option={o}" for o in server.ssh_options],
+    ssh = [f"--ssh-option={o}" for o in server.ssh_options]
+    return subprocess.run([program("pallet"), "push", "--json", *flags, *ssh,
                            str(src), server.url(str(dest))], capture_output=True, text=True, env=user_env(),
                           stdin=subprocess.DEVNULL, timeout=300, **kwargs)
 
@@ -200,7 +201,8 @@ def test_pull_from_a_far_side_without_pallet_uses_its_tar_and_repairs(bare, tmp_
 
 
 def pull(server, src, dest, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([program("pallet"), "pull", "--json", *flags, *[f"--ssh-option={o}" for o in server.ssh_options],
+    ssh = [f"--ssh-option={o}" for o in server.ssh_options]
+    return subprocess.run([program("pallet"), "pull", "--json", *flags, *ssh,
                            server.url(str(src)), str(dest)], capture_output=True, text=True, env=user_env(),
                           stdin=subprocess.DEVNULL, timeout=300)
 
