@@ -1,14 +1,17 @@
 """Byte ranges of a far-side file over one ssh channel: the source behind reading a remote bundle in place."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 import threading
+from typing import IO
 
 from bundles.errors import UsageError
 from bundles.view import BundleView
 
+from staging_core.routes.base import capable, declared_capabilities
 from staging_core.transports.base import parse_url
 from staging_core.transports.errors import TransportError, classify
 from staging_core.transports.ssh import SSHTransport
@@ -53,6 +56,7 @@ class RemoteRanges:
         self._lock = threading.Lock()
         self._dead: TransportError | None = None
         self._process = transport.stream_into(["sh", "-c", _RANGE_SCRIPT, "sh", path])
+        self._stdin, self._stdout, self._stderr = _pipes(self._process)
         try:
             self.size = self._read_size()
             tail_start = max(0, self.size - TAIL_BYTES)
@@ -63,12 +67,12 @@ class RemoteRanges:
             raise
 
     @classmethod
-    def open_url(cls, url: str, ssh_options: tuple[str, ...] = ()) -> "RemoteRanges":
+    def open_url(cls, url: str, ssh_options: tuple[str, ...] = ()) -> RemoteRanges:
         """The source for ``ssh://[user@]host[:port]/abs/path`` or ``[user@]host:/abs/path``; each of
         ``ssh_options`` is split as a shell would (``"-o ConnectTimeout=5"`` is two arguments)."""
         ssh_options = tuple(part for option in ssh_options for part in shlex.split(option))
         endpoint = parse_url(url)
-        if endpoint.scheme != "ssh":
+        if not capable(declared_capabilities(endpoint.scheme), frozenset({"byte_ranges"})):
             raise UsageError(f"reading a bundle in place needs an ssh URL or a local path, not {endpoint.scheme}://",
                              url, "copy the bundle here first (pallet pull), or give ssh://HOST/PATH")
         return cls(SSHTransport(endpoint, (*_KEEPALIVE, *ssh_options)), endpoint.path)
@@ -84,7 +88,7 @@ class RemoteRanges:
             return self._fetch(length, offset)
 
     def _read_size(self) -> int:
-        line = self._process.stdout.readline()
+        line = self._stdout.readline()
         if not line.strip().isdigit():
             raise self._failure("cannot open the bundle at the far side")
         return int(line)
@@ -95,44 +99,48 @@ class RemoteRanges:
         if length == 0:
             return b""
         try:
-            self._process.stdin.write(b"%d %d\n" % (offset, length))
-            self._process.stdin.flush()
+            self._stdin.write(b"%d %d\n" % (offset, length))
+            self._stdin.flush()
         except OSError:
             raise self._failure("the far side's range reader stopped") from None
-        data = self._process.stdout.read(length)
+        data = self._stdout.read(length)
         if len(data) != length:
             raise self._failure("the far side's range reader stopped")
         self.bytes_fetched += length
         return data
 
     def _failure(self, message: str) -> TransportError:
-        process = self._process
+        with contextlib.suppress(OSError):
+            self._stdin.close()
         try:
-            process.stdin.close()
-        except OSError:
-            pass
-        try:
-            stderr = process.stderr.read().decode(errors="replace")
-            status = process.wait(timeout=30)
+            stderr = self._stderr.read().decode(errors="replace")
+            status: int | None = self._process.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             stderr, status = "", None
-        self._dead = classify(stderr, status, None, self.name, message)
+        dead = classify(stderr, status, None, self.name, message)
+        self._dead = dead if isinstance(dead, TransportError) else TransportError(str(dead), self.name)
         return self._dead
 
     def close(self) -> None:
         process = getattr(self, "_process", None)
         if process is not None:
             for stream in (process.stdin, process.stdout, process.stderr):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:       # a session that will not end is killed
                 process.kill()
                 process.wait()
         self.transport.close()
+
+
+def _pipes(process: subprocess.Popen) -> tuple[IO[bytes], IO[bytes], IO[bytes]]:
+    """The three pipes of a far-side process started with all three (stream_into always pipes them)."""
+    stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
+    assert stdin is not None and stdout is not None and stderr is not None, "stream_into pipes all three"
+    return stdin, stdout, stderr
 
 
 def open_view(bundle: str, cache_bytes: int, ssh_options: tuple[str, ...] = ()) -> BundleView:

@@ -8,14 +8,15 @@ from bundles.errors import UsageError
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 
+from staging_core.operations.repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, dest_md5,
+                                            lists_exactly)
+from staging_core.options import StagingOptions, StagingResult
 from staging_core.planning.inventory import Inventory
 from staging_core.planning.local_profile import route_profile
-from staging_core.options import StagingOptions, StagingResult
 from staging_core.planning.planner import plan
-from staging_core.operations.repair import (COMPARABLE_SCHEMES, Comparison, PullComparison, compare_with_dest, compare_with_local,
-                     dest_md5)
 from staging_core.transports.base import Endpoint, RemoteEntry
 from staging_core.transports.registry import open_endpoint
+
 
 def push_dry_run(tree: SourceTree, endpoint: Endpoint, options: StagingOptions, started: float) -> StagingResult:
     """push --dry-run: what would be sent (and deleted with --delete); nothing is locked, made or changed."""
@@ -46,9 +47,10 @@ def planned_files(tree: SourceTree, comparison: Comparison | None, large_file_by
 
 
 def pull_dry_run(endpoint: Endpoint, dest: str, options: StagingOptions, started: float) -> StagingResult:
-    """pull --dry-run from an ssh or local source: what would be fetched into ``dest`` (and deleted there with
-    --delete), from one listing of the source; nothing is locked, made or changed, here or there."""
-    if endpoint.scheme not in COMPARABLE_SCHEMES:
+    """pull --dry-run from a source whose listing is exact (its transport declares ``exact_listing``: ssh and
+    local sources): what would be fetched into ``dest`` (and deleted there with --delete), from one listing of
+    the source; nothing is locked, made or changed, here or there."""
+    if not lists_exactly(endpoint):
         raise UsageError(f"pull --dry-run compares listings of ssh and local sources, not {endpoint.scheme}://",
                          endpoint.url(), "run it without --dry-run, or against an ssh URL of the same files")
     with open_endpoint(endpoint, options) as transport:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from bundles.errors import DestinationError, SourceError, UsageError
 from bundles.reserved import TRANSFER_DIR
@@ -93,7 +93,9 @@ def finish_selection(transport: Transport, marked: Marked,
         finish(dest, state_path(dest, SCRATCH))
     elif marked.scratch is not None:
         argv = ["sh", "-c", _FINISH, "pallet-finish", dest]
-        (transport.run if transport.capabilities.remote_exec else run_there)(argv)
+        runner = transport.run if transport.capabilities.remote_exec else run_there
+        if runner is not None:          # a scratch was made there by one of them (see begin)
+            runner(argv)
 
 
 def changed_since_scan(tree: SourceTree, wanted: set[bytes] | None = None) -> list[bytes]:

@@ -37,7 +37,7 @@ class DestinationLock:
         self._fd: int | None = None
         self._holder: subprocess.Popen | None = None
 
-    def __enter__(self) -> "DestinationLock":
+    def __enter__(self) -> DestinationLock:
         if not self.supported:
             return self
         if self.endpoint.is_local:
@@ -60,12 +60,14 @@ class DestinationLock:
         flock = "flock" if self.wait else "flock -n"
         argv = ["sh", "-c", f'mkdir -p -- "$1" && exec {flock} -E {_BUSY} "$1" sh -c "echo held; exec cat >/dev/null"',
                 "pallet-lock", self.path]
-        self._holder = self.transport.stream_into(argv)
-        line = self._holder.stdout.readline()
+        holder: subprocess.Popen = self.transport.stream_into(argv)
+        self._holder = holder
+        assert holder.stdout is not None and holder.stderr is not None       # stream_into's pipes
+        line = holder.stdout.readline()
         if line.strip() == b"held":
             return
-        status = self._holder.wait()
-        stderr = self._holder.stderr.read().decode(errors="replace").strip()
+        status = holder.wait()
+        stderr = holder.stderr.read().decode(errors="replace").strip()
         self._holder = None
         if status == _BUSY:
             raise locked_error(self.endpoint)
@@ -78,7 +80,8 @@ class DestinationLock:
             os.close(self._fd)
             self._fd = None
         if self._holder is not None:
-            self._holder.stdin.close()
+            if self._holder.stdin is not None:
+                self._holder.stdin.close()
             self._holder.wait()
             self._holder = None
 

@@ -3,29 +3,30 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from bundles.scan import SourceTree, scan
 from bundles.state import STATE_DIR, remove_state
 from mpi_stager.send import StreamSource, prepare_source
 
+from staging_core.far_side.probe import far_side_options
 from staging_core.far_side.session import FarSession, destination_lock
 from staging_core.operations.individual import uncarried_link
-from staging_core.planning.inventory import Inventory, compress_ratio, tree_inventory
 from staging_core.operations.locking import DestinationLock
-from staging_core.planning.local_profile import route_profile
-from staging_core.options import StagingOptions
-from staging_core.routes.tar_tools import TarToolsRoute
-from staging_core.planning.planner import Plan, plan
-from staging_core.far_side.probe import far_side_options
 from staging_core.operations.push_strategies import can_stream, stream_codec
-from staging_core.operations.repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra, dirs_to_restore,
+from staging_core.operations.repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra,
+                                            dirs_to_restore,
                      fix_directories, listed_extra, stamp_top)
-from staging_core.routes.unpack import UnpackRoute, closing, unpack_route
 from staging_core.operations.strategy_base import resolve_strategy
-from staging_core.transports.base import Endpoint, Transport, parse_url
+from staging_core.options import StagingOptions
+from staging_core.planning.inventory import Inventory, compress_ratio, tree_inventory
+from staging_core.planning.local_profile import route_profile
+from staging_core.planning.planner import Plan, plan
+from staging_core.routes.base import HYBRID, INDIVIDUAL, Route, carries, route_streams
+from staging_core.routes.unpack import closing, unpack_route
+from staging_core.transports.base import EarlyConnection, Endpoint, Transport, parse_url
 from staging_core.transports.registry import open_endpoint
 
 
@@ -40,18 +41,23 @@ class OpenDestination:
     DEST is listed, when the plan for an empty DEST streams it; if DEST was
     empty the session takes it, and :attr:`taken_plan` is that plan.
 
+    ``early_connection``: a connection to DEST's host already started (``Transport.connect_early``), which its
+    transport takes over.
+
     Use it as a context manager; it releases the lock, then closes the route and the transport.
     """
 
     def __init__(self, dest_url: str | Endpoint, options: StagingOptions, wait: bool = False, listing: bool = True,
-                 walked: Callable[[], tuple[SourceTree, SourceSurvey]] | None = None):
+                 walked: Callable[[], tuple[SourceTree, SourceSurvey]] | None = None,
+                 early_connection: EarlyConnection | None = None):
         self.endpoint = dest_url if isinstance(dest_url, Endpoint) else parse_url(dest_url)
         self._stack = ExitStack()
         self.offered: PushPlan | None = None
         try:
-            self.transport: Transport = self._stack.enter_context(open_endpoint(self.endpoint, options))
+            self.transport: Transport = self._stack.enter_context(open_endpoint(self.endpoint, options,
+                                                                                 early_connection))
             self.options, self.far = far_side_options(self.transport, self.endpoint, options)
-            self.route: UnpackRoute | TarToolsRoute | None = self._stack.enter_context(
+            self.route: Route | None = self._stack.enter_context(
                 closing(unpack_route(self.endpoint, self.transport, self.options, self.far)))
             offer = (lambda: self._stream_offer(*walked())) if walked is not None else None
             self.lock: DestinationLock | FarSession = self._stack.enter_context(
@@ -78,14 +84,13 @@ class OpenDestination:
     @property
     def streams(self) -> bool:
         """Whether bundles may stream into the route there (so one far-side session may serve the push)."""
-        return isinstance(self.route, UnpackRoute) and self.transport.capabilities.streaming \
-            and self.route.streams and self.options.stream != "off"
+        return route_streams(self.route) and self.transport.capabilities.streaming and self.options.stream != "off"
 
     @property
     def session(self) -> FarSession | None:
         return self.lock if isinstance(self.lock, FarSession) else None
 
-    def __enter__(self) -> "OpenDestination":
+    def __enter__(self) -> OpenDestination:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -112,9 +117,9 @@ class PushPlan:
 
 
 def compare_destination(dest: OpenDestination, tree: SourceTree) -> Comparison | None:
-    """DEST compared with the whole source, where a push compares (not into a tar-tools route, which lists
-    DEST itself, nor for --keep-packed), from the session's listing when there is one."""
-    if dest.options.keep_packed or isinstance(dest.route, TarToolsRoute):
+    """DEST compared with the whole source, where a push compares (not into a route that compares DEST itself,
+    the tar tools, nor for --keep-packed), from the session's listing when there is one."""
+    if dest.options.keep_packed or _compares_itself(dest.route):
         return None
     if dest.session is not None:
         return compare_with_dest_entries(dest.session.entries(), dest.transport, dest.endpoint, tree,
@@ -148,9 +153,9 @@ def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
               surveyed: SourceSurvey | None = None) -> PushPlan:
     """Compare a whole tree (``include`` None) with DEST and narrow it to what differs, then plan what is left:
     the inventory, the planner's choice from the route's profile, and the strategy (a hybrid plan of a
-    selection or into the tar-tools route runs as a bundle). ``surveyed``: the tree's survey, made already
-    (used unless the comparison narrows the tree). Raises UsageError for a strategy the destination cannot
-    honour."""
+    selection or through a route that does not carry ``hybrid`` runs as a bundle). ``surveyed``: the tree's
+    survey, made already (used unless the comparison narrows the tree). Raises UsageError for a strategy the
+    destination cannot honour."""
     src, options = os.fsdecode(tree.root), dest.options
     comparison = compare_destination(dest, tree) if include is None else None
     if comparison is not None and not comparison.nothing_to_send:
@@ -158,7 +163,7 @@ def plan_push(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
         tree, surveyed = scan_and_survey(src, include, options.large_file_bytes)
     planned = plan_tree(dest, tree, include, surveyed, comparison)
     if planned.strategy == "individual" and include is None and comparison is None \
-            and isinstance(dest.route, TarToolsRoute) and not options.keep_packed:
+            and _compares_itself(dest.route) and not options.keep_packed:
         return _narrowed(dest, planned)     # files one by one: not the far side's tools but this push compares
     return planned
 
@@ -186,28 +191,33 @@ def plan_tree(dest: OpenDestination, tree: SourceTree, include: frozenset[bytes]
     if strategy == "individual" and options.strategy == "auto" and dest.route is not None \
             and uncarried_link(tree, dest.transport) is not None:
         strategy = "bundle"                 # one by one, the transport would leave the links out
-    if strategy == "hybrid" and (include is not None or isinstance(dest.route, TarToolsRoute)):
+    if strategy == HYBRID and (include is not None or not carries(dest.route, HYBRID)):
         strategy = "bundle"
     return PushPlan(tree, include, inventory, paths, chosen, strategy, comparison)
+
+
+def _compares_itself(route: Route | None) -> bool:
+    return route is not None and route.compares_dest_itself
 
 
 def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison | None, whole: bool,
                 strategy: str = "bundle") -> int:
     """After the strategy (``strategy``: the one that ran): with ``--delete`` remove DEST entries the source
     lacks, give directories their source times again, and clear DEST/.pallet after a whole-tree push (the lock
-    is still held; a tar-tools session has cleared it itself); return the entries deleted."""
+    is still held; a bundle through a route that ``clears_state_itself``, the tar tools, has cleared it);
+    return the entries deleted."""
     deleted = 0
     if whole and dest.options.delete:
         comparison = comparison or compare_with_dest(dest.transport, dest.endpoint, full, own_mark=True) \
             or Comparison(extra=listed_extra(dest.transport, dest.endpoint, set(full.index.paths)))
-        run_there = dest.route.run_there if isinstance(dest.route, UnpackRoute) else None
+        run_there = dest.route.run_there if dest.route is not None else None
         delete_extra(dest.transport, dest.endpoint, comparison.extra, run_there, dest.options.allow_root_dest)
         deleted = len(comparison.extra)
     if comparison is not None:
         fix_directories(dest.session or dest.transport, dest.endpoint, full,
                         dirs_to_restore(full, comparison, whole and dest.options.delete))
-    plain_session = isinstance(dest.route, TarToolsRoute) and strategy != "individual"   # it cleared DEST/.pallet
-    if whole and not dest.options.keep_packed and not plain_session:
+    cleared = dest.route is not None and dest.route.clears_state_itself and strategy != INDIVIDUAL
+    if whole and not dest.options.keep_packed and not cleared:
         clear_state(dest)
     if whole and not dest.options.keep_packed and dest.session is None:     # a session clears DEST/.pallet last
         stamp_top(dest.transport, dest.endpoint, os.stat(full.root).st_mtime_ns)

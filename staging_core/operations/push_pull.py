@@ -1,12 +1,13 @@
-"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes — policy in one place."""
+"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes: policy in one
+place, read from what the transports and routes declare."""
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from bundles.errors import SourceError, UsageError
 from bundles.extract import prepare_destination
@@ -14,30 +15,34 @@ from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree, scan
 from bundles.state import remove_state
 
+from staging_core.far_side.streaming import PullStream
 from staging_core.operations.dry_run import pull_dry_run, push_dry_run
-from staging_core.planning.inventory import Inventory
-from staging_core.planning.local_profile import observe, uses_local_copy
 from staging_core.operations.locking import DestinationLock
-from staging_core.options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
-from staging_core.routes.pack import PublishedBundle
-from staging_core.routes.tar_tools import TarToolsRoute
-from staging_core.planning.planner import Plan
 from staging_core.operations.pull_phases import OpenSource, plan_pull
 from staging_core.operations.pull_strategies import PullContext, early_stream, pull_strategy
 from staging_core.operations.push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
 from staging_core.operations.push_strategies import PushContext, push_strategy
-from staging_core.operations.repair import (COMPARABLE_SCHEMES, PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
-                     finish_local_pull, stamp_top)
-from staging_core.routes.registry import check_route_options
+from staging_core.operations.repair import (PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
+                                            finish_local_pull, stamp_top)
 from staging_core.operations.strategy_base import Attempt, check_stream_shard_size, resolve_strategy
-from staging_core.far_side.streaming import PullStream
-from staging_core.transports.base import Direction, Endpoint, Transport, check_destination, parse_url
+from staging_core.options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from staging_core.planning.inventory import Inventory
+from staging_core.planning.local_profile import copies_locally, observe
+from staging_core.planning.planner import Plan
+from staging_core.routes.base import Route
+from staging_core.routes.pack import bundle_source
+from staging_core.routes.registry import check_route_options
+from staging_core.transports.base import Direction, EarlyConnection, Endpoint, Transport, check_destination, parse_url
 from staging_core.transports.errors import TransportError
 from staging_core.transports.registry import open_transport
 
 
-def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
-         progress: Progress | None = None, items: Sequence[str] | None = None) -> StagingResult:
+_DEFAULTS = StagingOptions()
+
+
+def push(src: str, dest_url: str, options: StagingOptions = _DEFAULTS,
+         progress: Progress | None = None, items: Sequence[str] | None = None,
+         early_connection: EarlyConnection | None = None) -> StagingResult:
     """Move the tree under local ``src`` to ``dest_url`` and return what was done.
 
     The planner picks individual, bundle or hybrid unless
@@ -50,8 +55,11 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     source is only read. ``items`` (relative paths; see
     staging_core.operations.selection) sends only those files and their parent
     directories, stored and forwarded when bundled, and waits for the
-    destination's lock instead of failing. Raises UsageError for options
-    the destination cannot honour, DestinationLocked, TransportError or
+    destination's lock instead of failing. ``early_connection``: one to
+    DEST's host already started (``Transport.connect_early``; the CLI
+    starts it while the rest of pallet loads), which the transport takes
+    over; the caller closes it after. Raises UsageError for options the
+    destination cannot honour, DestinationLocked, TransportError or
     PalletError naming the cause.
     """
     started = time.monotonic()
@@ -71,7 +79,8 @@ def push(src: str, dest_url: str, options: StagingOptions = StagingOptions(),
     walking, interrupted = walker.submit(scan_and_survey, src, include, options.large_file_bytes), False
     try:
         with OpenDestination(endpoint, options, wait=items is not None, listing=include is None,
-                             walked=walking.result if include is None else None) as dest:
+                             walked=walking.result if include is None else None,
+                             early_connection=early_connection) as dest:
             return _push_locked(*walking.result(), dest, progress, include, started)
     except KeyboardInterrupt:               # SIGINT, SIGTERM: a walk still going is not waited for
         interrupted = True
@@ -107,15 +116,15 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
     declined = dest.session.declined_bytes if dest.session is not None else 0
     result = replace(_result(endpoint.url(), planned.chosen, planned.strategy, inventory, run, attempts, started,
                              comparison.in_place if comparison else 0), deleted=deleted, offered_bytes=declined)
-    if planned.strategy == "individual" and not result.in_place and uses_local_copy(endpoint.scheme,
-                                                                                      options.profile):
+    if planned.strategy == "individual" and not result.in_place and copies_locally(transport.capabilities,
+                                                                                     options.profile):
         observe(endpoint.path, result.files, result.file_bytes, result.seconds)
     return result
 
 
-def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
+def pull(src_url: str, dest: str, options: StagingOptions = _DEFAULTS,
          progress: Progress | None = None, items: Sequence[str] | None = None,
-         sizes: Sequence[int] | None = None) -> StagingResult:
+         sizes: Sequence[int] | None = None, early_connection: EarlyConnection | None = None) -> StagingResult:
     """Move the tree at ``src_url`` into local ``dest``; the mirror of :func:`push`.
 
     Individual: one batch transfer of the whole tree. Bundle from an ssh
@@ -134,6 +143,7 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
     packed. ``dest`` is locked for the whole pull. ``items`` (relative
     paths; see staging_core.operations.selection) fetches only those, planned from
     ``sizes`` when given (else from the listing), and waits for the lock.
+    ``early_connection``: as for :func:`push`, one to the source's host.
     """
     started = time.monotonic()
     _check_options(options)
@@ -145,9 +155,9 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
         check_destination(local, options.allow_root_dest)
     if options.dry_run:
         return pull_dry_run(endpoint, local.path, options, started)
-    with OpenSource(endpoint, options) as source, ExitStack() as stack:
+    with OpenSource(endpoint, options, early_connection) as source, ExitStack() as stack:
         transport, options, route, early = source.transport, source.options, source.route, None
-        if not isinstance(route, PublishedBundle):
+        if bundle_source(route) is None:           # a published bundle: nothing to compare, list or stream
             comparison = _pull_comparison(transport, endpoint, route, local.path, options.checksum) \
                 if whole else None
             if comparison is not None:
@@ -158,7 +168,7 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
         inventory, chosen = plan_pull(source, local.path, items, sizes)
         strategy = resolve_strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
-        if strategy == "individual" and whole and comparison is None and isinstance(route, TarToolsRoute):
+        if strategy == "individual" and whole and comparison is None and _compares_itself(route):
             comparison = _pull_comparison(transport, endpoint, None, local.path, options.checksum)  # not the tools'
             if comparison is not None:
                 items = comparison.to_fetch
@@ -184,9 +194,9 @@ def pull(src_url: str, dest: str, options: StagingOptions = StagingOptions(),
 
 
 def _stamp_from_source(transport: Transport, endpoint: Endpoint, local: Endpoint) -> None:
-    """Give a whole pull's DEST the source root's mtime, from a stat of it where that is exact (local and ssh
-    sources; not a published bundle, a file)."""
-    if endpoint.scheme in COMPARABLE_SCHEMES:
+    """Give a whole pull's DEST the source root's mtime, from a stat of it where that is exact (a transport that
+    declares ``exact_listing``: local and ssh sources; not a published bundle, a file)."""
+    if transport.capabilities.exact_listing:
         root = transport.stat(endpoint.path)
         if root is not None and root.kind == "d":
             stamp_top(transport, local, root.mtime_ns)
@@ -203,23 +213,30 @@ def _pull_attempts(context: PullContext, begun: PullStream | None, planned: str)
     return attempt
 
 
-def _pull_comparison(transport: Transport, endpoint: Endpoint, route, dest: str,
+def _compares_itself(route: Route | None) -> bool:
+    return route is not None and route.compares_dest_itself
+
+
+def _pull_comparison(transport: Transport, endpoint: Endpoint, route: Route | None, dest: str,
                      checksum: bool) -> PullComparison | None:
-    """The local DEST compared with the source's listing, where a pull compares: ssh and local sources (their
-    listings carry exact mtimes), not through the tar-tools route (which lists and hashes itself)."""
-    if endpoint.scheme not in COMPARABLE_SCHEMES or isinstance(route, TarToolsRoute) or not os.path.isdir(dest):
+    """The local DEST compared with the source's listing, where a pull compares: sources whose transport
+    declares ``exact_listing`` (local and ssh: their listings carry exact mtimes), not through a route that
+    compares DEST itself (the tar tools, which list and hash themselves)."""
+    if not transport.capabilities.exact_listing or _compares_itself(route) or not os.path.isdir(dest):
         return None
     hashes = (lambda paths: dest_md5(transport, endpoint, paths)) if checksum else None
     return compare_with_local(transport.list(endpoint.path), dest, hashes)
 
 
-def _listed_comparison(transport: Transport, endpoint: Endpoint, route, dest: str) -> PullComparison | None:
+def _listed_comparison(transport: Transport, endpoint: Endpoint, route: Route | None,
+                       dest: str) -> PullComparison | None:
     """After a whole pull whose route compared nothing, DEST against the source (DEST's marker is the pull's
     own): from the bundle's index for a published bundle, else from a listing where one carries exact times."""
-    if isinstance(route, PublishedBundle):
-        return PullComparison(extra=extra_entries(dest, route.paths))
+    published = bundle_source(route)
+    if published is not None:
+        return PullComparison(extra=extra_entries(dest, published.paths))
     listed = transport.list(endpoint.path)
-    if endpoint.scheme in COMPARABLE_SCHEMES:
+    if transport.capabilities.exact_listing:
         return compare_with_local(listed, dest, own_mark=True)
     return PullComparison(extra=extra_entries(dest, {os.fsencode(entry.path) for entry in listed}))
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 from bundles.progress import NoProgress, Progress
 from bundles.scan import SourceTree
@@ -13,16 +14,19 @@ from bundles.state import ensure_state_dir
 from bundles.writer import PackOptions, pack
 
 from staging_core.far_side.session import SessionStream
+from staging_core.far_side.streaming import FarStager, stream_push
 from staging_core.operations.individual import Marked, begin, check_carried, finish_selection, send_until_stable
-from staging_core.planning.inventory import Inventory
+from staging_core.operations.strategy_base import (Attempt, Stage, Strategy, register_strategy, select_strategy,
+                                                   streams_where, transfer_all)
 from staging_core.options import StagingOptions
+from staging_core.planning.inventory import Inventory
+from staging_core.planning.planner import Plan
+from staging_core.routes.base import (HYBRID, INDIVIDUAL, STORE_AND_FORWARD, STREAM, TAR_TOOLS, Route, carries,
+                                      declaring, route_streams)
 from staging_core.routes.tar_tools import TarToolsRoute
 from staging_core.routes.tar_tools_push import push_plain
-from staging_core.planning.planner import Plan
-from staging_core.routes.unpack import UnpackRoute, bundle_name
+from staging_core.routes.unpack import UnpackRoute, bundle_name, unpacker
 from staging_core.scratch import scratch_dir
-from staging_core.operations.strategy_base import Attempt, Stage, Strategy, streams_where, transfer_all
-from staging_core.far_side.streaming import stream_push
 from staging_core.transports.base import Direction, Endpoint, Transport
 
 
@@ -34,7 +38,7 @@ class PushContext:
 
     transport: Transport
     endpoint: Endpoint
-    route: UnpackRoute | TarToolsRoute | None
+    route: Route | None
     tree: SourceTree
     chosen: Plan
     inventory: Inventory
@@ -59,18 +63,24 @@ def stream_codec(options: StagingOptions, chosen: Plan) -> str:
     return options.codec or chosen.chosen.codec or "zstd"
 
 
+@register_strategy
 class IndividualPush(Strategy[PushContext]):
     """One batch transfer of the entries themselves (rsync over ssh, a parallel copy locally ...), of every
-    kind the source has, into a DEST marked INCOMPLETE; files that changed while read are sent again."""
+    kind the source has, into a DEST marked INCOMPLETE; files that changed while read are sent again. Runs an
+    individual plan (no route needed)."""
 
-    name = "individual"
+    name, direction, order = INDIVIDUAL, Direction.PUSH, 10
+
+    @classmethod
+    def applies(cls, ctx: PushContext, planned: str) -> bool:
+        return planned == INDIVIDUAL
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt(route="individual")
         check_carried(ctx.tree, ctx.transport)
         marked = begin_writing(ctx, "an individual push")
         listed = None
-        if ctx.include is not None or ctx.transport.scheme == "file":       # the scan's names: no second walk
+        if ctx.include is not None or ctx.transport.capabilities.local_copy:     # the scan's names: no second walk
             listed = [os.fsdecode(p) for p in ctx.tree.index.paths]
         with Stage(attempt, ctx.progress, "transfer", len(ctx.inventory.sizes), ctx.inventory.stats.bytes):
             for sent in send_until_stable(lambda items: transfer_all(ctx.transport, Direction.PUSH, ctx.src,
@@ -82,63 +92,92 @@ class IndividualPush(Strategy[PushContext]):
         return attempt
 
 
+@register_strategy
 class TarToolsPush(Strategy[PushContext]):
-    """Bundles into the far side's own ``tar -x``, checked with its md5sum (staging_core.routes.tar_tools_push)."""
+    """Bundles into the far side's own ``tar -x``, checked with its md5sum (staging_core.routes.tar_tools_push):
+    any bundle or hybrid plan through a route that carries ``tar-tools``."""
 
-    name = "tar-tools"
+    name, direction, order = TAR_TOOLS, Direction.PUSH, 20
+
+    @classmethod
+    def applies(cls, ctx: PushContext, planned: str) -> bool:
+        return planned != INDIVIDUAL and carries(ctx.route, TAR_TOOLS)
 
     def run(self, ctx: PushContext) -> Attempt:
-        outcome = push_plain(ctx.transport, ctx.tree, ctx.endpoint, ctx.route, ctx.options.jobs, ctx.progress,
+        route = cast(TarToolsRoute, declaring(ctx.route, self.name))   # what listing tar-tools promises
+        outcome = push_plain(ctx.transport, ctx.tree, ctx.endpoint, route, ctx.options.jobs, ctx.progress,
                              clear_state=ctx.include is None and not ctx.options.keep_packed)
-        attempt = Attempt(ctx.route.description, outcome.rounds, dict(outcome.stage_seconds))
+        attempt = Attempt(route.description, outcome.rounds, dict(outcome.stage_seconds))
         attempt.bytes_sent = outcome.bytes_sent
         attempt.compared(outcome)
         return attempt
 
 
+@register_strategy
 class StreamPush(Strategy[PushContext]):
     """The bundle streamed into the far side's unpacker as it is packed (the far-side session's receiver when
-    the push runs one), resumable by shard."""
+    the push runs one), resumable by shard: a bundle plan where the transport and the route stream (and
+    ``--stream`` allows, see :func:`can_stream`)."""
 
-    name = "stream"
+    name, direction, order = STREAM, Direction.PUSH, 40
+
+    @classmethod
+    def applies(cls, ctx: PushContext, planned: str) -> bool:
+        return planned != INDIVIDUAL and can_stream(ctx.transport, ctx.route, ctx.options)
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt()
+        # a session's SessionStream serves stream_push as a FarStager does (duck-typed, see far_side.session)
+        receiver = cast("Callable[[], FarStager] | None", ctx.receiver)
         attempt.streamed(stream_push(ctx.transport, ctx.src, ctx.endpoint, ctx.codec, ctx.options, ctx.progress,
-                                     ctx.tree, ctx.receiver))
+                                     ctx.tree, receiver))
         return attempt
 
 
+@register_strategy
 class StoreAndForwardPush(Strategy[PushContext]):
-    """Pack here, one transfer of bundle and index into the route's incoming directory, unpack there."""
+    """Pack here, one transfer of bundle and index into the route's incoming directory, unpack there: a bundle
+    plan through a route that carries ``store-and-forward`` (an UnpackRoute) and does not stream."""
 
-    name = "store-and-forward"
+    name, direction, order = STORE_AND_FORWARD, Direction.PUSH, 50
+
+    @classmethod
+    def applies(cls, ctx: PushContext, planned: str) -> bool:
+        return planned != INDIVIDUAL and carries(ctx.route, STORE_AND_FORWARD)
 
     def run(self, ctx: PushContext) -> Attempt:
         attempt = Attempt()
-        push_bundle(ctx, frozenset(), attempt)
+        push_bundle(ctx, frozenset(), attempt, unpacker(ctx.route, self.name))
         return attempt
 
 
+@register_strategy
 class HybridPush(Strategy[PushContext]):
     """Large files go individually while the rest is packed; the bundle is unpacked last (it sets directory
-    times). Only for a whole tree: a narrowed one goes as a bundle."""
+    times). Only for a whole tree: a narrowed one goes as a bundle, as does a hybrid plan through a route that
+    does not carry ``hybrid`` (push_phases.plan_tree)."""
 
-    name = "hybrid"
+    name, direction, order = HYBRID, Direction.PUSH, 30
+
+    @classmethod
+    def applies(cls, ctx: PushContext, planned: str) -> bool:
+        return planned == HYBRID and carries(ctx.route, HYBRID)
 
     def run(self, ctx: PushContext) -> Attempt:
+        route = unpacker(ctx.route, self.name)
         attempt = Attempt()
         marked = begin_writing(ctx, "a hybrid push")           # the large files go one by one
-        large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes) if size >= ctx.options.large_file_bytes]
+        large = [p for p, size in zip(ctx.paths, ctx.inventory.sizes, strict=True)
+                 if size >= ctx.options.large_file_bytes]
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(send_until_stable, lambda items: transfer_all(ctx.transport, Direction.PUSH,
                                                                                 ctx.src, ctx.endpoint, items,
                                                                                 marked.scratch),
                                   ctx.tree, [os.fsdecode(p) for p in large])
-            push_bundle(ctx, frozenset(large), attempt)
+            push_bundle(ctx, frozenset(large), attempt, route)
             for sent in sending.result():
                 attempt.count(sent)
-        attempt.route = f"hybrid: {len(large)} large file(s) individually, the rest {ctx.route.description}"
+        attempt.route = f"hybrid: {len(large)} large file(s) individually, the rest {route.description}"
         return attempt
 
 
@@ -152,34 +191,33 @@ def begin_writing(ctx: PushContext, what: str) -> Marked:
 
 
 def _run_there(ctx: PushContext) -> Callable[[list[str]], bytes] | None:
-    return ctx.route.run_there if isinstance(ctx.route, UnpackRoute) else None
+    return ctx.route.run_there if ctx.route is not None else None
 
 
 def push_strategy(ctx: PushContext, planned: str) -> Strategy[PushContext]:
-    """The strategy that carries out ``planned`` (individual, bundle or hybrid) where ``ctx`` leads: a bundle
-    goes through the far side's tar tools when that is the route, is streamed where the transport and the
-    route can (and ``--stream`` allows), else is stored and forwarded."""
-    if planned == "individual":
-        return IndividualPush()
-    if isinstance(ctx.route, TarToolsRoute):
-        return TarToolsPush()
-    if planned == "hybrid":
-        return HybridPush()
-    if can_stream(ctx.transport, ctx.route, ctx.options):
-        return StreamPush()
-    return StoreAndForwardPush()
+    """The registered push strategy that carries out ``planned`` (individual, bundle or hybrid) where ``ctx``
+    leads (:func:`~staging_core.operations.strategy_base.select_strategy`). pallet's own, in the order asked:
+    individual for an individual plan; tar-tools for any other through a route that carries it (the far
+    side's own tar); hybrid for a hybrid plan through a route that carries it; stream where the transport and
+    the route can (and ``--stream`` allows); else store-and-forward."""
+    return select_strategy(Direction.PUSH, ctx, planned, ctx.route)
 
 
-def can_stream(transport: Transport, route: UnpackRoute, options: StagingOptions) -> bool:
-    return streams_where(transport.capabilities.streaming and route.streams, options,
+def can_stream(transport: Transport, route: Route | None, options: StagingOptions) -> bool:
+    """Whether a push's bundle streams through ``route`` over ``transport`` (:func:`streams_where`): the transport
+    declares ``streaming`` and the route carries ``stream`` and streams now. A route that does not carry
+    ``stream`` at all (the tar tools) is not one ``--stream`` speaks to: False, whatever it says."""
+    if route is None or STREAM not in route.strategies:
+        return False
+    return streams_where(transport.capabilities.streaming and route_streams(route), options,
                          f"{transport.scheme} to this destination cannot stream",
                          "; streaming needs an ssh destination with pallet and no --launcher")
 
 
-def push_bundle(ctx: PushContext, exclude: frozenset[bytes], attempt: Attempt) -> None:
+def push_bundle(ctx: PushContext, exclude: frozenset[bytes], attempt: Attempt, route: UnpackRoute) -> None:
     """Store and forward: pack here (``ctx.include`` of the tree, without ``exclude``), one transfer of bundle +
-    index into the route's incoming, unpack there."""
-    transport, endpoint, route, options, include = ctx.transport, ctx.endpoint, ctx.route, ctx.options, ctx.include
+    index into ``route``'s incoming, unpack there."""
+    transport, endpoint, options, include = ctx.transport, ctx.endpoint, ctx.options, ctx.include
     staging = scratch_dir("pallet-push-")
     try:
         bundle = os.path.join(staging, bundle_name(ctx.codec))

@@ -1,12 +1,14 @@
 """What a whole-tree push must change at DEST: its tree compared with the source's (type, size, mtime, mode, link)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shlex
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from bundles.errors import DestinationError, UsageError
 from bundles.safety import safe_mode
@@ -14,8 +16,10 @@ from bundles.scan import SourceTree
 from bundles.state import STATE_DIR
 from bundles.tarformat import Kind
 
-from staging_core.routes.tar_tools import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files, link_groups, md5_of,
-                    parse_records, regrouped, unchanged_files, with_link_groups)
+from staging_core.routes.base import capable, declared_capabilities
+from staging_core.routes.tar_tools import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files,
+                                           link_groups, md5_of, parse_records, regrouped, unchanged_files,
+                                           with_link_groups)
 from staging_core.transports.base import Endpoint, RemoteEntry, Transport
 from staging_core.transports.safe_tree import SafeTree
 
@@ -109,9 +113,9 @@ def fix_directories(transport: Transport | DirectorySetter, endpoint: Endpoint, 
         transport.set_directories([(index.paths[i], safe_mode(index.modes[i]), index.mtimes[i]) for i in numbers])
         return
     if endpoint.is_local:
-        tree = SafeTree(endpoint.path)
+        dest = SafeTree(endpoint.path)
         for i in numbers:
-            _set_directory(tree, os.fsdecode(index.paths[i]), safe_mode(index.modes[i]), index.mtimes[i])
+            _set_directory(dest, os.fsdecode(index.paths[i]), safe_mode(index.modes[i]), index.mtimes[i])
         return
     lines = []
     for i in numbers:
@@ -125,14 +129,13 @@ def fix_directories(transport: Transport | DirectorySetter, endpoint: Endpoint, 
 
 
 def stamp_top(transport: Transport, endpoint: Endpoint, mtime_ns: int) -> None:
-    """Give DEST itself the source root's mtime, last (removing DEST/.pallet touched it): here, or with touch over
-    ssh. Where the time cannot be set (DEST is not the user's, or nothing can run there) it is left as it is."""
+    """Give DEST itself the source root's mtime, last (removing DEST/.pallet touched it): here, or with touch where
+    the transport runs a POSIX shell there (``posix_shell``: ssh). Where the time cannot be set (DEST is not the
+    user's, or nothing can run there) it is left as it is."""
     if endpoint.is_local:
-        try:
+        with contextlib.suppress(OSError):  # setting a time needs DEST's owner: a DEST shared with others keeps its own
             os.utime(endpoint.path, ns=(mtime_ns, mtime_ns))
-        except OSError:
-            pass                    # setting a time needs DEST's owner: a DEST shared with others keeps its own
-    elif transport.capabilities.remote_exec and endpoint.scheme == "ssh":
+    elif transport.capabilities.posix_shell:
         seconds, nanos = divmod(mtime_ns, 1_000_000_000)
         transport.run(["sh", "-c", 'touch -m -d "$1" -- "$2" 2>/dev/null || true', "pallet-stamp",
                        f"@{seconds}.{nanos:09d}", endpoint.path])
@@ -155,14 +158,15 @@ if [ "$2" != own ] && { [ -e .pallet/INCOMPLETE ] || [ -L .pallet/INCOMPLETE ]; 
 
 
 def dest_entries(transport: Transport, endpoint: Endpoint, own_mark: bool = False) -> dict[bytes, FarEntry] | None:
-    """DEST's entries (relative paths) with type, mode, mtime, size and link target; None if they cannot be
-    listed this way, or if DEST is marked INCOMPLETE (an interrupted operation resumes from its journal) by
-    another run than the caller's (``own_mark``)."""
+    """DEST's entries (relative paths) with type, mode, mtime, size and link target (here, or by a ``find`` where
+    the transport runs a POSIX shell: ``posix_shell``); None if they cannot be listed this way, or if DEST is
+    marked INCOMPLETE (an interrupted operation resumes from its journal) by another run than the caller's
+    (``own_mark``)."""
     if endpoint.is_local:
         if not own_mark and os.path.lexists(os.path.join(endpoint.path, STATE_DIR, "INCOMPLETE")):
             return None
         return _local_entries(os.fsencode(endpoint.path))
-    if transport.capabilities.remote_exec and endpoint.scheme == "ssh":
+    if transport.capabilities.posix_shell:
         listed = transport.run(["sh", "-c", _LISTING, "pallet-listing", endpoint.path, "own" if own_mark else ""])
         return None if listed == b"INCOMPLETE" else parse_records(listed)
     return None
@@ -270,7 +274,24 @@ class PullComparison:
     source_dirs: dict[bytes, RemoteEntry] = field(default_factory=dict)
 
 
-COMPARABLE_SCHEMES = ("file", "ssh")    # pull sources whose listings carry exact mtimes, so DEST can be compared
+EXACT_LISTING = frozenset({"exact_listing"})
+
+
+def lists_exactly(endpoint: Endpoint) -> bool:
+    """Whether the transport registered for ``endpoint``'s scheme declares ``exact_listing`` (local and ssh do):
+    its listing carries exact mtimes, so a tree there can be compared with another entry by entry (a pull's
+    DEST with its source, ``--dry-run``, ``pallet plan``). Read from its class, without connecting; an open
+    transport's own ``capabilities.exact_listing`` says the same."""
+    return capable(declared_capabilities(endpoint.scheme), EXACT_LISTING)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``COMPARABLE_SCHEMES``, for callers not yet moved to :func:`lists_exactly` (deprecated, to be removed):
+    the registered schemes whose transports declare ``exact_listing``."""
+    if name == "COMPARABLE_SCHEMES":
+        from staging_core.transports.catalog import schemes
+        return tuple(scheme for scheme in schemes() if capable(declared_capabilities(scheme), EXACT_LISTING))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,
@@ -356,7 +377,7 @@ def finish_local_pull(dest: str, comparison: PullComparison, delete: bool) -> in
         touched.update(os.path.dirname(p) for p in comparison.extra)
     touched.update(os.fsencode(entry.path) for entry in comparison.dirs_to_fix)
     for path in sorted(touched, key=len, reverse=True):
-        entry = comparison.source_dirs.get(path)
-        if entry is not None:
-            _set_directory(tree, os.fsdecode(path), safe_mode(entry.mode), entry.mtime_ns)
+        source_dir = comparison.source_dirs.get(path)
+        if source_dir is not None:
+            _set_directory(tree, os.fsdecode(path), safe_mode(source_dir.mode), source_dir.mtime_ns)
     return len(comparison.extra) if delete else 0

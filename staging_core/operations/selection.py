@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import posixpath
-from typing import Sequence
+from collections.abc import Sequence
 
 from bundles.errors import UsageError
 from bundles.progress import Progress
@@ -10,8 +10,10 @@ from bundles.progress import Progress
 from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions, StagingResult
 
+_DEFAULTS = StagingOptions()
 
-def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: StagingOptions = StagingOptions(),
+
+def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: StagingOptions = _DEFAULTS,
           sizes: Sequence[int] | None = None, progress: Progress | None = None) -> StagingResult:
     """Bring ``items`` (paths relative to ``src_root_url``) to ``dest_root/<item>`` in one planned operation.
 
@@ -34,12 +36,12 @@ def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: Stag
     if len(sizes) != len(items):
         raise UsageError(f"{len(sizes)} sizes for {len(items)} items", hint="give one size per item, or none")
     by_name: dict[str, int] = {}
-    for item, size in zip(items, sizes):
+    for item, size in zip(items, sizes, strict=True):
         by_name.setdefault(posixpath.normpath(item), size)
     return pull(src_root_url, dest_root, options, progress, names, [by_name[name] for name in names])
 
 
-def send(src_root: str, items: Sequence[str], dest_root_url: str, options: StagingOptions = StagingOptions(),
+def send(src_root: str, items: Sequence[str], dest_root_url: str, options: StagingOptions = _DEFAULTS,
          progress: Progress | None = None) -> StagingResult:
     """Send local ``src_root/<item>`` to ``dest_root_url/<item>`` in one planned operation; the mirror of
     :func:`fetch` (bundles are stored and forwarded, then unpacked by the destination's route)."""

@@ -1,16 +1,18 @@
-"""What push and pull strategies share: the interface, the record of one attempt, timed stages, one batch transfer."""
+"""What push and pull strategies share: the interface, their registry, the record of one attempt, timed stages,
+one batch transfer."""
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from bundles.errors import UsageError
+from bundles.errors import PalletError, UsageError
 from bundles.progress import Progress
 from bundles.stream import MAX_STREAMED_SHARD_SIZE
 
 from staging_core.options import StagingOptions
+from staging_core.routes.base import Route
 from staging_core.transports.base import Direction, Endpoint, Transport, TransferResult
 from staging_core.transports.errors import TransportError, source_side_failure
 
@@ -54,20 +56,74 @@ class Strategy(ABC, Generic[Context]):
     """One way to move what an operation selected: individually, as a stream, stored and forwarded, hybrid, or
     through the far side's tar tools.
 
-    ``name`` is the strategy's name as ``--json`` reports it. ``run(ctx)``
-    makes one attempt with everything the operation opened (its context:
-    a PushContext or a PullContext) and returns what it did as an
-    :class:`Attempt`; it raises a TransportError (retried by the caller when
-    marked retryable) or another PalletError naming the cause. An attempt
-    may be made again after a retryable failure, and must then resume:
-    rsync skips files already there, journals skip finished shards. A
-    strategy holds no state between attempts.
+    ``name`` is the strategy's name (a route lists the names of those that
+    may carry a bundle through it in ``Route.strategies``), ``direction``
+    the operation it serves (PUSH or PULL). Strategies register themselves
+    (:func:`register_strategy`); for an attempt, the registered strategies
+    of the direction are asked in increasing ``order`` and the first whose
+    ``applies(ctx, planned)`` is True runs: ``planned`` is the plan's
+    strategy (individual, bundle or hybrid), and ``applies`` reads only the
+    context: the route's declarations (``Route.strategies``, ``streams``),
+    the transport's capabilities and the options. It may raise UsageError
+    for an option the context cannot honour (``--stream on`` where nothing
+    streams).
+
+    ``run(ctx)`` makes one attempt with everything the operation opened
+    (its context: a PushContext or a PullContext) and returns what it did
+    as an :class:`Attempt`; it raises a TransportError (retried by the
+    caller when marked retryable) or another PalletError naming the cause.
+    An attempt may be made again after a retryable failure, and must then
+    resume: rsync skips files already there, journals skip finished shards.
+    A strategy holds no state between attempts.
     """
 
     name: ClassVar[str] = ""
+    direction: ClassVar[Direction]
+    order: ClassVar[int] = 100
+
+    @classmethod
+    @abstractmethod
+    def applies(cls, ctx: Context, planned: str) -> bool:
+        """Whether this strategy carries out ``planned`` (individual, bundle, hybrid) where ``ctx`` leads."""
 
     @abstractmethod
     def run(self, ctx: Context) -> Attempt: ...
+
+
+StrategyClass = TypeVar("StrategyClass", bound="type[Strategy[Any]]")
+_STRATEGIES: dict[tuple[Direction, str], type[Strategy[Any]]] = {}
+
+
+def register_strategy(kind: StrategyClass) -> StrategyClass:
+    """Register a Strategy class under its ``(direction, name)``, replacing one of that name (usable as a class
+    decorator). pallet's own register when their modules (push_strategies, pull_strategies) are imported."""
+    if not kind.name or not isinstance(getattr(kind, "direction", None), Direction):
+        raise TypeError(f"{kind.__name__} needs a name and a direction to be registered")
+    _STRATEGIES[(kind.direction, kind.name)] = kind
+    return kind
+
+
+def unregister_strategy(direction: Direction, name: str) -> None:
+    """Remove a registered strategy (nothing if there is none)."""
+    _STRATEGIES.pop((direction, name), None)
+
+
+def registered_strategies(direction: Direction) -> list[type[Strategy[Any]]]:
+    """The strategies of ``direction`` in the order they are asked."""
+    return sorted((kind for (way, _), kind in _STRATEGIES.items() if way is direction),
+                  key=lambda kind: (kind.order, kind.name))
+
+
+def select_strategy(direction: Direction, ctx: Context, planned: str, route: Route | None) -> Strategy[Context]:
+    """The first registered strategy of ``direction`` that applies to ``ctx`` and ``planned`` (``route``: the
+    context's route, for the error); PalletError when none does."""
+    for kind in registered_strategies(direction):
+        if kind.applies(ctx, planned):
+            return kind()
+    where = "without a route" if route is None else f"through the route {route.description!r}"
+    raise PalletError(f"no {direction.value} strategy carries out a {planned} plan {where} "
+                      f"(it carries: {', '.join(sorted(route.strategies)) if route is not None else 'nothing'})",
+                      hint="use --strategy individual, or --stream auto where a route carries only streams")
 
 
 class Stage:
@@ -89,7 +145,7 @@ class Stage:
         seconds[self.name] = seconds.get(self.name, 0.0) + time.monotonic() - self.started
 
 
-def resolve_strategy(chosen, options: StagingOptions, route, endpoint: Endpoint) -> str:
+def resolve_strategy(chosen, options: StagingOptions, route: Route | None, endpoint: Endpoint) -> str:
     """The strategy to run: the planner's choice (a planner.Plan) under ``--strategy auto``, else the user's;
     UsageError when the user asks for a bundle where no route can unpack or pack one."""
     if options.strategy == "auto":

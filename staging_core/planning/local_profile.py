@@ -1,6 +1,7 @@
 """The local route's costs: measured once per destination file system by copying a sample, kept as a profile."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,7 +16,8 @@ from bundles.state import ensure_state_dir, prune
 from staging_core.planning.planner import LOCAL_PROFILE_PREFIX, MIN_SPREAD, LinkProfile, spread_of, typical
 from staging_core.planning.profiles import load_profile, save_profile
 from staging_core.options import StagingOptions
-from staging_core.transports.base import Direction, Endpoint, parse_url
+from staging_core.routes.base import declared_capabilities
+from staging_core.transports.base import Capabilities, Direction, Endpoint, parse_url
 from staging_core.transports.local import LocalTransport
 
 SAMPLE_FILES = 1000
@@ -26,10 +28,17 @@ SAMPLE_WINDOW = 10                # per-file costs kept (measured, then observed
 FIRST_SPREAD = (0.4, 3.0)         # a first measurement's range at least: one copy on a busy disk varies that much
 
 
+def copies_locally(capabilities: Capabilities | None, profile: str | None) -> bool:
+    """True when a transfer by a transport with ``capabilities`` (``local_copy``: a copy between this host's
+    paths) is one the native engine runs in parallel, planned with the measured local profile (a user's
+    ``--profile`` still wins)."""
+    return capabilities is not None and capabilities.local_copy and profile is None and native.module() is not None
+
+
 def uses_local_copy(scheme: str, profile: str | None) -> bool:
-    """True when a transfer to or from ``scheme`` is a local copy the native engine runs in parallel, planned
-    with the measured local profile (a user's ``--profile`` still wins)."""
-    return scheme == "file" and profile is None and native.module() is not None
+    """:func:`copies_locally` for the transport registered for ``scheme`` (its declared capabilities, read
+    without connecting): for callers that have not opened it (``pallet plan``)."""
+    return copies_locally(declared_capabilities(scheme), profile)
 
 
 def local_profile(dest: str, measure_now: bool = True) -> LinkProfile:
@@ -105,10 +114,8 @@ def observe(dest: str, files: int, nbytes: int, seconds: float) -> None:
     shown = max(seconds - nbytes / profile.bandwidth, 0.0) / files
     samples = list(profile.per_file_samples) if profile.observed else []     # a real copy outweighs the sample's
     observed = replace(profile, observed=profile.observed + 1)
-    try:
+    with contextlib.suppress(OSError):  # the profile directory is not writable: keep planning with the old one
         save_profile(with_samples(observed, [*samples, shown], MIN_SPREAD if samples[2:] else FIRST_SPREAD))
-    except OSError:
-        pass                            # the profile directory is not writable: keep planning with the old one
 
 
 def _sample(root: str, sizes: list[int]) -> str:
@@ -137,10 +144,10 @@ def _existing_parent(path: str) -> str:
 
 def route_profile(endpoint: Endpoint, options: StagingOptions, unpack_route: bool, local_dest: str | None = None,
                   measure: bool = True) -> tuple[LinkProfile, bool]:
-    """The link profile to plan with, and whether a bundle may be planned. Between local paths (with the native
-    engine) the local profile is used (measured now unless ``measure`` is False) and, unless a strategy is
-    asked for, no bundle: the parallel copy needs none. ``local_dest``: the local side of a pull (else
-    ``endpoint`` is the destination)."""
+    """The link profile to plan with, and whether a bundle may be planned. Where ``endpoint``'s transport copies
+    between local paths (``local_copy``, with the native engine) the local profile is used (measured now
+    unless ``measure`` is False) and, unless a strategy is asked for, no bundle: the parallel copy needs none.
+    ``local_dest``: the local side of a pull (else ``endpoint`` is the destination)."""
     if uses_local_copy(endpoint.scheme, options.profile):
         profile = local_profile(local_dest or endpoint.path, measure)
         return profile, unpack_route and options.strategy != "auto"

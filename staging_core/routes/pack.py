@@ -6,28 +6,31 @@ import posixpath
 import shutil
 import subprocess
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
-from typing import Sequence
+from collections.abc import Sequence
+from typing import ClassVar, Protocol, cast
 
 from bundles.errors import PalletError, SourceError, UsageError
 from bundles.index import Index
 from bundles.tarformat import Kind
 from bundles.writer import PackOptions, pack
 
-from staging_core.planning.inventory import Inventory
-from staging_core.options import StagingOptions
-from staging_core.routes.tar_tools import TarToolsRoute
-from staging_core.planning.planner import Candidate, Plan
 from staging_core.far_side.probe import FarSide
+from staging_core.options import StagingOptions
+from staging_core.planning.inventory import Inventory
+from staging_core.planning.planner import Candidate, Plan
+from staging_core.routes.base import STORE_AND_FORWARD, STREAM, Route, declaring
 from staging_core.routes.registry import RouteQuery, RouteSpec, open_route, register_route
-from staging_core.routes.unpack import BUNDLE_SUFFIXES, bundle_name, endpoint_routes, open_via, open_via_endpoint, stager_argv
+from staging_core.routes.unpack import (BUNDLE_SUFFIXES, bundle_name, endpoint_routes, open_via, open_via_endpoint,
+                                        stager_argv)
 from staging_core.scratch import scratch, scratch_dir
 from staging_core.transports.base import Direction, Endpoint, Transport
 from staging_core.transports.errors import TransportError
 
 
-class PackRoute(AbstractContextManager, ABC):
-    """How the tree at a pull source becomes a bundle there.
+class PackRoute(Route, ABC):
+    """How the tree at a pull source becomes a bundle there: the interface a pull's ``store-and-forward``
+    strategy (and :func:`staging_core.operations.pull_phases.move_packed`) calls; see
+    :class:`~staging_core.routes.base.Route` for what every route declares.
 
     ``pack`` returns the path, in the source transport's path space, of a
     bundle with its ``.pidx`` beside it: written under ``outgoing`` (a
@@ -36,12 +39,15 @@ class PackRoute(AbstractContextManager, ABC):
     parent directories instead of the whole tree. ``cleanup`` removes what
     ``pack`` made.
     The bytes depend only on the tree and the codec, so a rerun sends the
-    same bundle and the local unpack skips finished shards. A route is a
-    context manager that closes what it opened.
+    same bundle and the local unpack skips finished shards. ``streams``
+    (False unless a route says otherwise): ``mpi_stager send`` can stream
+    the tree from the source through the source's transport (ssh). Every
+    pack route carries the ``stream`` and ``store-and-forward`` strategies
+    unless it declares fewer. A route is a context manager that closes what
+    it opened.
     """
 
-    description = "in place"
-    streams = False                 # True: ``mpi_stager send`` can stream the tree from the source (ssh)
+    strategies: ClassVar[frozenset[str]] = frozenset({STREAM, STORE_AND_FORWARD})
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions):
         self.endpoint = endpoint
@@ -54,15 +60,17 @@ class PackRoute(AbstractContextManager, ABC):
     @abstractmethod
     def cleanup(self) -> None: ...
 
-    def close(self) -> None:
-        """Release what the route opened (e.g. its own ssh connection)."""
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+def packer(route: Route | None, strategy: str = STORE_AND_FORWARD) -> PackRoute:
+    """``route`` as the PackRoute a pull's ``strategy`` calls: a route that lists that strategy implements this
+    interface (the Route contract); PalletError when it does not list it."""
+    return cast(PackRoute, declaring(route, strategy))     # the declaration, not the class, decides
 
 
 class LocalPack(PackRoute):
     """The source is local: pack in this process into a temporary directory."""
+
+    needs = frozenset({"local_copy"})
 
     def pack(self, codec: str, items: Sequence[str] | None = None) -> str:
         self.outgoing = scratch_dir("pallet-outgoing-")
@@ -92,13 +100,18 @@ class RemoteExecPack(PackRoute):
     directory in the far side's $TMPDIR, which this session holds (an flock) until ``cleanup`` removes it;
     the next pull there removes the ones killed sessions left."""
 
-    parent = ""                     # "": the far side's ${TMPDIR:-/tmp}
+    needs = frozenset({"remote_exec", "posix_shell", "streaming"})
     prefix = "pallet-outgoing-"
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
         self.transport = transport
         self._holder: subprocess.Popen | None = None
+
+    @property
+    def parent(self) -> str:
+        """Where the outgoing directory is made: "" is the far side's ${TMPDIR:-/tmp}."""
+        return ""
 
     @property
     def streams(self) -> bool:
@@ -116,24 +129,31 @@ class RemoteExecPack(PackRoute):
             self.transport.run(stager_argv(self.options, "pack", *comm, *selection, *shards, "--codec", codec,
                                            self.endpoint.path, bundle), stdin=listing)
         except TransportError as exc:
-            raise unselectable(exc, self.endpoint.url()) or exc
+            refused = unselectable(exc, self.endpoint.url())
+            if refused is None:
+                raise
+            raise refused from exc
         return bundle
 
     def _make_outgoing(self) -> str:
-        self._holder = self.transport.stream_into(["sh", "-c", _OUTGOING_SCRIPT, "sh", self.parent, self.prefix])
-        line = self._holder.stdout.readline().decode(errors="replace").strip()
+        holder: subprocess.Popen = self.transport.stream_into(["sh", "-c", _OUTGOING_SCRIPT, "sh", self.parent,
+                                                               self.prefix])
+        self._holder = holder
+        assert holder.stdin is not None and holder.stdout is not None and holder.stderr is not None   # pipes
+        line = holder.stdout.readline().decode(errors="replace").strip()
         if line:
             return line
-        self._holder.stdin.close()
-        error = self._holder.stderr.read().decode(errors="replace").strip()
-        self._holder.wait()
+        holder.stdin.close()
+        error = holder.stderr.read().decode(errors="replace").strip()
+        holder.wait()
         self._holder = None
         raise PalletError(f"cannot make a directory for the bundle at the source ({error or 'no reason given'})",
                           self.endpoint.url(), "check that mktemp and flock exist there and its $TMPDIR is writable")
 
     def cleanup(self) -> None:
         if self._holder is not None:
-            self._holder.stdin.close()
+            if self._holder.stdin is not None:
+                self._holder.stdin.close()
             self._holder.wait()
             self._holder = None
         if self.outgoing:
@@ -157,6 +177,7 @@ class ViaPack(RemoteExecPack):
     so the bundle is not part of the tree it packs, and on the file system the source transport reads); the
     source transport then fetches the bundle, and ``cleanup`` removes the directory over ssh."""
 
+    needs = frozenset()             # nothing of the source's transport: the via host runs the commands
     prefix = ".pallet-outgoing-"
 
     @property
@@ -179,6 +200,7 @@ class PublishedBundle(PackRoute):
     ``cleanup`` removes nothing. ``inventory`` fetches only the ``.pidx`` and reads the tree from it."""
 
     description = "published bundle"
+    source_is_bundle = True
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
@@ -204,9 +226,25 @@ class PublishedBundle(PackRoute):
             with open(os.path.join(workdir, name), "rb") as handle:
                 index = Index.from_bytes(handle.read(), self.endpoint.url() + ".pidx")
         self.paths = frozenset(index.paths)
-        sizes = [size for kind, size in zip(index.kinds, index.sizes) if kind == Kind.FILE]
+        sizes = [size for kind, size in zip(index.kinds, index.sizes, strict=True) if kind == Kind.FILE]
         reason = "published bundle: fetched with its index and unpacked here as it is, without repacking"
         return Inventory(self.endpoint.path, sizes), Plan("bundle", [Candidate("bundle", 0.0, index.codec)], reason)
+
+
+class BundleSource(Protocol):
+    """What a route that declares ``source_is_bundle`` offers a pull (PublishedBundle does): ``inventory()``, the
+    files the bundle holds and the fixed plan, read from its index; then ``paths``, every entry it holds."""
+
+    paths: frozenset[bytes]
+
+    def inventory(self) -> tuple[Inventory, Plan]: ...
+
+
+def bundle_source(route: Route | None) -> BundleSource | None:
+    """``route`` as a :class:`BundleSource` when it declares ``source_is_bundle``, else None."""
+    if route is None or not route.source_is_bundle:
+        return None
+    return cast(BundleSource, route)       # the declaration, not the class, decides
 
 
 def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingOptions) -> PublishedBundle | None:
@@ -229,7 +267,7 @@ def published_bundle(endpoint: Endpoint, transport: Transport, options: StagingO
 
 
 def pack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
-               far: FarSide | None = None) -> PackRoute | TarToolsRoute | None:
+               far: FarSide | None = None) -> Route | None:
     """The registered pull route that packs the tree at ``endpoint`` (see :func:`register_pack_routes`), or None
     when there is none (bundling impossible)."""
     return open_route(Direction.PULL, RouteQuery(endpoint, transport, options, far))
@@ -242,6 +280,11 @@ def _check_pack_via(options: StagingOptions, direction: Direction) -> None:
         open_via_endpoint(options.pack_via, "--pack-via")
 
 
+def _open_pack_via(query: RouteQuery) -> ViaPack | None:
+    text = query.options.pack_via
+    return ViaPack(query.endpoint, query.options, open_via(text, "--pack-via", query.options)) if text else None
+
+
 def register_pack_routes() -> None:
     """pallet's pull routes, asked in this order: a published bundle needs no packing (:func:`published_bundle`);
     then ``--pack-via``; then a local source packs in this process, and a source whose transport runs commands
@@ -251,9 +294,8 @@ def register_pack_routes() -> None:
         RouteSpec("published-bundle", Direction.PULL, 10,
                   lambda q: published_bundle(q.endpoint, q.transport, q.options),
                   possible=lambda endpoint, options: endpoint.path.endswith(BUNDLE_SUFFIXES)),
-        RouteSpec("pack-via", Direction.PULL, 20,
-                  lambda q: ViaPack(q.endpoint, q.options, open_via(q.options.pack_via, "--pack-via", q.options))
-                  if q.options.pack_via else None, _check_pack_via, lambda endpoint, options: bool(options.pack_via)),
+        RouteSpec("pack-via", Direction.PULL, 20, _open_pack_via, _check_pack_via,
+                  lambda endpoint, options: bool(options.pack_via)),
         *endpoint_routes(Direction.PULL, 30, LocalPack, RemoteExecPack),
     ):
         register_route(spec)

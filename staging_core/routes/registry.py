@@ -4,13 +4,14 @@ from __future__ import annotations
 import importlib
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from bundles.errors import UsageError
 
-from staging_core.options import StagingOptions
 from staging_core.far_side.probe import FarSide
+from staging_core.options import StagingOptions
+from staging_core.routes.base import Route
 from staging_core.transports.base import Direction, Endpoint, Transport
 
 # The modules whose routes pallet ships; imported (and so registered) on the registry's first use.
@@ -35,12 +36,13 @@ class RouteSpec:
 
     - ``name``: how docs, errors and the conformance suite call it
       (lower-case words joined by ``-``); unique per direction.
-    - ``direction``: PUSH for a route that unpacks at a destination (it
-      builds an ``UnpackRoute`` or a ``TarToolsRoute``), PULL for one that
-      packs at a source (a ``PackRoute`` or a ``TarToolsRoute``).
+    - ``direction``: PUSH for a route that unpacks at a destination, PULL
+      for one that packs at a source.
     - ``order``: routes of a direction are asked in increasing order.
-    - ``open(query)``: the route object when this route serves the query,
-      else None. It may ask the transport (a ``stat``) but must not change
+    - ``open(query)``: the :class:`~staging_core.routes.base.Route` when
+      this route serves the query, else None. What the route declares (its
+      strategies, the capabilities it needs ...) is all the operations read
+      of it. ``open`` may ask the transport (a ``stat``) but must not change
       anything; it raises PalletError when the route is asked for
       explicitly and cannot be had.
     - ``check(options, direction)``: raise UsageError for this route's
@@ -55,7 +57,7 @@ class RouteSpec:
     name: str
     direction: Direction
     order: int
-    open: Callable[[RouteQuery], object | None]
+    open: Callable[[RouteQuery], Route | None]
     check: Callable[[StagingOptions, Direction], None] = lambda options, direction: None
     possible: Callable[[Endpoint, StagingOptions], bool] = lambda endpoint, options: False
 
@@ -109,7 +111,7 @@ def registered_routes(direction: Direction) -> list[RouteSpec]:
     return REGISTRY.routes(direction)
 
 
-def open_route(direction: Direction, query: RouteQuery):
+def open_route(direction: Direction, query: RouteQuery) -> Route | None:
     """The first route of ``direction`` that serves ``query`` (its ``open`` result), or None: no bundle can go
     there, and files go individually."""
     for spec in registered_routes(direction):

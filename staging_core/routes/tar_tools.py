@@ -3,53 +3,23 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shlex
 from binascii import unhexlify
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from bundles.errors import SourceError
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
-from mpi_stager.session import LISTING_ARGV
+from mpi_stager.wire import MANIFEST_END, FarEntry, parse_records, strip_tar_tools_line, tar_tools_script
+from mpi_stager.wire import FIND_RECORDS as FIND_RECORDS     # the listing record is mpi_stager.wire's; these stay
 
+from staging_core.routes.base import TAR_TOOLS, Route
 from staging_core.transports.base import Transport
 
 MD5_CHUNK = 256                  # files per local hashing task
 ROUNDS = 2                       # a file still wrong after this many sends is an error
 
-# Every entry under DEST except DEST/.pallet as 8 NUL-terminated fields: type, mode, mtime, size, link target, inode,
-# links, path (what parse_records reads). The scripts that list a far-side tree all use it, as does the session.
-FIND_RECORDS = shlex.join(LISTING_ARGV)
-
-# $1 DEST; md5 of the NUL-separated ./names on stdin (none when stdin is empty).
-# Prints find records (type, mode, mtime, size, link target, inode, links, path; NUL-terminated), an "E" record, then md5sum lines.
-# Both scripts hold a flock on DEST/.pallet: a far-side tar outlives a push killed with -9 until its input ends.
-_MANIFEST = r"""
-cd -- "$1" 2>/dev/null || { printf 'E\0\0\0\0\0\0\0\0'; exit 0; }
-if [ -d .pallet ] && [ ! -L .pallet ]; then     # wait for a tar of a killed push that is still writing
-  exec 9<.pallet; flock -w 600 9 || { echo "pallet: an earlier transfer into $1 is still running" >&2; exit 6; }
-fi
-""" + FIND_RECORDS + r"""
-printf 'E\0\0\0\0\0\0\0\0'
-xargs -0 -r md5sum --
-"""
-
 DECODERS = {"zstd": "zstd -dc", "gzip": "gzip -dc", "none": "cat"}
 COMPRESSORS = {"zstd": "zstd -q -c", "gzip": "gzip -c", "none": "cat"}
-
-
-@dataclass(frozen=True)
-class FarEntry:
-    """One entry of the far side's tree as `find -printf` reports it."""
-
-    kind: str            # f, d, l (or another find %y letter)
-    mode: int
-    mtime_ns: int
-    size: int
-    target: bytes
-    inode: int = 0
-    links: int = 1
 
 
 @dataclass
@@ -61,13 +31,18 @@ class FarTree:
 
 
 @dataclass(frozen=True)
-class TarToolsRoute(AbstractContextManager):
+class TarToolsRoute(Route):
     """Bundles go into the far side's own ``tar -x``, decoded there with ``codec``'s standard tool."""
 
     host: str
     codec: str
     pulling: bool = False
-    streams = True
+    # What it declares (staging_core.routes.base.Route): only the tar-tools strategy carries a bundle through it,
+    # which compares DEST itself and clears DEST/.pallet itself, over a transport that runs sh and streams.
+    strategies = frozenset({TAR_TOOLS})
+    needs = frozenset({"remote_exec", "posix_shell", "streaming"})
+    compares_dest_itself = True
+    clears_state_itself = True
 
     @property
     def description(self) -> str:
@@ -108,7 +83,8 @@ def tree_files(tree: SourceTree) -> set[bytes]:
 
 def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
     """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt."""
-    index, same, entries = tree.index, [], far.entries
+    index, entries = tree.index, far.entries
+    same: list[bytes] = []
     if not entries:
         return same
     kinds, mtimes, modes = index.kinds, index.mtimes, index.modes
@@ -121,25 +97,18 @@ def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
 
 
 def far_tree(transport: Transport, dest: str, hashed: list[bytes]) -> FarTree:
-    """List the tree at ``dest`` there, with the md5 of the files ``hashed`` names (relative paths)."""
+    """List the tree at ``dest`` there, with the md5 of the files ``hashed`` names (relative paths), by the
+    tar-tools "list" script (mpi_stager.wire)."""
     names = b"".join(b"./" + path + b"\0" for path in hashed)
-    return parse_far_tree(transport.run(["sh", "-c", _MANIFEST, "pallet-list", dest], stdin=names))
+    output = transport.run(["sh", "-c", tar_tools_script("list"), "pallet-list", dest], stdin=names)
+    return parse_far_tree(strip_tar_tools_line(output, dest))
 
 
 def parse_far_tree(output: bytes) -> FarTree:
-    """The FarTree that the manifest script printed: find records, an "E" record, md5sum lines."""
-    records, _, sums = output.partition(b"E\0\0\0\0\0\0\0\0")
+    """The FarTree that the "list" script printed after its version line: listing records, an "E" record, md5sum
+    lines."""
+    records, _, sums = output.partition(MANIFEST_END)
     return FarTree(parse_records(records), parse_md5_lines(sums))
-
-
-def parse_records(records: bytes) -> dict[bytes, FarEntry]:
-    """Relative path -> FarEntry, from the NUL-terminated fields `find -printf` gave (8 per entry)."""
-    fields, entries = records.split(b"\0"), {}
-    for at in range(0, len(fields) - 7, 8):
-        kind, mode, mtime, size, target, inode, links, path = fields[at:at + 8]
-        entries[path] = FarEntry(kind.decode(), int(mode, 8), _mtime_ns(mtime), int(size), target, int(inode),
-                                 int(links))
-    return entries
 
 
 def parse_md5_lines(text: bytes) -> dict[bytes, bytes]:
@@ -202,8 +171,8 @@ def md5_of(root: bytes, paths: list[bytes], jobs: int) -> dict[bytes, bytes]:
     workers = jobs_for(len(paths) * 2e-5, jobs)
     digests: dict[bytes, bytes] = {}
     with pool_for(None, workers) as pool:
-        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, workers == 1)):
-            digests.update(zip(chunk.paths, hashed))
+        for chunk, hashed in zip(chunks, pool.map(md5_files, chunks, workers == 1), strict=True):
+            digests.update(zip(chunk.paths, hashed, strict=True))
     return digests
 
 
@@ -233,14 +202,6 @@ def md5_files(chunk: MD5Chunk) -> list[bytes]:
 
 def _size(index, i: int) -> int:
     return index.sizes[i] if index.kinds[i] == Kind.FILE else index.sizes[index.link_groups[i]]
-
-
-def _mtime_ns(text: bytes) -> int:
-    """find's ``%T@`` (seconds with a fraction) in ns; one int() for the usual, non-negative case."""
-    seconds, _, fraction = text.partition(b".")
-    if not seconds.startswith(b"-"):
-        return int(seconds + fraction[:9].ljust(9, b"0"))
-    return int(seconds) * 1_000_000_000 - int((fraction[:9] or b"0").ljust(9, b"0"))
 
 
 def _md5_line(line: bytes) -> tuple[bytes, bytes]:
@@ -285,8 +246,9 @@ def regrouped(groups: list[list[bytes]], entries: dict[bytes, FarEntry]) -> set[
     holds as another kind, is :func:`differing`'s; a listing without inodes says nothing here."""
     wrong: set[bytes] = set()
     for names in groups:
-        there = [entries.get(name) for name in names]
-        if any(entry is None or entry.kind != "f" or not entry.inode for entry in there):
+        found = [entries.get(name) for name in names]
+        there = [entry for entry in found if entry is not None and entry.kind == "f" and entry.inode]
+        if len(there) != len(names):
             continue
         if len({entry.inode for entry in there}) != 1 or there[0].links != len(names):
             wrong.update(names)

@@ -5,25 +5,20 @@ import os
 import stat
 import threading
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from bundles.codecs import get_codec
-from bundles.errors import BundleError, DestinationError, SourceError
+from bundles.errors import BundleError, DestinationError, SourceError, StreamError
 from bundles.plain import StreamedArchive, extract_plain
 from bundles.progress import Progress
 from bundles.safety import safe_mode
 from bundles.state import finish, mark_incomplete
+from mpi_stager.wire import FarEntry, check_tar_tools_line, tar_tools_script
 
-from staging_core.routes.tar_tools import COMPRESSORS, ROUNDS, FarEntry, FarTree, TarToolsOutcome, TarToolsRoute, far_tree, md5_of
+from staging_core.routes.tar_tools import (COMPRESSORS, ROUNDS, FarTree, TarToolsOutcome, TarToolsRoute, far_tree,
+                                           md5_of)
 from staging_core.transports.base import Endpoint, Transport
 from staging_core.transports.errors import classify
-
-# $1 SRC, $2 compressor ("zstd -q -c", "gzip -c" or "cat"): the NUL-separated ./names on stdin, as one posix tar.
-_SEND = r"""
-cd -- "$1" || exit 3
-tar -c --null --no-recursion -T - -f - --format=posix --numeric-owner | $2
-"""
-
 
 def pull_plain(transport: Transport, endpoint: Endpoint, route: TarToolsRoute, dest: str, jobs: int,
                progress: Progress, items: Sequence[str] | None = None) -> TarToolsOutcome:
@@ -163,12 +158,14 @@ def _with_parents(far: FarTree, wanted: list[bytes]) -> list[bytes]:
 def _fetch(transport: Transport, endpoint: Endpoint, route: TarToolsRoute, dest: str, names: list[bytes],
            progress: Progress) -> int:
     """Extract ``names`` from the far side's tar stream into ``dest`` as it arrives; return the bytes received."""
-    far = transport.stream_into(["sh", "-c", _SEND, "pallet-send", endpoint.path, COMPRESSORS[route.codec]])
+    far = transport.stream_into(["sh", "-c", tar_tools_script("send"), "pallet-send", endpoint.path,
+                                 COMPRESSORS[route.codec]])
     feeder = threading.Thread(target=_feed, args=(far.stdin, names), name="pallet-tar-names", daemon=True)
     feeder.start()
     errors: list[bytes] = []
     drain = threading.Thread(target=lambda: errors.append(far.stderr.read()), name="pallet-tar-stderr", daemon=True)
     drain.start()
+    _check_version(far, endpoint)
     wire = _CountingReader(far.stdout)
     archive = StreamedArchive(f"{endpoint.url()} (its tar -c)", get_codec(route.codec), wire)
     try:
@@ -194,6 +191,17 @@ def _fetch(transport: Transport, endpoint: Endpoint, route: TarToolsRoute, dest:
                        f"the far side's tar failed with status {code}")
     finish(dest)
     return wire.count
+
+
+def _check_version(far, endpoint: Endpoint) -> None:
+    """Read the "send" script's version line (mpi_stager.wire); one that is not this version's stops it there."""
+    try:
+        check_tar_tools_line(far.stdout.readline(), endpoint.url())
+    except StreamError:
+        far.stop()
+        far.stdout.close()
+        far.wait()
+        raise
 
 
 class _CountingReader:

@@ -5,6 +5,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from bundles.codecs import get_codec
 from bundles.errors import DestinationError, PalletError
@@ -13,9 +14,11 @@ from bundles.scan import SourceTree, scan
 from bundles.tarformat import Kind, member_header
 from bundles.writer import iter_shards
 from mpi_stager.send import RelaySink, prepare_source
+from mpi_stager.wire import parse_records
 
-from staging_core.routes.tar_tools import (DECODERS, ROUNDS, FarTree, TarToolsOutcome, TarToolsRoute, differing, hash_local_files, link_groups,
-                    parse_md5_lines, parse_records, regrouped, shown_names, unchanged_files, with_link_groups)
+from staging_core.routes.tar_tools import (DECODERS, ROUNDS, FarTree, TarToolsOutcome, TarToolsRoute, differing,
+                                           hash_local_files, link_groups, parse_md5_lines, regrouped, shown_names,
+                                           unchanged_files, with_link_groups)
 from staging_core.routes.tar_tools_session import FarSession, FrameWriter
 from staging_core.transports.base import Endpoint, Transport
 
@@ -124,8 +127,8 @@ class _Clock:
 class SentShards:
     """What one send round wrote: bytes on the wire and the md5 of every file sent (taken while packing)."""
 
+    md5: dict[bytes, bytes] = field(default_factory=dict)     # before ``bytes``, which names an int in here
     bytes: int = 0
-    md5: dict[bytes, bytes] = field(default_factory=dict)
 
 
 def _send(session: FarSession, tree: SourceTree, route: TarToolsRoute, items: frozenset[bytes], jobs: int,
@@ -175,16 +178,15 @@ class _TarBatches:
         self.run_bytes = 0
         self.left = total
 
-    def open_big(self, plan) -> RelaySink:
+    def open_big(self, plan) -> BinaryIO:
         """iter_shards' sink for a big shard: relay the compressor's output into the open run."""
         self.relay = RelaySink(self._open().write)
-        return self.relay
+        return self.relay.as_file()
 
     def add(self, plan, built, files: list[bytes]) -> int:
         """Send a built shard (a big one has gone through the relay); the compressed bytes it took."""
-        if plan.big:
-            self.relay.finish()
-            sent = self.relay.length
+        if plan.big and self.relay is not None:         # open_big made it for this shard
+            sent = self.relay.finish()[1]
         else:
             self._open().write(built.compressed)
             sent = len(built.compressed)
@@ -243,7 +245,7 @@ class _ShardDigests:
         md5s, count = built.md5s, len(built.md5s) // 16
         files = self.files[self.taken:self.taken + count]
         self.taken += count
-        self.digests.update(zip(files, [md5s[at:at + 16] for at in range(0, 16 * count, 16)]))
+        self.digests.update(zip(files, [md5s[at:at + 16] for at in range(0, 16 * count, 16)], strict=False))
         kinds = self.index.kinds
         if Kind.HARDLINK in kinds[plan.first:plan.first + plan.count]:
             files += [self.index.paths[i] for i in range(plan.first, plan.first + plan.count)

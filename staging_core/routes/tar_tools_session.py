@@ -1,70 +1,25 @@
-"""One far-side shell session for a tar-tools push: list, hash, extract shard by shard and check, over one ssh channel."""
+"""One far-side shell session for a tar-tools push: list, hash, extract shard by shard and check, on one channel."""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bundles.errors import DestinationError
-from bundles.state import JOURNAL_KINDS
+from bundles.errors import DestinationError, StreamError
+from mpi_stager.wire import check_tar_tools_line, tar_tools_script
 
-from staging_core.routes.tar_tools import FIND_RECORDS
 from staging_core.transports.base import Endpoint, Transport
 from staging_core.transports.errors import classify
 
 FRAME_BYTES = 4 << 20     # stream bytes gathered into one frame (one `head -c` there)
-
-# Run as `sh -c SCRIPT pallet-session DEST DECODER` with the far side's own tools (GNU tar, coreutils, util-linux).
-# It makes DEST, checks DEST/.pallet is a directory of ours, waits on a flock of it (a tar of a killed push may
-# still be writing), and replies with the tree's find records. Then one command per line on stdin:
-#   H N   hash the N bytes of NUL-separated ./names that follow; reply with md5sum lines
-#   T     mark DEST incomplete; extract one run of tar shards sent as frames "SIZE\n" + SIZE bytes, ended by "0\n";
-#         the first T starts a background md5sum fed by V, so checking overlaps the next shard's extraction
-#   V N   queue the N bytes of NUL-separated ./names that follow (files already extracted) for that md5sum
-#   W     wait for the queued md5sums; reply with their lines
-#   F C   done: remove the INCOMPLETE mark (C=1: all of DEST/.pallet, else only if that empties it); reply "done"
-# A reply is its length in bytes on one line, then the bytes. End of input before F: the pusher is gone (exit 9).
-SESSION_SCRIPT = (r"""
-set -u
-fail() { echo "pallet: $1" >&2; exit "$2"; }
-mkdir -p -- "$1" 2>/dev/null && cd -- "$1" || fail "cannot create or enter $1" 5
-if [ -L .pallet ] || { [ -e .pallet ] && { [ ! -d .pallet ] || [ ! -O .pallet ]; }; }; then
-  fail "$1/.pallet is not a directory of yours; remove it" 5
-fi
-mkdir -p .pallet && exec 9<.pallet || fail "cannot create $1/.pallet" 5
-flock -w 600 9 || fail "an earlier transfer into $1 is still running" 6
-rm -f .pallet/list .pallet/sums .pallet/queue .pallet/checked
-reply() { wc -c < "$1"; cat -- "$1"; }
-""" + FIND_RECORDS + r""" > .pallet/list
-reply .pallet/list
-checker=
-while read -r command size; do
-  case $command in
-  H) head -c "$size" | xargs -0 -r md5sum -- > .pallet/sums 2>/dev/null; reply .pallet/sums ;;
-  T) if [ -z "$checker" ]; then
-       rm -rf JOURNALS && : > .pallet/INCOMPLETE && mkfifo .pallet/queue \
-         && exec 8<>.pallet/queue || fail "cannot write in $1" 5
-       xargs -0 -r -n 2048 md5sum -- < .pallet/queue > .pallet/checked 2>/dev/null 8>&- &
-       checker=$!
-     fi
-     while read -r frame && [ "$frame" != 0 ]; do head -c "$frame" || exit 1; done 8>&- \
-       | $2 8>&- | tar -x -p --no-same-owner -f - 8>&- || exit 7 ;;
-  V) head -c "$size" >&8 ;;
-  W) exec 8>&-; wait "$checker"; checker=; rm -f .pallet/queue; reply .pallet/checked ;;
-  F) rm -f .pallet/INCOMPLETE .pallet/list .pallet/sums .pallet/checked
-     if [ "$size" = 1 ]; then rm -rf .pallet; else rmdir .pallet 2>/dev/null; fi
-     printf '4\ndone'; exit 0 ;;
-  *) fail "unexpected command from the pusher" 8 ;;
-  esac
-done
-exit 9
-""").replace("JOURNALS", " ".join(f".pallet/{kind}*" for kind in JOURNAL_KINDS))
 
 
 @dataclass
 class FrameWriter:
     """Shard bytes as frames on the session's input, gathered to :data:`FRAME_BYTES` so `head -c` runs seldom."""
 
-    write_raw: object
+    write_raw: Callable[[bytes], None]
     pending: list[bytes] = field(default_factory=list)
     size: int = 0
 
@@ -83,7 +38,8 @@ class FrameWriter:
 
 
 class FarSession:
-    """The far side's end of a tar-tools push into ``endpoint`` (see SESSION_SCRIPT); a context manager.
+    """The far side's end of a tar-tools push into ``endpoint``: the tar-tools "session" script
+    (mpi_stager.wire, docs/wire.md); a context manager.
 
     Every method writes one command; those that expect a reply block until
     it arrives. When the far side fails, the next call raises the
@@ -94,13 +50,14 @@ class FarSession:
 
     def __init__(self, transport: Transport, endpoint: Endpoint, decoder: str):
         self.endpoint = endpoint
-        self.far = transport.stream_into(["sh", "-c", SESSION_SCRIPT, "pallet-session", endpoint.path, decoder])
+        self.far = transport.stream_into(["sh", "-c", tar_tools_script("session"), "pallet-session", endpoint.path,
+                                          decoder])
         self._errors: list[bytes] = []
         self._drain = threading.Thread(target=lambda: self._errors.append(self.far.stderr.read()),
                                        name="pallet-session-stderr", daemon=True)
         self._drain.start()
 
-    def __enter__(self) -> "FarSession":
+    def __enter__(self) -> FarSession:
         return self
 
     def __exit__(self, kind, *exc) -> None:
@@ -109,7 +66,16 @@ class FarSession:
         self.close(failed=kind is not None)
 
     def listing(self) -> bytes:
-        """The find records the session opened with."""
+        """The listing records the session opened with, after its version line (checked)."""
+        self._to_far_side(self.far.stdin.flush)
+        line = self.far.stdout.readline()
+        if not line:
+            raise self._failure(self._ended())
+        try:
+            check_tar_tools_line(line, self.endpoint.url())
+        except StreamError:
+            self._abandon()
+            raise
         return self._reply()
 
     def hash_now(self, names: bytes) -> bytes:
@@ -151,10 +117,8 @@ class FarSession:
 
     def _abandon(self) -> None:
         """End our input (the far side's script ends as it reads its end), stop ssh and our reads of its output."""
-        try:
+        with contextlib.suppress(OSError):
             self.far.stdin.close()
-        except OSError:
-            pass
         self.far.stop()
         self.far.wait()
         self.far.stdout.close()
@@ -179,10 +143,8 @@ class FarSession:
 
     def _ended(self) -> int:
         """Close the session's input and wait for the far side: its exit status."""
-        try:
+        with contextlib.suppress(OSError):
             self.far.stdin.close()
-        except OSError:
-            pass
         code = self.far.wait()
         self._drain.join()
         return code

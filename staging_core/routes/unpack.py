@@ -1,4 +1,4 @@
-"""Routes: where a bundle is unpacked at a destination and by which command (pack routes: pack_routes.py)."""
+"""Push routes: where a bundle is unpacked at a destination and by which command (pull routes: pack.py)."""
 from __future__ import annotations
 
 import os
@@ -7,28 +7,33 @@ import shlex
 import subprocess
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar, Protocol, cast
 
 from bundles.errors import PalletError, UsageError
 from bundles.state import prune
-from mpi_stager.comm import SerialComm
+from bundles.unpacking import UnpackOptions, unpack as unpack_bundle
 from mpi_stager.summaries import StagerSummary, decode
-from mpi_stager.unpack import StagerOptions, unpack_parallel
 
 from staging_core.options import StagingOptions
-from staging_core.routes.tar_tools import TarToolsRoute
 from staging_core.far_side.probe import FarSide
 from staging_core.far_side.slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
+from staging_core.routes.base import (HYBRID, STORE_AND_FORWARD, STREAM, Route, capable, declared_capabilities,
+                                      declaring, transport_capable)
+from staging_core.routes.registry import RouteQuery, RouteSpec, has_route, open_route, register_route
+from staging_core.routes.tar_tools import TarToolsRoute
 from staging_core.transports.base import Direction, Endpoint, Transport, parse_url
 from staging_core.transports.errors import NotSupportedError
-from staging_core.routes.registry import RouteQuery, RouteSpec, has_route, open_route, register_route
 from staging_core.transports.registry import open_endpoint, transport_class
 
 INCOMING = ".pallet/incoming"
 JOB_KINDS = ("slurm",)
 # remove the given files, then the incoming directory ($1) and DEST/.pallet while they are empty
-_DISCARD_SCRIPT = 'incoming=$1; shift; rm -f -- "$@" && rmdir --ignore-fail-on-non-empty -- "$incoming" "${incoming%/*}"'
+_DISCARD_SCRIPT = ('incoming=$1; shift; rm -f -- "$@" && '
+                   'rmdir --ignore-fail-on-non-empty -- "$incoming" "${incoming%/*}"')
 
 BUNDLE_SUFFIXES = (".tar.zst", ".tar.gz", ".tar")
+# What the transport of a via host (--unpack-via, --pack-via) must declare: it runs mpi_stager and sh scripts there.
+VIA_NEEDS = frozenset({"remote_exec", "posix_shell"})
 
 
 def stager_argv(options: StagingOptions, command: str, *args: str) -> list[str]:
@@ -78,8 +83,10 @@ def run_local(argv: list[str]) -> bytes:
     return done.stdout
 
 
-class UnpackRoute(AbstractContextManager, ABC):
-    """How a bundle that has reached the destination becomes the tree there.
+class UnpackRoute(Route, ABC):
+    """How a bundle that has reached the destination becomes the tree there: the interface a push's
+    ``store-and-forward`` and ``hybrid`` strategies call (see :class:`~staging_core.routes.base.Route` for what
+    every route declares).
 
     ``description`` names the route for summaries. ``incoming`` is the
     directory, in the destination transport's path space, where the bundle
@@ -91,16 +98,18 @@ class UnpackRoute(AbstractContextManager, ABC):
     and returns only when that is done, or raises a PalletError naming the
     cause; it returns the number of shards an earlier run had already
     finished. With ``keep_journal`` a far-side unpack leaves DEST/.pallet
-    for the caller, which removes it once everything has succeeded. ``removes_bundle`` tells the caller whether to delete the
-    bundle afterwards with ``discard`` (False when the route leaves it for
-    the user, e.g. ``--keep-packed``); ``streams`` whether a bundle stream
-    can be fed straight into the unpacker there (see streaming.py). A
-    route is a context manager that closes what it opened.
+    for the caller, which removes it once everything has succeeded.
+    ``removes_bundle`` tells the caller whether to delete the bundle
+    afterwards with ``discard`` (False when the route leaves it for the
+    user, e.g. ``--keep-packed``); ``streams`` whether a bundle stream can
+    be fed straight into the unpacker there (see streaming.py). Every
+    unpack route carries the ``stream``, ``store-and-forward`` and
+    ``hybrid`` strategies unless it declares fewer. A route is a context
+    manager that closes what it opened.
     """
 
-    description = "in place"
+    strategies: ClassVar[frozenset[str]] = frozenset({STREAM, STORE_AND_FORWARD, HYBRID})
     removes_bundle = True
-    streams = False
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions):
         self.endpoint = endpoint
@@ -129,24 +138,25 @@ class UnpackRoute(AbstractContextManager, ABC):
         does)."""
         raise NotSupportedError(f"nothing runs where {self.endpoint.url()} is", self.endpoint.url())
 
-    def close(self) -> None:
-        """Release what the route opened (e.g. its own ssh connection)."""
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+def unpacker(route: Route | None, strategy: str) -> UnpackRoute:
+    """``route`` as the UnpackRoute a push's ``strategy`` (``store-and-forward``, ``hybrid``) calls: a route that
+    lists that strategy implements this interface (the Route contract); PalletError when it does not list it."""
+    return cast(UnpackRoute, declaring(route, strategy))   # the declaration, not the class, decides
 
 
 class LocalUnpack(UnpackRoute):
     """The destination is a local directory: mpi_stager runs in this process (or under the launcher)."""
 
+    needs = frozenset({"local_copy"})
+
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         if self.options.launcher:
             return _skipped(run_local(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal,
                                                   locked=True)), self.endpoint.url())
-        workers = self.options.ranks or os.cpu_count() or 1
-        summary = unpack_parallel(SerialComm(), bundle_path, self.endpoint.path,
-                                  StagerOptions(self.options.verify, None, workers, lock_held=True))
-        return summary.shards_skipped
+        result = unpack_bundle(bundle_path, self.endpoint.path,
+                               UnpackOptions(verify=self.options.verify, lock_held=True, max_jobs=self.options.ranks))
+        return result.shards_skipped
 
     def discard(self, paths: list[str]) -> None:
         for path in paths:
@@ -156,6 +166,8 @@ class LocalUnpack(UnpackRoute):
 
 class RemoteExecUnpack(UnpackRoute):
     """The destination transport can run commands there (ssh): mpi_stager runs on that host."""
+
+    needs = frozenset({"remote_exec", "posix_shell"})
 
     def __init__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport):
         super().__init__(endpoint, options)
@@ -182,14 +194,15 @@ class ViaUnpack(UnpackRoute):
     def __init__(self, endpoint: Endpoint, options: StagingOptions, via: Transport):
         super().__init__(endpoint, options)
         self.via = via
+        self.via_url = options.unpack_via or via.endpoint.url()      # as the user wrote it
 
     @property
     def description(self) -> str:
-        return f"via {self.options.unpack_via}"
+        return f"via {self.via_url}"
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         return _skipped(self.via.run(unpack_argv(self.options, bundle_path, self.endpoint.path, keep_journal)),
-                        self.options.unpack_via)
+                        self.via_url)
 
     def run_there(self, argv: list[str], stdin: bytes | None = None) -> bytes:
         return self.via.run(argv, stdin)
@@ -208,19 +221,20 @@ class SlurmJobUnpack(ViaUnpack):
 
     @property
     def description(self) -> str:
-        return f"slurm job {self.job_id} via {self.options.unpack_via}"
+        return f"slurm job {self.job_id} via {self.via_url}"
 
     def extra_files(self, bundle: str) -> list[str]:
         return job_files(bundle, self.incoming, self.endpoint.path, self.options)
 
     def unpack(self, bundle_path: str, keep_journal: bool = False) -> int:
         job = UnpackJob(bundle_path, self.endpoint.path)     # a job cleans up after itself: no journal is kept
-        self.job_id, output = run_job(self.via.run, job, self.options.unpack_via, echo_for(self.options.progress))
-        return _skipped(output, self.options.unpack_via)
+        self.job_id, output = run_job(self.via.run, job, self.via_url, echo_for(self.options.progress))
+        return _skipped(output, self.via_url)
 
     def discard(self, paths: list[str]) -> None:
         job = UnpackJob(paths[0], self.endpoint.path)
-        super().discard([*paths, job.output(self.job_id), job.output(self.job_id, "err")])
+        outputs = [] if self.job_id is None else [job.output(self.job_id), job.output(self.job_id, "err")]
+        super().discard([*paths, *outputs])
 
 
 class KeepPacked(UnpackRoute):
@@ -242,14 +256,14 @@ class KeepPacked(UnpackRoute):
 
 
 def job_files(bundle: str, incoming: str, dest_path: str, options: StagingOptions) -> list[str]:
-    """Write ``unpack.sbatch`` (:func:`staging_core.far_side.slurm.write_script`) for the bundle once it is in ``incoming``
-    beside local ``bundle``; return its name."""
+    """Write ``unpack.sbatch`` (:func:`staging_core.far_side.slurm.write_script`) for the bundle once it is in
+    ``incoming`` beside local ``bundle``; return its name."""
     job = UnpackJob(posixpath.join(incoming, os.path.basename(bundle)), dest_path)
     return [write_script(os.path.dirname(bundle), job, unpack_argv(options, job.bundle, dest_path), options)]
 
 
 def unpack_route(endpoint: Endpoint, transport: Transport, options: StagingOptions,
-                 far: FarSide | None = None) -> UnpackRoute | TarToolsRoute | None:
+                 far: FarSide | None = None) -> Route | None:
     """The registered push route that unpacks bundles at ``endpoint`` (see :func:`register_unpack_routes`), or
     None when there is none (bundling impossible)."""
     return open_route(Direction.PUSH, RouteQuery(endpoint, transport, options, far))
@@ -260,9 +274,8 @@ def has_unpack_route(endpoint: Endpoint, options: StagingOptions) -> bool:
     return has_route(Direction.PUSH, endpoint, options)
 
 
-def closing(route):
-    """``with closing(route) as route:`` closes the route (an unpack, pack or tar-tools route) afterwards; None stays
-    None."""
+def closing(route: Route | None) -> AbstractContextManager:
+    """``with closing(route) as route:`` closes the route afterwards; None stays None."""
     return nullcontext() if route is None else route
 
 
@@ -298,44 +311,67 @@ def _check_unpack_via(options: StagingOptions, direction: Direction) -> None:
         open_via_endpoint(options.unpack_via, "--unpack-via")
 
 
-def _open_via_route(query: RouteQuery, kind: type[ViaUnpack]) -> ViaUnpack:
-    return kind(query.endpoint, query.options, open_via(query.options.unpack_via, "--unpack-via", query.options))
+def _open_via_route(query: RouteQuery, kind: type[ViaUnpack]) -> ViaUnpack | None:
+    text = query.options.unpack_via
+    return kind(query.endpoint, query.options, open_via(text, "--unpack-via", query.options)) if text else None
 
 
-def _runs_commands(endpoint: Endpoint) -> bool:
-    """Whether the transport of ``endpoint``'s scheme can run commands there (from its class: no connection)."""
+def serves(endpoint: Endpoint, needs: frozenset[str]) -> bool:
+    """Whether the transport of ``endpoint``'s scheme declares every capability of ``needs`` and can be opened
+    here (its programs are installed), decided from its class, without connecting (``pallet plan``)."""
     try:
-        return transport_class(endpoint.scheme).capabilities.remote_exec
+        return capable(transport_class(endpoint.scheme).capabilities, needs)
     except PalletError:
         return False
 
 
-def _far_pallet(query: RouteQuery) -> bool:
-    """The query's transport runs commands there and pallet is there (or was not probed for)."""
-    return query.transport.capabilities.remote_exec and (query.far is None or query.far.pallet_usable)
+def _far_pallet(query: RouteQuery, needs: frozenset[str]) -> bool:
+    """The query's transport declares ``needs`` and pallet is there (or was not probed for)."""
+    return transport_capable(query.transport, needs) and (query.far is None or query.far.pallet_usable)
 
 
-def _far_plain(query: RouteQuery) -> bool:
-    """The query's transport runs commands there, the probe found no usable pallet but a decoder for tar."""
-    return (query.transport.capabilities.remote_exec and query.far is not None and not query.far.pallet_usable
-            and bool(query.far.tar_tools_decoder))
+def _open_tar_tools(query: RouteQuery, pulling: bool) -> TarToolsRoute | None:
+    """The tar-tools route where the query's transport declares what it needs and the probe found no usable
+    pallet there but a decoder for tar."""
+    far = query.far
+    if far is None or far.pallet_usable or not far.tar_tools_decoder \
+            or not transport_capable(query.transport, TarToolsRoute.needs):
+        return None
+    return TarToolsRoute(query.endpoint.host or "", far.tar_tools_decoder, pulling)
 
 
-def endpoint_routes(direction: Direction, order: int, local: type, remote: type) -> list[RouteSpec]:
+class LocalKind(Protocol):
+    """A route class for a local endpoint, made from the endpoint and the options (LocalUnpack, LocalPack)."""
+
+    needs: frozenset[str]
+
+    def __call__(self, endpoint: Endpoint, options: StagingOptions) -> Route: ...
+
+
+class RemoteKind(Protocol):
+    """A route class that runs at the far side through the endpoint's transport (RemoteExecUnpack, ...)."""
+
+    needs: frozenset[str]
+
+    def __call__(self, endpoint: Endpoint, options: StagingOptions, transport: Transport) -> Route: ...
+
+
+def endpoint_routes(direction: Direction, order: int, local: LocalKind, remote: RemoteKind) -> list[RouteSpec]:
     """The routes of ``direction`` that no option asks for, at ``order``, ``order + 10`` and ``order + 20``: a
-    local endpoint (``local(endpoint, options)`` runs here), then one whose transport runs commands (ssh) with
-    pallet there (``remote(endpoint, options, transport)``), else with the far side's own tar (TarToolsRoute)."""
-    def possible(endpoint: Endpoint, options: StagingOptions) -> bool:
-        return _runs_commands(endpoint)
+    ``local`` route (``local(endpoint, options)``) where the endpoint's transport declares ``local.needs`` (the
+    endpoint is this host's file system), then a ``remote`` one (``remote(endpoint, options, transport)``) where
+    it declares ``remote.needs`` (it runs commands there: ssh) and pallet is there, else the far side's own tar
+    (TarToolsRoute, where it declares ``TarToolsRoute.needs``)."""
     pulling = direction is Direction.PULL
     return [
-        RouteSpec("local", direction, order, lambda q: local(q.endpoint, q.options) if q.endpoint.is_local else None,
-                  possible=lambda endpoint, options: endpoint.is_local),
+        RouteSpec("local", direction, order,
+                  lambda q: local(q.endpoint, q.options) if transport_capable(q.transport, local.needs) else None,
+                  possible=lambda endpoint, options: serves(endpoint, local.needs)),
         RouteSpec("remote", direction, order + 10,
-                  lambda q: remote(q.endpoint, q.options, q.transport) if _far_pallet(q) else None, possible=possible),
-        RouteSpec("tar-tools", direction, order + 20,
-                  lambda q: TarToolsRoute(q.endpoint.host, q.far.tar_tools_decoder, pulling) if _far_plain(q) else None,
-                  possible=possible),
+                  lambda q: remote(q.endpoint, q.options, q.transport) if _far_pallet(q, remote.needs) else None,
+                  possible=lambda endpoint, options: serves(endpoint, remote.needs)),
+        RouteSpec("tar-tools", direction, order + 20, lambda q: _open_tar_tools(q, pulling),
+                  possible=lambda endpoint, options: serves(endpoint, TarToolsRoute.needs)),
     ]
 
 
@@ -349,10 +385,9 @@ def register_unpack_routes() -> None:
                   lambda q: KeepPacked(q.endpoint, q.options) if q.options.keep_packed else None,
                   _check_keep_packed, lambda endpoint, options: options.keep_packed),
         RouteSpec("slurm-job", Direction.PUSH, 20,
-                  lambda q: _open_via_route(q, SlurmJobUnpack) if q.options.unpack_via and q.options.unpack_job
-                  else None, _check_unpack_job, lambda endpoint, options: bool(options.unpack_via)),
-        RouteSpec("unpack-via", Direction.PUSH, 30,
-                  lambda q: _open_via_route(q, ViaUnpack) if q.options.unpack_via else None,
+                  lambda q: _open_via_route(q, SlurmJobUnpack) if q.options.unpack_job else None,
+                  _check_unpack_job, lambda endpoint, options: bool(options.unpack_via)),
+        RouteSpec("unpack-via", Direction.PUSH, 30, lambda q: _open_via_route(q, ViaUnpack),
                   _check_unpack_via, lambda endpoint, options: bool(options.unpack_via)),
         *endpoint_routes(Direction.PUSH, 40, LocalUnpack, RemoteExecUnpack),
     ):
@@ -360,11 +395,15 @@ def register_unpack_routes() -> None:
 
 
 def open_via_endpoint(text: str, flag: str) -> Endpoint:
-    """The ssh endpoint of a via option (``--unpack-via``/``--pack-via``); UsageError naming the flag otherwise."""
+    """The endpoint of a via option (``--unpack-via``/``--pack-via``): a ``scheme://host`` URL whose transport
+    declares VIA_NEEDS (it runs pallet's commands there: ssh); UsageError naming the flag otherwise."""
     hint = f"{flag} ssh://[user@]host[:port]: a host that mounts the same file system"
-    endpoint = parse_url(text, path_required=False) if text.startswith("ssh://") else None
-    if endpoint is None or endpoint.scheme != "ssh":
-        raise UsageError(f"{flag} takes an ssh:// URL, not {text!r}", hint=hint)
+    try:
+        endpoint = parse_url(text, path_required=False) if "://" in text else None
+    except UsageError:
+        endpoint = None
+    if endpoint is None or not capable(declared_capabilities(endpoint.scheme), VIA_NEEDS):
+        raise UsageError(f"{flag} takes an ssh:// URL (a host pallet can run commands on), not {text!r}", hint=hint)
     return endpoint
 
 

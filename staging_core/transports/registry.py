@@ -12,7 +12,7 @@ import shutil
 
 from bundles.errors import UsageError
 
-from .base import Endpoint, Transport, TransportOption, parse_url
+from .base import EarlyConnection, Endpoint, Transport, TransportOption, parse_url
 from .catalog import Registration, register, registration, schemes, unregister
 from .errors import MissingDependencyError
 
@@ -81,9 +81,13 @@ def open_transport(url: str | Endpoint, **options) -> Transport:
     return transport_class(endpoint.scheme)(endpoint, **options)
 
 
-def open_endpoint(url: str | Endpoint, options=None) -> Transport:
+def open_endpoint(url: str | Endpoint, options=None, early: EarlyConnection | None = None) -> Transport:
     """The transport for ``url``, given the options it declares (``Transport.options_from``) taken from
-    ``options`` (a StagingOptions; None: its defaults)."""
+    ``options`` (a StagingOptions; None: its defaults), and ``early``, a connection started for it
+    (``Transport.connect_early``), as its declared option ``early.option``: the transport takes it over."""
     endpoint = url if isinstance(url, Endpoint) else parse_url(url)
     kind = transport_class(endpoint.scheme)
-    return kind(endpoint, **({} if options is None else kind.options_from(options)))
+    given = {} if options is None else kind.options_from(options)
+    if early is not None:
+        given[early.option] = early.connection
+    return kind(endpoint, **given)
