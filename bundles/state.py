@@ -10,7 +10,7 @@ from contextlib import contextmanager, suppress
 
 from .errors import DestinationError, DestinationLocked
 from .extract_common import destination_error
-from .journal import JOURNAL_KINDS as JOURNAL_KINDS, untrusted_journals
+from .journal import untrusted_journals
 from .reserved import STATE_DIR, TRANSFER_DIR, WRITING_DIR
 from .state_fd import read_text, remove_entry, state_dir_fd, write_new
 

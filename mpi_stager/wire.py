@@ -12,7 +12,8 @@ import zstandard
 
 from bundles.errors import PalletError, StreamError, SummaryError
 from bundles.index import decode_zstd_bounded
-from bundles.state import JOURNAL_KINDS, STATE_DIR
+from bundles.journal import JOURNAL_KINDS
+from bundles.state import STATE_DIR
 # The bundle stream's version and its receiver's answer, listed here with the rest of the wire.
 from bundles.stream import STREAM_VERSION as STREAM_VERSION
 from bundles.stream import decode_resume_reply as decode_resume_reply

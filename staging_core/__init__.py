@@ -39,6 +39,11 @@ _PUBLIC = {
     "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",
     "open_transport": "transports.registry", "open_endpoint": "transports.registry",
     "Registration": "transports.registry", "register": "transports.registry",
+    "Capabilities": "transports.base", "capable": "transports.registry",
+    "declared_capabilities": "transports.registry",
+    # routes and strategies: what a route or strategy added from outside pallet registers with
+    "Route": "routes.base", "RouteSpec": "routes.registry", "RouteQuery": "routes.registry",
+    "register_route": "routes.registry", "register_strategy": "operations.strategy_base",
     # errors: one hierarchy, rooted at PalletError
     "TransportError": "transports.errors", "RemotePathMissingError": "transports.errors",
     "MissingDependencyError": "transports.errors",

@@ -286,6 +286,7 @@ class _Interrupts:
         self._seen = 0                                  # a signal the watcher saw, perhaps not yet handled
         self._handled_at: float | None = None
         self._handled = threading.Event()
+        self._in_hook = False
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
         self._pipe: tuple[int, int] | None = None
         self._wakeup = -1
@@ -362,7 +363,7 @@ class _Interrupts:
         return code
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.caught is not None:
+        if self.caught is not None or self._in_hook:    # in the hook: not handled, so the watcher sends it again
             return
         self.caught = Interrupted(signum)
         self._handled_at = time.monotonic()
@@ -378,10 +379,14 @@ class _Interrupts:
         if not isinstance(caught, Interrupted) or caught is not self.caught or self._pipe is None:
             self._hook(unraisable)
             return
-        self.caught = None
-        self._handled.clear()
-        with contextlib.suppress(BlockingIOError):      # the pipe is full of signals already: the watcher has them
-            os.write(self._pipe[1], bytes([caught.signum]))
+        self._in_hook = True            # a signal the watcher sends now must not be raised inside this hook
+        try:
+            self.caught = None
+            self._handled.clear()
+            with contextlib.suppress(BlockingIOError):  # the pipe is full of signals already: the watcher has them
+                os.write(self._pipe[1], bytes([caught.signum]))
+        finally:
+            self._in_hook = False
 
     def _say(self, signum: int) -> None:
         said = "interrupted" if signum == signal.SIGINT else f"interrupted ({signal.Signals(signum).name})"

@@ -110,10 +110,10 @@ def _look_at_dest(destination, options, tree):
     import sys
 
     from staging_core.far_side.probe import far_side_options
-    from staging_core.operations.repair import COMPARABLE_SCHEMES, compare_with_dest
+    from staging_core.operations.repair import compare_with_dest, lists_exactly
     from staging_core.transports.errors import MissingDependencyError, TransportError
     from staging_core.transports.registry import open_endpoint
-    if destination.scheme not in COMPARABLE_SCHEMES:
+    if not lists_exactly(destination):
         return None, None
     try:
         with open_endpoint(destination, options) as transport:

@@ -140,7 +140,7 @@ def far_side_options(transport: Transport, endpoint: Endpoint, options: StagingO
     path are probed again). Raises RemoteVersionError when the pallet found
     there speaks another stream protocol.
     """
-    if endpoint.scheme != "ssh" or options.keep_packed or options.unpack_via or options.pack_via \
+    if not transport.capabilities.posix_shell or options.keep_packed or options.unpack_via or options.pack_via \
             or options.remote_python != DEFAULT_REMOTE_PYTHON:
         return options, None
     far = probe_far_side(transport, endpoint, options.remote_python, options.reprobe,

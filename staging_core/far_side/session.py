@@ -245,7 +245,7 @@ class SessionStream:
     FarStager: its stdin, the receiver's answer, its summary (the session then goes on) and its errors.
 
     ``holds_no_shards``: the session listed DEST unmarked, so no interrupted stream left shards there (a
-    receiver that finds no INCOMPLETE marker drops every journal, see bundles.state.untrusted_journals). The
+    receiver that finds no INCOMPLETE marker drops every journal, see bundles.journal.untrusted_journals). The
     sender then need not wait for the receiver's resume answer before its first shard: :meth:`handshake`
     answers "none" at once, and a thread reads the answer as it comes (so that a long one never blocks the
     receiver while the sender writes), which is checked before the summary. Were it to name shards anyway,

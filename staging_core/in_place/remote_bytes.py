@@ -11,7 +11,7 @@ from typing import IO
 from bundles.errors import UsageError
 from bundles.view import BundleView
 
-from staging_core.routes.base import capable, declared_capabilities
+from staging_core.transports.registry import capable, declared_capabilities
 from staging_core.transports.base import parse_url
 from staging_core.transports.errors import TransportError, classify
 from staging_core.transports.ssh import SSHTransport

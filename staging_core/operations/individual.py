@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from bundles.errors import DestinationError, SourceError, UsageError
 from bundles.reserved import TRANSFER_DIR
 from bundles.scan import SourceTree, scan
-from bundles.state import JOURNAL_KINDS, finish, mark_incomplete, state_path
+from bundles.journal import JOURNAL_KINDS
+from bundles.state import finish, mark_incomplete, state_path
 from bundles.state_fd import remove_entry, state_dir_fd
 from bundles.tarformat import Kind
 

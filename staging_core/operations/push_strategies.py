@@ -183,7 +183,7 @@ class HybridPush(Strategy[PushContext]):
 
 def begin_writing(ctx: PushContext, what: str) -> Marked:
     """Mark DEST INCOMPLETE before entries are written into it one by one, and drop the journals an interrupted
-    unpack or stream left there (those files would make them lie; bundles.state.untrusted_journals): one
+    unpack or stream left there (those files would make them lie; bundles.journal.untrusted_journals): one
     command over ssh or on the ``--unpack-via`` host; where nothing runs at the far side, no unpack runs
     there either, so there is no journal to drop."""
     return begin(ctx.transport, ctx.endpoint, f"{what} from {ctx.src} is unfinished: run it again to finish it",

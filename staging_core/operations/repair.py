@@ -16,7 +16,7 @@ from bundles.scan import SourceTree
 from bundles.state import STATE_DIR
 from bundles.tarformat import Kind
 
-from staging_core.routes.base import capable, declared_capabilities
+from staging_core.transports.registry import capable, declared_capabilities
 from staging_core.routes.tar_tools import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files,
                                            link_groups, md5_of, parse_records, regrouped, unchanged_files,
                                            with_link_groups)
@@ -283,15 +283,6 @@ def lists_exactly(endpoint: Endpoint) -> bool:
     DEST with its source, ``--dry-run``, ``pallet plan``). Read from its class, without connecting; an open
     transport's own ``capabilities.exact_listing`` says the same."""
     return capable(declared_capabilities(endpoint.scheme), EXACT_LISTING)
-
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    """``COMPARABLE_SCHEMES``, for callers not yet moved to :func:`lists_exactly` (deprecated, to be removed):
-    the registered schemes whose transports declare ``exact_listing``."""
-    if name == "COMPARABLE_SCHEMES":
-        from staging_core.transports.catalog import schemes
-        return tuple(scheme for scheme in schemes() if capable(declared_capabilities(scheme), EXACT_LISTING))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compare_with_local(listed: list[RemoteEntry], dest: str, source_md5=None,

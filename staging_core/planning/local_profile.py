@@ -16,7 +16,7 @@ from bundles.state import ensure_state_dir, prune
 from staging_core.planning.planner import LOCAL_PROFILE_PREFIX, MIN_SPREAD, LinkProfile, spread_of, typical
 from staging_core.planning.profiles import load_profile, save_profile
 from staging_core.options import StagingOptions
-from staging_core.routes.base import declared_capabilities
+from staging_core.transports.registry import declared_capabilities
 from staging_core.transports.base import Capabilities, Direction, Endpoint, parse_url
 from staging_core.transports.local import LocalTransport
 

@@ -9,7 +9,6 @@ asks which class a route is. docs/adding-a-route.md is the guide.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from abc import ABC
 from contextlib import AbstractContextManager
 from typing import ClassVar
@@ -17,7 +16,7 @@ from typing import ClassVar
 from bundles.errors import PalletError
 
 from staging_core.transports.base import Capabilities, Transport
-from staging_core.transports.catalog import registration
+from staging_core.transports.registry import capable
 from staging_core.transports.errors import NotSupportedError
 
 # The strategies pallet ships (staging_core.operations.push_strategies / pull_strategies register them under these
@@ -127,26 +126,6 @@ def declaring(route: Route | None, strategy: str) -> Route:
     return route
 
 
-def capable(capabilities: Capabilities | None, needs: frozenset[str]) -> bool:
-    """Whether ``capabilities`` (None: unknown, i.e. none) declare every flag of ``needs``."""
-    return capabilities is not None and all(getattr(capabilities, flag) for flag in needs)
-
-
 def transport_capable(transport: Transport, needs: frozenset[str]) -> bool:
     """Whether the open ``transport`` declares every flag of ``needs``."""
     return capable(transport.capabilities, needs)
-
-
-def declared_capabilities(scheme: str) -> Capabilities | None:
-    """The Capabilities the transport class registered for ``scheme`` declares, read without connecting and
-    without checking that its programs are installed (opening it checks those); None when no transport is
-    registered for it or its Python modules cannot be imported (it cannot be opened either)."""
-    found = registration(scheme)
-    if found is None:
-        return None
-    module, _, name = found.target.partition(":")
-    try:
-        kind = getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
-    return kind.capabilities

@@ -17,11 +17,11 @@ from mpi_stager.summaries import StagerSummary, decode
 from staging_core.options import StagingOptions
 from staging_core.far_side.probe import FarSide
 from staging_core.far_side.slurm import SCRIPT_NAME, UnpackJob, echo_for, run_job, write_script
-from staging_core.routes.base import (HYBRID, STORE_AND_FORWARD, STREAM, Route, capable, declared_capabilities,
-                                      declaring, transport_capable)
+from staging_core.routes.base import HYBRID, STORE_AND_FORWARD, STREAM, Route, declaring, transport_capable
 from staging_core.routes.registry import RouteQuery, RouteSpec, has_route, open_route, register_route
 from staging_core.routes.tar_tools import TarToolsRoute
 from staging_core.transports.base import Direction, Endpoint, Transport, parse_url
+from staging_core.transports.registry import capable, declared_capabilities
 from staging_core.transports.errors import NotSupportedError
 from staging_core.transports.registry import open_endpoint, transport_class
 
@@ -94,7 +94,7 @@ class UnpackRoute(Route, ABC):
     ``extra_files(bundle)`` writes files that must travel with the bundle
     (e.g. ``unpack.sbatch``) beside the local ``bundle`` and returns their
     names; the caller sends them in the same transfer. ``unpack`` turns the
-    bundle into the tree at ``dest_path`` resumably (mpi_stager's journal)
+    bundle into the tree at ``dest_path`` resumably (the unpack driver's journal, bundles.journal)
     and returns only when that is done, or raises a PalletError naming the
     cause; it returns the number of shards an earlier run had already
     finished. With ``keep_journal`` a far-side unpack leaves DEST/.pallet
@@ -146,7 +146,8 @@ def unpacker(route: Route | None, strategy: str) -> UnpackRoute:
 
 
 class LocalUnpack(UnpackRoute):
-    """The destination is a local directory: mpi_stager runs in this process (or under the launcher)."""
+    """The destination is a local directory: the unpack driver runs in this process (mpi_stager under a
+    launcher)."""
 
     needs = frozenset({"local_copy"})
 

@@ -305,9 +305,11 @@ class _Closable(Protocol):
 
 @dataclass
 class EarlyConnection:
-    """A connection started before its transport (``Transport.connect_early``): the caller passes
-    ``{option: connection}`` in ``StagingOptions.transport_options[scheme]`` (``option`` is one of the
-    transport's declared options), so the transport opened for that endpoint takes it over, and calls
+    """A connection started before its transport (``Transport.connect_early``): the caller hands it to the
+    operation (``push(..., early_connection=...)``), which opens the transport with
+    ``registry.open_endpoint(url, options, early=...)``; that passes ``connection`` as the transport's declared
+    option ``option`` (never through ``StagingOptions.transport_options``, which holds only data), so the
+    transport opened for that endpoint takes it over. The caller calls
     :meth:`close` when the operation is over, which ends it unless the transport has taken it over (then the
     transport ends it; closing twice is safe)."""
 

@@ -12,7 +12,7 @@ import shutil
 
 from bundles.errors import UsageError
 
-from .base import EarlyConnection, Endpoint, Transport, TransportOption, parse_url
+from .base import Capabilities, EarlyConnection, Endpoint, Transport, TransportOption, parse_url
 from .catalog import Registration, register, registration, schemes, unregister
 from .errors import MissingDependencyError
 
@@ -91,3 +91,23 @@ def open_endpoint(url: str | Endpoint, options=None, early: EarlyConnection | No
     if early is not None:
         given[early.option] = early.connection
     return kind(endpoint, **given)
+
+
+def capable(capabilities: Capabilities | None, needs: frozenset[str]) -> bool:
+    """Whether ``capabilities`` (None: unknown, i.e. none) declare every flag of ``needs``."""
+    return capabilities is not None and all(getattr(capabilities, flag) for flag in needs)
+
+
+def declared_capabilities(scheme: str) -> Capabilities | None:
+    """The Capabilities the transport class registered for ``scheme`` declares, read without connecting and
+    without checking that its programs are installed (opening it checks those); None when no transport is
+    registered for it or its Python modules cannot be imported (it cannot be opened either)."""
+    found = registration(scheme)
+    if found is None:
+        return None
+    module, _, name = found.target.partition(":")
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+    return kind.capabilities

@@ -14,7 +14,8 @@ from snakemake_interface_storage_plugins.io import IOCacheStorageInterface, Mtim
 from snakemake_interface_storage_plugins.storage_object import (StorageObjectGlob, StorageObjectRead,
                                                                 StorageObjectWrite)
 
-from staging_core import Endpoint, PalletError, RemoteEntry, RemotePathMissingError, parse_url
+from staging_core import (Endpoint, PalletError, RemoteEntry, RemotePathMissingError, capable, declared_capabilities,
+                          parse_url)
 
 from .inventory import seconds
 from .queries import local_suffix, query_for
@@ -122,7 +123,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
         self.provider.run_now("retrieve", self.request())
 
     def _links_in_place(self) -> bool:
-        return self.is_ondemand_eligible and self.endpoint.scheme == "file" and self.provider.links_on_demand
+        return (self.is_ondemand_eligible and self.provider.links_on_demand
+                and capable(declared_capabilities(self.endpoint.scheme), frozenset({"local_copy"})))
 
     def _link_in_place(self) -> None:
         """Make the local copy a symlink to the file:// source: Snakemake marks an input on-demand eligible when
