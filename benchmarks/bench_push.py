@@ -22,7 +22,7 @@ from workloads import KIB, MIB, MixedWorkload, Workload, common_parser, ensure_w
 
 PALLET_AUTO, STREAM, RSYNC = "pallet push (auto)", "tar | zstd | ssh | zstd -d | tar x", "rsync -a over ssh"
 PALLET_GRIDFTP, GRIDFTP_PEER, SCP = "pallet push bundle over GridFTP", "globus-url-copy -r -pp -cc 16", "scp"
-PALLET_PLAIN = "pallet push bundle, far side without pallet (tar tools)"
+PALLET_TAR_TOOLS = "pallet push bundle, far side without pallet (tar tools)"
 VERIFIED_FLOOR = "the same stream, ns mtimes, md5sum -c there (verified floor)"
 PALLET_PULL, STREAM_PULL, RSYNC_PULL = "pallet pull (auto)", "ssh 'tar | zstd' | zstd -d | tar x", "rsync -a pull"
 
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                     "+ 1 x 64 MiB, a 20-file scp sample")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip added by the link (default 40)")
     parser.add_argument("--only", type=lambda text: text.split(","), metavar="SLUG[,SLUG...]",
-                        help="run just these W1 methods, and no W2: stream, pallet-auto, pallet-plain, rsync, "
+                        help="run just these W1 methods, and no W2: stream, pallet-auto, pallet-tar-tools, rsync, "
                              "pallet-gridftp, guc, scp, pallet-pull, stream-pull, rsync-pull")
     parser.add_argument("--dest-root", type=Path, help="where the far side writes (default: under --workdir; a tmpfs "
                                                        "such as /dev/shm takes a noisy disk out of the ratios)")
@@ -91,7 +91,7 @@ def w1_specs(rig: Rig, expected: Manifest, sample: int, only: list[str] | None =
     """The W1 methods (``only``: just those slugs)."""
     picked = sample_of(expected, sample)
     specs = [MethodSpec(PALLET_AUTO, "pallet-auto", pallet_push(rig), expected),
-            MethodSpec(PALLET_PLAIN, "pallet-plain", pallet_push(rig, "bundle", plain=True), expected),
+            MethodSpec(PALLET_TAR_TOOLS, "pallet-tar-tools", pallet_push(rig, "bundle", tar_tools=True), expected),
             MethodSpec(STREAM, "stream", stream_peer(rig), expected),
             MethodSpec(VERIFIED_FLOOR, "verified-stream", verified_stream_peer(rig), expected),
             MethodSpec(RSYNC, "rsync", rsync_peer(rig), expected),
@@ -125,7 +125,8 @@ def targets(result: Headline) -> list[Target]:
     w1, w2 = ({m.name: m for m in methods} for methods in (result.w1, result.w2))
     if not w2:                              # --only: the ratios its methods allow
         pushes = [Target(f"W1 {name} / tar|zstd|ssh stream", ratio(w1[name], w1[STREAM]), goal)
-                  for name, goal in ((PALLET_AUTO, 1.0), (PALLET_PLAIN, 1.2), (VERIFIED_FLOOR, None), (RSYNC, None))
+                  for name, goal in ((PALLET_AUTO, 1.0), (PALLET_TAR_TOOLS, 1.2), (VERIFIED_FLOOR, None),
+                                     (RSYNC, None))
                   if name in w1 and STREAM in w1]
         return pushes + [Target(f"W1 {name} / reverse stream (ssh tar|zstd)", ratio(w1[name], w1[STREAM_PULL]), goal)
                          for name, goal in ((PALLET_PULL, 1.0), (RSYNC_PULL, None))
@@ -133,16 +134,18 @@ def targets(result: Headline) -> list[Target]:
     scp = next(m for name, m in w1.items() if name.startswith(SCP))
     w2_strategies = sorted({a.summary.get("strategy", "?") for a in w2[PALLET_AUTO].attempts if a.summary})
     w2_individual = [a.summary.get("strategy") == "individual" for a in w2[PALLET_AUTO].attempts]
-    pallet_ok = [a.seconds is not None for m in (w1[PALLET_AUTO], w1[PALLET_PLAIN], w1[PALLET_GRIDFTP], w2[PALLET_AUTO])
+    pallet_ok = [a.seconds is not None
+                 for m in (w1[PALLET_AUTO], w1[PALLET_TAR_TOOLS], w1[PALLET_GRIDFTP], w2[PALLET_AUTO])
                  for a in m.attempts]
     routes = sorted({f"{a.summary.get('strategy')} ({a.summary.get('route')})" for a in w1[PALLET_AUTO].attempts
                      if a.summary})
+    tar_tools_routes = sorted({str(a.summary.get("route")) for a in w1[PALLET_TAR_TOOLS].attempts if a.summary})
     return [
         Target("W1 pallet push (auto) / tar|zstd|ssh stream", ratio(w1[PALLET_AUTO], w1[STREAM]), 1.0,
                note=", ".join(routes)),
         Target("W1 pallet push (auto) / rsync -a", ratio(w1[PALLET_AUTO], w1[RSYNC]), 0.8),
-        Target("W1 tar-tools route (verified) / tar|zstd|ssh stream", ratio(w1[PALLET_PLAIN], w1[STREAM]), 1.2,
-               note=", ".join(sorted({str(a.summary.get("route")) for a in w1[PALLET_PLAIN].attempts if a.summary}))),
+        Target("W1 tar-tools route (verified) / tar|zstd|ssh stream", ratio(w1[PALLET_TAR_TOOLS], w1[STREAM]), 1.2,
+               note=", ".join(tar_tools_routes)),
         Target("W1 globus-url-copy -r -pp -cc 16 / pallet bundle over GridFTP",
                ratio(w1[GRIDFTP_PEER], w1[PALLET_GRIDFTP]), 10.0, at_least=True),
         Target("W2 pallet push (auto) / rsync -a", ratio(w2[PALLET_AUTO], w2[RSYNC]), 1.1),

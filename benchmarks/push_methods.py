@@ -201,13 +201,13 @@ def _timed(argv: list[str], **kwargs) -> tuple[float, subprocess.CompletedProces
 # ---------------------------------------------------------------- pallet
 
 def pallet_push(rig: Rig, strategy: str = "auto", profile: str | None = None,
-                gridftp: bool = False, plain: bool = False) -> Callable[[Path, Path], Outcome]:
+                gridftp: bool = False, tar_tools: bool = False) -> Callable[[Path, Path], Outcome]:
     """`pallet push --json` over ssh (or to the GridFTP server, unpacked through ssh) with these options;
-    ``plain`` names no Python with pallet, so that the far side's own tar is used (the tar-tools route; its probe
+    ``tar_tools`` names no Python with pallet, so that the far side's own tar is used (the tar-tools route; its probe
     is cached per host, so only the first run pays for it)."""
     def run(src: Path, dest: Path) -> Outcome:
         argv = [*pallet_cmd(), "push", "--quiet", "--json", "--strategy", strategy]
-        argv += ["--remote-python", "python3"] if plain else ["--remote-python", rig.remote_python]
+        argv += ["--remote-python", "python3"] if tar_tools else ["--remote-python", rig.remote_python]
         argv += ["--profile", profile] if profile else []
         argv += ["--unpack-via", rig.sshd.url("")] if gridftp else []
         url = rig.gridftp.url(str(dest)) if gridftp else rig.sshd.url(str(dest))

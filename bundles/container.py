@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from . import codecs
 from .byte_source import ByteSource, pread_from
 from .errors import BundleError, CorruptBundleError
-from .index import FORMAT_VERSION, Index, content_hash
+from .index import FORMAT_VERSION, content_hash
 
 SIDECAR_SUFFIX = ".pidx"
 _SKIPPABLE_MAGIC = 0x184D2A5A
@@ -148,11 +148,6 @@ def _unwrap_locator(codec_name: str, tail: bytes) -> bytes | None:
         head, raw = tail[:len(_GZIP_LOCATOR_HEAD)], tail[len(_GZIP_LOCATOR_HEAD):-len(_GZIP_LOCATOR_TAIL)]
         return raw if head == _GZIP_LOCATOR_HEAD and tail.endswith(_GZIP_LOCATOR_TAIL) else None
     return tail
-
-
-def read_index_section(fd: int | ByteSource, loc: Locator, codec_name: str, source: str) -> Index:
-    """Read, check and decode the embedded index that ``loc`` points to."""
-    return Index.from_bytes(read_index_payload(fd, loc, codec_name, source), source)
 
 
 def read_index_payload(fd: int | ByteSource, loc: Locator, codec_name: str, source: str) -> bytes:

@@ -16,11 +16,6 @@ from .shards import stands_alone
 from .streamed import extract_streamed
 from .tarformat import BLOCK, END_OF_ARCHIVE, Kind, member_header
 
-# Names that moved to bundles.extract_common (below both this module and bundles.streamed), still importable
-# from here, where the rest of pallet imports them.
-from .extract_common import (SHARD_WINDOW as SHARD_WINDOW, STREAM_CHUNK as STREAM_CHUNK,
-                             RangeReader as RangeReader, hash_range as hash_range, read_up_to as read_up_to)
-
 HOLD_LIMIT = 256 << 20            # a shard's compressed plus decoded bytes that unpack and verify hold at most
 
 

@@ -1,5 +1,7 @@
-"""The unpack journal: one record per finished shard and a log per run, kept until the unpack succeeds; and the
-rules that say when a journal in DEST/.pallet may be trusted."""
+"""The unpack journal: one record per finished shard and a log per run, kept until the unpack succeeds.
+
+Also the rules that say when a journal in DEST/.pallet may be trusted.
+"""
 from __future__ import annotations
 
 import os
@@ -223,19 +225,6 @@ class Journal:
                 append_text(runs, log, f"{number}\n", os.path.join(self.root, "runs", log))
         except OSError as exc:
             raise destination_error(exc, os.fsencode(os.path.join(self.root, name))) from None
-
-    def run_log(self) -> dict[str, list[int]]:
-        """Shards extracted per run (all ranks merged), for inspection and tests."""
-        runs: dict[str, list[int]] = {}
-        try:
-            with self._directories() as (_, directory):
-                for name in sorted(os.listdir(directory)):
-                    run = name.rsplit(".rank", 1)[0]
-                    text = read_text(directory, name, os.path.join(self.root, "runs", name))
-                    runs.setdefault(run, []).extend(int(line) for line in text.split())
-        except FileNotFoundError:
-            return {}
-        return runs
 
 
 def new_run_name() -> str:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from . import container, native
 from .errors import BundleError, CorruptBundleError
-from .extract import SHARD_WINDOW, RangeReader, check_members, hash_range, held_whole, members_end, read_up_to
+from .extract import check_members, held_whole, members_end
+from .extract_common import SHARD_WINDOW, RangeReader, hash_range, read_up_to
 from .index import Index, Shard, content_hash, new_hasher
 from .jobs import ShardJob, shard_jobs
 from .parallel import WorkerPool, jobs_for

@@ -11,7 +11,8 @@ from typing import IO
 from .byte_source import ByteSource, FileSource, Readable
 from .codecs import Codec
 from .errors import BundleError, CorruptBundleError
-from .extract import RangeReader, check_members, damaged_shard, is_streamed, read_up_to, unsafe_entries
+from .extract import check_members, damaged_shard, is_streamed, unsafe_entries
+from .extract_common import RangeReader, read_up_to
 from .index import Index, Shard, content_hash, new_hasher
 from .reader import Bundle, read_embedded_index
 from .safety import safe_mode

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Parallel, resumable unpack of pallet bundles across MPI ranks.")
     parser.add_argument("--version", action=_VersionAction, help="print the versions of pallet and its protocols")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_unpack, _add_receive, _add_send, _add_session, _add_hello, _add_pack):
+        add(commands)
+    return parser
+
+
+def _add_unpack(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     unpack = commands.add_parser("unpack", help="unpack BUNDLE into DEST with all ranks",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     unpack.add_argument("bundle", metavar="BUNDLE")
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "rank (default 1; 0: one per CPU; a bundle too small to repay their start is unpacked "
                              "inline)")
     unpack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
+
+
+def _add_receive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     receive = commands.add_parser("receive", help="unpack a bundle stream read from stdin into DEST as it arrives",
                                   description="Read a bundle stream (docs/bundle-format.md, 'Bundle stream v1') "
                                               "on stdin, as `pallet push` sends it over ssh, and unpack each shard "
@@ -64,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="check shard and file hashes (default: on)")
     receive.add_argument("--json", action="store_true", help="print the summary as JSON")
     receive.add_argument("--locked-by-caller", action="store_true", help=_LOCKED_HELP)
+
+
+def _add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     send = commands.add_parser("send", help="write SRC as a bundle stream on stdout, for a receiver that replies "
                                             "on stdin",
                                description="Write the tree under SRC as a bundle stream (docs/bundle-format.md, "
@@ -79,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="send only these paths relative to SRC (and their parent directories): one per line, "
                            "or NUL-separated; '-' reads from stdin, before the reply, a line with the list's "
                            "length in bytes and then the NUL-separated list")
+
+
+def _add_session(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     session = commands.add_parser("session", help="lock DEST, list it, then serve a push's requests",
                                   description="Serve one `pallet push` over one ssh channel (docs/wire.md, "
                                               "'The session'): lock DEST, write a hello line (the versions and "
@@ -94,11 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--list", action="store_true", help="send DEST's listing after the hello line")
     session.add_argument("--wait", action="store_true",
                          help="wait for another operation's lock on DEST instead of exiting with status 4")
+
+
+def _add_hello(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     commands.add_parser("hello", help="print the hello line a session answers with: versions and capabilities",
                         description="Print the line a session opens with (docs/wire.md, 'The hello'): the session "
                                     "version it speaks, the session, summary and bundle stream versions it speaks, "
                                     "and its capabilities; given the client's hello in $PALLET_HELLO, as answered "
                                     "to that client. Exit status 1 when they share no version.")
+
+
+def _add_pack(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pack = commands.add_parser("pack", help="pack SRC into BUNDLE with all ranks (same bytes as `pallet pack`)")
     pack.add_argument("src", metavar="SRC")
     pack.add_argument("bundle", metavar="BUNDLE")
@@ -110,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pack only these paths relative to SRC (and their parent directories): one per line, "
                            "or NUL-separated; '-' reads stdin (rank 0)")
     pack.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,8 @@
-"""Communicators: MPI's (the one module that imports mpi4py) and the serial one, both what the unpack driver
-(bundles.unpacking) and the parallel pack take; the interface they share is bundles.communicator's."""
+"""Communicators: MPI's (the one module that imports mpi4py) and the serial one.
+
+Both are what the unpack driver (bundles.unpacking) and the parallel pack take; the interface they share is
+bundles.communicator's.
+"""
 from __future__ import annotations
 
 import os

@@ -12,8 +12,9 @@ from typing import BinaryIO
 
 from bundles.codecs import Codec, get_codec
 from bundles.errors import CorruptBundleError, StreamError
-from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, read_up_to,
-                             make_directories, prepare_destination)
+from bundles.extract import (check_index, damaged_shard, extract_shard_data, finish_tree, make_directories,
+                             prepare_destination)
+from bundles.extract_common import read_up_to
 from bundles.index import Index, Shard, content_hash, new_hasher
 from bundles.streamed import write_streamed_file, writing_directory
 from bundles.parallel import default_jobs

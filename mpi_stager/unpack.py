@@ -1,5 +1,7 @@
-"""`python -m mpi_stager unpack`: the one unpack driver (bundles.unpacking.unpack) on every rank of a communicator,
-with mpi_stager's options and summary (the JSON a push or a Slurm job reads back, see wire.py)."""
+"""`python -m mpi_stager unpack`: the one unpack driver (bundles.unpacking.unpack) on every rank of a communicator.
+
+It runs with mpi_stager's options and summary (the JSON a push or a Slurm job reads back, see wire.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -212,6 +212,57 @@ def client_hello_in(environ: Mapping[str, str]) -> Hello | None:
     return Hello.parse_client(text) if text else None
 
 
+# ---------------------------------------------------------------- the version report (docs/wire.md)
+
+# Run by a far-side Python (``PYTHON -c VERSION_REPORT``) that `pallet remote install`, `pallet remote status` and
+# the probe ask which pallet it imports: one line EXECUTABLE<TAB>PALLET VERSION<TAB>STREAM<TAB>SESSION, SESSION the
+# session versions it speaks as the hello writes them (``N`` or ``LOW-HIGH``), 0 from a pallet before this module.
+# The client sends the code, so it reads whatever pallet is there; it fails (no line) where pallet is not.
+VERSION_REPORT = """\
+import sys, mpi_stager, bundles.stream as s
+from importlib.metadata import version
+try:
+    from mpi_stager import wire as w
+except ImportError:
+    session = "0"
+else:
+    low = getattr(w, "MIN_SESSION_VERSION", w.SESSION_VERSION)
+    session = "%d-%d" % (low, w.SESSION_VERSION) if low != w.SESSION_VERSION else str(low)
+print(sys.executable, version("pallet"), s.STREAM_VERSION, session, sep="\\t")
+"""
+
+
+@dataclass(frozen=True)
+class VersionReport:
+    """What :data:`VERSION_REPORT` printed: a far-side Python, the pallet it imports and the versions that
+    pallet speaks (``session`` ``Versions(0, 0)``: a pallet from before mpi_stager.wire)."""
+
+    python: str
+    pallet_version: str
+    stream: int
+    session: Versions
+
+    @classmethod
+    def parse(cls, line: str) -> VersionReport | None:
+        """The report in ``line``; None when it is none. A line without the session field (a report from
+        before it had one) reads as session 0."""
+        words = line.rstrip("\n").split("\t")
+        session = Versions.parse(words[3]) if len(words) == 4 else Versions.one(0) if len(words) == 3 else None
+        if session is None or not words[2].isdigit():
+            return None
+        return cls(words[0], words[1], int(words[2]), session)
+
+    def hello(self) -> Hello:
+        """The hello this far side's sessions would write (the report does not say its summary versions or
+        capabilities)."""
+        return Hello(self.session, stream=Versions.one(self.stream), speaks=self.session.high)
+
+    def agreement(self) -> Agreement:
+        """What this pallet's hello and that far side's would agree on (:func:`agree`): its session versions
+        (0: none, so it is older) and stream version against this pallet's."""
+        return agree(client_hello(frozenset()), self.hello())
+
+
 # ---------------------------------------------------------------- session requests and answers
 
 OK = b"ok\n"
@@ -450,10 +501,10 @@ class FarEntry:
 
 
 def parse_records(records: bytes) -> dict[bytes, FarEntry]:
-    """Relative path -> FarEntry, from listing records (8 NUL-terminated fields each)."""
-    parts, entries = records.split(b"\0"), {}
-    for at in range(0, len(parts) - 7, 8):
-        kind, mode, mtime, size, target, inode, links, path = parts[at:at + 8]
+    """Relative path -> FarEntry, from listing records (the NUL-terminated :data:`LISTING_FIELDS` each)."""
+    parts, entries, width = records.split(b"\0"), {}, len(LISTING_FIELDS)
+    for at in range(0, len(parts) - width + 1, width):
+        kind, mode, mtime, size, target, inode, links, path = parts[at:at + width]
         entries[path] = FarEntry(kind.decode(), int(mode, 8), _mtime_ns(mtime), int(size), target, int(inode),
                                  int(links))
     return entries

@@ -38,7 +38,7 @@ _PUBLIC = {
     "Direction": "transports.base", "Endpoint": "transports.base", "RemoteEntry": "transports.base",
     "Transport": "transports.base", "parse_url": "transports.base", "local_tree_items": "transports.base",
     "open_transport": "transports.registry", "open_endpoint": "transports.registry",
-    "Registration": "transports.registry", "register": "transports.registry",
+    "Registration": "transports.catalog", "register": "transports.catalog",
     "Capabilities": "transports.base", "capable": "transports.registry",
     "declared_capabilities": "transports.registry",
     # routes and strategies: what a route or strategy added from outside pallet registers with

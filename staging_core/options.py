@@ -337,7 +337,7 @@ OPTION_DECLARATIONS: tuple[OptionDeclaration, ...] = (
     OptionDeclaration("remote_python", "far_side", str, "Python with pallet on an ssh far side, used as given. By "
                       "default pallet is looked for: where `pallet remote install` put it, as python3, behind "
                       "`pallet` on the login PATH or in ~/.local/bin; without pallet there, bundles go into the "
-                      "far side's own tar (plain tools)", ("--remote-python",), "CMD",
+                      "far side's own tar (the tar-tools route)", ("--remote-python",), "CMD",
                       commands=("plan", "push", "pull"), snakemake=True, parsl=True),
     OptionDeclaration("ranks", "far_side", int, "far-side unpack/pack processes without a launcher, 0 for one "
                       "per CPU there", ("--ranks",), "N", minimum=0, commands=("plan", "push", "pull"),

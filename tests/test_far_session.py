@@ -19,11 +19,10 @@ from bundles.progress import NoProgress
 from bundles.stream import FrameKind, FrameWriter
 from mpi_stager.send import begin_stream, prepare_source, send_stream
 from mpi_stager.session import run_session
-from mpi_stager.wire import DECLINED, HELLO, OK, encode_dirs
+from mpi_stager.wire import DECLINED, HELLO, OK, encode_dirs, parse_records
 from mpi_stager.wire import decode_summary as decode
 from staging_core.far_side.session import FarSession
 from staging_core.options import StagingOptions
-from staging_core.routes.tar_tools import parse_records
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_endpoint
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet

@@ -9,9 +9,8 @@ import pytest
 
 from bundles import native
 from staging_core import StagingOptions, send
-from staging_core.transports.base import Direction
+from staging_core.transports.base import Direction, parse_url
 from staging_core.transports.local import LocalTransport
-from staging_core.transports.registry import parse_url
 from tests.conftest import assert_same_tree, make_files, run_pallet
 
 pytestmark = pytest.mark.usefixtures("each_engine")

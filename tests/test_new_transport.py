@@ -14,7 +14,8 @@ from tests.conftest import make_files
 from staging_core.transports.base import (Capabilities, Direction, Endpoint, RemoteEntry, TransferResult,
                                           Transport, parse_url)
 from staging_core.transports.errors import RemotePathMissingError
-from staging_core.transports.registry import Registration, open_transport, register, schemes, unregister
+from staging_core.transports.catalog import Registration, register, schemes, unregister
+from staging_core.transports.registry import open_transport
 
 SCHEME = "vault"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bundles.stream import STREAM_VERSION
+from mpi_stager.wire import SESSION_VERSION
 from staging_core.testing import assert_same_tree, make_nasty_tree
 from tests.programs import program, user_env
 from tests.servers import SSHServer, free_port, start_sshd
@@ -151,7 +152,8 @@ def test_status_reports_the_installed_pallet(installed):
     far, _ = installed
     done = far.pallet("remote", "status")
     assert done.returncode == 0, done.stderr
-    assert f"pallet {version('pallet')} (stream protocol v{STREAM_VERSION})" in done.stdout
+    assert f"pallet {version('pallet')} (stream protocol v{STREAM_VERSION}, session protocol v{SESSION_VERSION})" \
+        in done.stdout
     assert "the same as here" in done.stdout and "python3 there: 3." in done.stdout
     report = json.loads(far.pallet("remote", "status", "--json").stdout)
     assert report["usable"] and report["matches"] and report["recorded"] == report["pallet_python"]

@@ -55,7 +55,7 @@ def remote_case(server, **extra) -> RouteCase:
     return RouteCase(far=server.url, flags=ssh_flags(server), env=user_env(), pallet=program("pallet"), **extra)
 
 
-def plain_case(server) -> RouteCase:
+def tar_tools_case(server) -> RouteCase:
     """A far side over ssh without pallet: its own tar and md5sum."""
     return RouteCase(far=server.url, flags=ssh_flags(server, with_pallet=False), env=user_env(),
                      expect_route="tar tools", pallet=program("pallet"))
@@ -85,12 +85,12 @@ class TestRemotePush(RouteConformance):
         return remote_case(sshd)
 
 
-class TestPlainToolsPush(RouteConformance):
+class TestTarToolsPush(RouteConformance):
     route, direction = "tar-tools", Direction.PUSH
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811
-        return plain_case(bare)
+        return tar_tools_case(bare)
 
 
 class TestKeepPackedPush(RouteConformance):
@@ -141,12 +141,12 @@ class TestRemotePull(RouteConformance):
         return remote_case(sshd)
 
 
-class TestPlainToolsPull(RouteConformance):
+class TestTarToolsPull(RouteConformance):
     route, direction = "tar-tools", Direction.PULL
 
     @pytest.fixture
     def route_case(self, bare):  # noqa: F811
-        return plain_case(bare)
+        return tar_tools_case(bare)
 
 
 class TestPublishedBundlePull(RouteConformance):

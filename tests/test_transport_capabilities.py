@@ -17,8 +17,8 @@ from staging_core.transports import catalog
 from staging_core.transports.base import (Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry,
                                           TransferResult, Transport, TransportOption, parse_url)
 from staging_core.transports.errors import MissingDependencyError
-from staging_core.transports.registry import (Registration, all_declared_options, declared_options, open_endpoint,
-                                              register, schemes, unregister)
+from staging_core.transports.catalog import Registration, register, schemes, unregister
+from staging_core.transports.registry import all_declared_options, declared_options, open_endpoint
 
 POLICY_FLAGS = ("exact_listing", "posix_shell", "local_copy", "byte_ranges", "shared_connection")
 # What each of pallet's own transports must declare (the flags not named: False)

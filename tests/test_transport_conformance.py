@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 from staging_core.testing import ConformanceTarget, TransportConformance
-from staging_core.transports.registry import open_transport, schemes
+from staging_core.transports.catalog import schemes
+from staging_core.transports.registry import open_transport
 
 
 class TestLocalConformance(TransportConformance):

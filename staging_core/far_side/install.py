@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 
 from bundles.errors import PalletError, UsageError
+from mpi_stager.wire import (MIN_SESSION_VERSION, SESSION_VERSION, STREAM_VERSION, VERSION_REPORT, Agreement,
+                             VersionReport, Versions)
 
 from staging_core.far_side.probe import forget_probes
 from staging_core.scratch import scratch
@@ -27,8 +29,6 @@ DEFAULT_PREFIX = "~/.local/share/pallet/venv"
 RECORD = "~/.config/pallet/python"      # the far side's file naming PREFIX/bin/python; far_side.probe reads it
 EXIT_OK, EXIT_FAILURE = 0, 1
 _HOST = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/:]+)@)?(?P<host>[A-Za-z0-9._-]+)(?::(?P<port>\d+))?/?$")
-_PALLET_CODE = ('import sys, mpi_stager, bundles.stream as s; from importlib.metadata import version as v\n'
-                'print(sys.executable, v("pallet"), s.STREAM_VERSION, sep="\\t")')
 
 # Runs under the far side's --python; kept to Python 2 syntax so that any old Python can say its version.
 _QUERY_CODE = r'''
@@ -60,7 +60,8 @@ command -v "$first" >/dev/null 2>&1 || { printf '@missing=%s\n' "$first"; exit 0
 printf '@status=%s\n' "$?"
 '''
 
-# stdin: a tar of wheels. $1 PREFIX, $2 X.Y, $3 pallet's wheel, $4 verification code, then the words of --python.
+# stdin: a tar of wheels. $1 PREFIX, $2 X.Y, $3 pallet's wheel, $4 mpi_stager.wire.VERSION_REPORT (the verification),
+# then the words of --python.
 # Prints @key=value lines; a failed step prints @fail=STEP and the last lines of its output as @detail=.
 _INSTALL_SCRIPT = r'''
 prefix=$1 want=$2 wheel=$3 code=$4 first=$5; shift 5
@@ -94,7 +95,8 @@ conf=$HOME/.config/pallet
 say recorded "$py"
 '''
 
-# $1 the code that prints EXECUTABLE<TAB>VERSION<TAB>STREAM for a Python importing pallet.
+# $1 mpi_stager.wire.VERSION_REPORT, the code that prints EXECUTABLE<TAB>VERSION<TAB>STREAM<TAB>SESSION for a Python
+# importing pallet.
 _STATUS_SCRIPT = r'''
 code=$1
 say() { printf '@%s=%s\n' "$1" "$2"; }
@@ -131,6 +133,7 @@ class InstallResult:
     recorded_in: str
     pallet_version: str
     stream_version: int
+    session_version: int
     venv: str
     wheels: int
     wheel_bytes: int
@@ -141,24 +144,51 @@ class InstallResult:
 
 @dataclass(frozen=True)
 class RemoteStatus:
-    """What `pallet remote status` found: the recorded Python, which Python imports pallet, and versions."""
+    """What `pallet remote status` found: the recorded Python, which Python imports pallet, and versions: the
+    far side's stream version and the session versions it speaks, ``min_session_version`` to
+    ``session_version`` (0: a pallet from before mpi_stager.wire, which reports none; no pallet: all 0)."""
 
     host: str
     recorded: str
     pallet_python: str
     pallet_version: str
     stream_version: int
+    min_session_version: int
+    session_version: int
     python3: str
     local_version: str
     local_stream_version: int
+    local_session_version: int
+
+    @property
+    def sessions(self) -> Versions:
+        return Versions(self.min_session_version, self.session_version)
+
+    def agreement(self) -> Agreement | None:
+        """What this pallet's hello and that of the pallet there would agree on (None: no pallet there)."""
+        if not self.pallet_python:
+            return None
+        return VersionReport(self.pallet_python, self.pallet_version, self.stream_version, self.sessions).agreement()
 
     @property
     def usable(self) -> bool:
-        return bool(self.pallet_python) and self.stream_version == self.local_stream_version
+        """A pallet is there whose sessions' hello would agree with this pallet's."""
+        agreement = self.agreement()
+        return agreement is not None and agreement.ok
 
     @property
     def matches(self) -> bool:
         return self.usable and self.pallet_version == self.local_version
+
+    def problem(self) -> str:
+        """Why the pallet there does not agree with this one ('' when it does, or none is there)."""
+        agreement = self.agreement()
+        if agreement is None or agreement.ok:
+            return ""
+        if self.session_version == 0:
+            return (f"the far side's pallet reports no session version (it predates mpi_stager.wire); this pallet "
+                    f"speaks session protocol {Versions(MIN_SESSION_VERSION, SESSION_VERSION)}")
+        return agreement.problem(client_side=True)
 
     def to_json(self) -> dict:
         return {**asdict(self), "usable": self.usable, "matches": self.matches}
@@ -276,20 +306,22 @@ def install(host: str, python: str = "python3", prefix: str = DEFAULT_PREFIX, ss
     _check_installed(values, name, python)
     assert endpoint.host is not None                     # parse_host always names one
     forget_probes(endpoint.host)
-    where, (_, version, stream) = values["prefix"], values["pallet"].split("\t")
+    where, report = values["prefix"], VersionReport.parse(values["pallet"])
+    assert report is not None                           # _check_installed: it reads
+    version = report.pallet_version
     say(f"pallet: installed pallet {version} at {where}; recorded in {RECORD}")
     if version != metadata.version("pallet"):
         say(f"pallet: note: the source tree this pallet {metadata.version('pallet')} was installed from is now "
             f"version {version}; reinstall pallet here to match")
-    return InstallResult(name, python, far.version_text, where, values["recorded"], RECORD, version, int(stream),
-                         values.get("venv", ""), len(files), size, downloaded, wheel_from,
+    return InstallResult(name, python, far.version_text, where, values["recorded"], RECORD, version, report.stream,
+                         report.session.high, values.get("venv", ""), len(files), size, downloaded, wheel_from,
                          round(time.monotonic() - started, 3))
 
 
 def ship_and_install(transport, files: list[str], prefix: str, far: FarPython, words: list[str]) -> dict[str, str]:
     """Stream ``files`` as a tar into one far-side session that makes the venv, installs and records it."""
     want = f"{far.version[0]}.{far.version[1]}"
-    argv = ["sh", "-c", _INSTALL_SCRIPT, "pallet-remote", prefix, want, os.path.basename(files[0]), _PALLET_CODE,
+    argv = ["sh", "-c", _INSTALL_SCRIPT, "pallet-remote", prefix, want, os.path.basename(files[0]), VERSION_REPORT,
             *words]
     process = transport.stream_into(argv)
     try:
@@ -319,7 +351,7 @@ _STEPS = {
 
 def _check_installed(values: dict[str, str], host: str, python: str) -> None:
     step = values.get("fail")
-    if step is None and (not values.get("recorded") or len(values.get("pallet", "").split("\t")) != 3):
+    if step is None and (not values.get("recorded") or VersionReport.parse(values.get("pallet", "")) is None):
         step = "verify"
     if step is not None:
         message, hint = _STEPS.get(step, (f"step {step} failed there", "see the lines above"))
@@ -330,17 +362,19 @@ def _check_installed(values: dict[str, str], host: str, python: str) -> None:
 
 def status(host: str, ssh_options: Sequence[str] = ()) -> RemoteStatus:
     """What is at ``host``: the recorded Python, which Python imports pallet, its versions (one remote command)."""
-    from bundles.stream import STREAM_VERSION
     endpoint = parse_host(host)
     with _open(endpoint, ssh_options) as transport:
-        output = transport.run(["sh", "-c", _STATUS_SCRIPT, "pallet-remote", _PALLET_CODE])
+        output = transport.run(["sh", "-c", _STATUS_SCRIPT, "pallet-remote", VERSION_REPORT])
     values = _values(output.decode(errors="replace"))
-    recorded, from_python3 = values.get("recorded_pallet", "").split("\t"), values.get("python3_pallet", "").split("\t")
-    found, command = (recorded, values["recorded"]) if len(recorded) == 3 else (from_python3, "python3")
-    usable = len(found) == 3 and found[2].isdigit()
-    return RemoteStatus(host_name(endpoint), values.get("recorded", ""), command if usable else "",
-                        found[1] if usable else "", int(found[2]) if usable else 0, values.get("python3", ""),
-                        metadata.version("pallet"), STREAM_VERSION)
+    recorded = VersionReport.parse(values.get("recorded_pallet", ""))
+    found, command = (recorded, values["recorded"]) if recorded is not None \
+        else (VersionReport.parse(values.get("python3_pallet", "")), "python3")
+    local = (metadata.version("pallet"), STREAM_VERSION, SESSION_VERSION)
+    if found is None:
+        return RemoteStatus(host_name(endpoint), values.get("recorded", ""), "", "", 0, 0, 0,
+                            values.get("python3", ""), *local)
+    return RemoteStatus(host_name(endpoint), values.get("recorded", ""), command, found.pallet_version, found.stream,
+                        found.session.low, found.session.high, values.get("python3", ""), *local)
 
 
 # ---------------------------------------------------------------- command line
@@ -380,8 +414,9 @@ def add_parser(commands) -> None:
     s = actions.add_parser("status", help="show which pallet HOST has",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description=f"Show the Python recorded in {RECORD} on HOST, whether it (or\n"
-                                       "python3) imports pallet, its version and stream protocol, and whether they\n"
-                                       "match this pallet. Exit 0 when pallet is usable there, 1 when not.",
+                                       "python3) imports pallet, its version, stream and session protocols, and\n"
+                                       "whether they match this pallet. Exit 0 when pallet is usable there (its\n"
+                                       "sessions' hello would agree with this pallet's), 1 when not.",
                            epilog="example:\n  pallet remote status login.hpc --json")
     _host_options(s)
     s.set_defaults(run=run_status)
@@ -422,19 +457,22 @@ def run_status(args) -> int:
     else:
         print("\n".join(status_lines(found)))
     if not found.usable:
-        print(f"pallet remote: pallet is not usable on {found.host}: install it there with "
+        why = f" ({found.problem()})" if found.pallet_python else ""
+        print(f"pallet remote: pallet is not usable on {found.host}{why}: install it there with "
               f"`pallet remote install {args.host}` (add --python CMD to choose the Python)", file=sys.stderr)
     return EXIT_OK if found.usable else EXIT_FAILURE
 
 
 def status_lines(found: RemoteStatus) -> list[str]:
     """The human report of `pallet remote status`."""
-    here = f"this pallet {found.local_version} (stream v{found.local_stream_version})"
+    here = (f"this pallet {found.local_version} (stream v{found.local_stream_version}, session "
+            f"{Versions(MIN_SESSION_VERSION, found.local_session_version)})")
     if not found.pallet_python:
         head = "no pallet: no Python there imports it"
     else:
-        head = (f"pallet {found.pallet_version} (stream protocol v{found.stream_version}) via {found.pallet_python}; "
-                + ("the same as here" if found.matches else f"differs from {here}"))
+        sessions = f"session protocol {found.sessions}" if found.session_version else "no session version reported"
+        head = (f"pallet {found.pallet_version} (stream protocol v{found.stream_version}, {sessions}) via "
+                f"{found.pallet_python}; " + ("the same as here" if found.matches else f"differs from {here}"))
     recorded = found.recorded or "nothing"
     if found.recorded and found.recorded != found.pallet_python:
         recorded += " (does not import pallet)"

@@ -11,28 +11,21 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from mpi_stager.wire import STREAM_VERSION, WireVersionError
+from mpi_stager.wire import STREAM_VERSION, VERSION_REPORT, VersionReport, WireVersionError
 
 from staging_core.options import StagingOptions
 from staging_core.transports.base import Endpoint, Transport
 
 PROBE_TTL_S = 3600
 DEFAULT_REMOTE_PYTHON = "python3"
-RECORDED_PYTHON = "~/.config/pallet/python"     # where `pallet remote install` records its Python
 _TOOLS = ("zstd", "pigz", "gzip", "md5sum", "flock", "rsync", "mpirun", "srun", "sbatch")
 
-# $1 DEST, then candidate Pythons (shell words; "@recorded" and "@shebang" are looked up there). Prints key=value
-# lines; "pallet=CANDIDATE<TAB>EXECUTABLE<TAB>VERSION<TAB>STREAM<TAB>SESSION" for the first that imports pallet
-# (SESSION 0: a pallet before mpi_stager.wire, whose session hello says its version).
+# $1 DEST, $2 mpi_stager.wire.VERSION_REPORT, then candidate Pythons (shell words; "@recorded" and "@shebang" are
+# looked up there). Prints key=value lines; "pallet=CANDIDATE<TAB>REPORT" for the first that imports pallet, REPORT
+# the line VERSION_REPORT prints (EXECUTABLE, VERSION, STREAM, SESSION).
 _SCRIPT = r"""
-dest=$1; shift
+dest=$1 code=$2; shift 2
 say() { printf '%s=%s\n' "$1" "$2"; }
-code='import sys, mpi_stager, bundles.stream as s; from importlib.metadata import version as v
-try:
-    from mpi_stager.wire import SESSION_VERSION as w
-except ImportError:
-    w = 0
-print(sys.executable, v("pallet"), s.STREAM_VERSION, w, sep="\t")'
 for candidate in "$@"; do
   case $candidate in            # a path found there runs as one word; a command given to pallet as shell words
     @recorded) candidate=$(cat "$HOME/.config/pallet/python" 2>/dev/null); run='"$candidate"' ;;
@@ -177,7 +170,7 @@ def probe_far_side(transport: Transport, endpoint: Endpoint, remote_python: str 
         if cached is not None and (not current_space or cached.dest == endpoint.path):
             return cached
     candidates = ["@recorded", *dict.fromkeys((remote_python, "python3")), "@shebang"]
-    output = transport.run(["sh", "-c", _SCRIPT, "pallet-probe", endpoint.path, *candidates])
+    output = transport.run(["sh", "-c", _SCRIPT, "pallet-probe", endpoint.path, VERSION_REPORT, *candidates])
     found = parse_probe(endpoint, output.decode(errors="replace"), time.time())
     _write_cache(cache, found)
     return found
@@ -191,13 +184,13 @@ def parse_probe(endpoint: Endpoint, text: str, now: float) -> FarSide:
                     find_printf=values.get("find_printf") == "ok", tools=tools,
                     free_bytes=_int(values.get("free_kib"), 1024), free_inodes=_int(values.get("free_inodes"), 1),
                     probed_at=now)
-    pallet = values.get("pallet", "").split("\t")
-    if len(pallet) not in (4, 5):       # CANDIDATE, EXECUTABLE, VERSION, STREAM[, SESSION: a pallet with wire]
+    command, _, line = values.get("pallet", "").partition("\t")     # shell words as given, or a path found there
+    report = VersionReport.parse(line)
+    if not command or report is None:
         return found
-    command = pallet[0]                 # shell words as given, or a path found there (quoted)
     return replace(found, pallet_python=shlex.quote(command) if command.startswith("/") else command,
-                   pallet_version=pallet[2], stream_version=_int(pallet[3], 1) or 0,
-                   session_version=_int(pallet[4] if len(pallet) == 5 else None, 1) or 0)
+                   pallet_version=report.pallet_version, stream_version=report.stream,
+                   session_version=report.session.high)
 
 
 def _int(text: str | None, scale: int) -> int | None:

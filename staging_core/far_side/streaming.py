@@ -197,7 +197,7 @@ class FarStager:
     """``python -m mpi_stager receive``, ``send`` or ``session`` started over ``transport``: its pipes, summary
     and errors."""
 
-    begun = None        # no stream was begun on it before it became a receiver (see far_session.SessionStream)
+    begun = None        # no stream was begun on it before it became a receiver (see far_side.session.SessionStream)
     writer: threading.Thread | None = None      # a thread of the caller's that writes its input, if any
 
     def __init__(self, transport: Transport, argv: list[str], url: str):

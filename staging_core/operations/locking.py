@@ -1,5 +1,7 @@
-"""One push or pull at a time per destination: a flock on DEST itself, held for the whole operation, released if
-pallet dies."""
+"""One push or pull at a time per destination.
+
+A flock on DEST itself, held for the whole operation, released if pallet dies.
+"""
 from __future__ import annotations
 
 import fcntl

@@ -49,14 +49,9 @@ class OpenSource:
     @property
     def packs(self) -> bool:
         """The route packs a bundle at the source that :func:`move_packed` brings here (it carries
-        ``store-and-forward``)."""
+        ``store-and-forward``). False without a route, and for one whose bundles come some other way (the
+        tar-tools route: the far side's own tar, no pallet there); a caller that keeps bundles needs it."""
         return carries(self.route, STORE_AND_FORWARD)
-
-    @property
-    def plain(self) -> bool:
-        """A route serves, but packs no bundle for :func:`move_packed`: bundles come some other way (the far
-        side's own tar, no pallet there); a caller that keeps bundles fetches files individually instead."""
-        return self.route is not None and not self.packs
 
     @property
     def streams(self) -> bool:

@@ -20,7 +20,7 @@ from staging_core.routes.base import (INDIVIDUAL, STORE_AND_FORWARD, STREAM, TAR
                                       route_streams)
 from staging_core.routes.pack import packer
 from staging_core.routes.tar_tools import TarToolsRoute
-from staging_core.routes.tar_tools_pull import pull_plain
+from staging_core.routes.tar_tools_pull import pull_tar_tools
 from staging_core.routes.unpack import INCOMING
 from staging_core.transports.base import Direction, Endpoint, Transport
 
@@ -87,8 +87,8 @@ class TarToolsPull(Strategy[PullContext]):
         route = cast(TarToolsRoute, declaring(source.route, self.name))    # what listing tar-tools promises
         attempt = Attempt(route=route.description)
         with Stage(attempt, NoProgress(), "transfer"):
-            outcome = pull_plain(source.transport, source.endpoint, route, ctx.dest, source.options.jobs,
-                                 ctx.progress, ctx.items)
+            outcome = pull_tar_tools(source.transport, source.endpoint, route, ctx.dest, source.options.jobs,
+                                     ctx.progress, ctx.items)
         attempt.transfers, attempt.bytes_sent = outcome.rounds, outcome.bytes_sent
         attempt.compared(outcome)
         return attempt

@@ -1,5 +1,7 @@
-"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes: policy in one
-place, read from what the transports and routes declare."""
+"""push and pull: plan, lock, retry, then run the strategy through the transport and the routes.
+
+Policy in one place, read from what the transports and routes declare.
+"""
 from __future__ import annotations
 
 import os

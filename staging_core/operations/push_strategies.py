@@ -24,7 +24,7 @@ from staging_core.planning.planner import Plan
 from staging_core.routes.base import (HYBRID, INDIVIDUAL, STORE_AND_FORWARD, STREAM, TAR_TOOLS, Route, carries,
                                       declaring, route_streams)
 from staging_core.routes.tar_tools import TarToolsRoute
-from staging_core.routes.tar_tools_push import push_plain
+from staging_core.routes.tar_tools_push import push_tar_tools
 from staging_core.routes.unpack import UnpackRoute, bundle_name, unpacker
 from staging_core.scratch import scratch_dir
 from staging_core.transports.base import Direction, Endpoint, Transport
@@ -105,8 +105,8 @@ class TarToolsPush(Strategy[PushContext]):
 
     def run(self, ctx: PushContext) -> Attempt:
         route = cast(TarToolsRoute, declaring(ctx.route, self.name))   # what listing tar-tools promises
-        outcome = push_plain(ctx.transport, ctx.tree, ctx.endpoint, route, ctx.options.jobs, ctx.progress,
-                             clear_state=ctx.include is None and not ctx.options.keep_packed)
+        outcome = push_tar_tools(ctx.transport, ctx.tree, ctx.endpoint, route, ctx.options.jobs, ctx.progress,
+                                 clear_state=ctx.include is None and not ctx.options.keep_packed)
         attempt = Attempt(route.description, outcome.rounds, dict(outcome.stage_seconds))
         attempt.bytes_sent = outcome.bytes_sent
         attempt.compared(outcome)

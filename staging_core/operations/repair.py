@@ -15,11 +15,11 @@ from bundles.safety import safe_mode
 from bundles.scan import SourceTree
 from bundles.state import STATE_DIR
 from bundles.tarformat import Kind
+from mpi_stager.wire import FIND_RECORDS, FarEntry, parse_records
 
 from staging_core.transports.registry import capable, declared_capabilities
-from staging_core.routes.tar_tools import (FIND_RECORDS, FarEntry, FarTree, differing, far_tree, hash_local_files,
-                                           link_groups, md5_of, parse_records, regrouped, unchanged_files,
-                                           with_link_groups)
+from staging_core.routes.tar_tools import (FarTree, differing, far_tree, hash_local_files, link_groups, md5_of,
+                                           regrouped, unchanged_files, with_link_groups)
 from staging_core.transports.base import Endpoint, RemoteEntry, Transport
 from staging_core.transports.safe_tree import SafeTree
 

@@ -1,7 +1,10 @@
-"""What push and pull strategies share: the interface, their registry, the record of one attempt, timed stages,
-one batch transfer."""
+"""What push and pull strategies share.
+
+The interface, their registry, the record of one attempt, timed stages, one batch transfer.
+"""
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ class Attempt:
     in_place: int = 0
 
     def compared(self, outcome) -> None:
-        """Record what a route that compared DEST itself found (a plain.TarToolsOutcome)."""
+        """Record what a route that compared DEST itself found (a routes.tar_tools.TarToolsOutcome)."""
         self.files_sent, self.file_bytes, self.in_place = outcome.files_sent, outcome.file_bytes, outcome.in_place
 
     def streamed(self, outcome) -> None:
@@ -91,7 +94,32 @@ class Strategy(ABC, Generic[Context]):
 
 
 StrategyClass = TypeVar("StrategyClass", bound="type[Strategy[Any]]")
-_STRATEGIES: dict[tuple[Direction, str], type[Strategy[Any]]] = {}
+
+
+class StrategyRegistry:
+    """Strategy classes by (direction, name). Registration happens at import time (pallet's own when
+    push_strategies and pull_strategies are imported, others when their modules are), lookups from any thread
+    after; a lock keeps a lookup from meeting a registration half-way. Not a place for per-operation state."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[Direction, str], type[Strategy[Any]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, kind: type[Strategy[Any]]) -> None:
+        with self._lock:
+            self._kinds[(kind.direction, kind.name)] = kind
+
+    def remove(self, direction: Direction, name: str) -> None:
+        with self._lock:
+            self._kinds.pop((direction, name), None)
+
+    def ordered(self, direction: Direction) -> list[type[Strategy[Any]]]:
+        with self._lock:
+            kinds = [kind for (way, _), kind in self._kinds.items() if way is direction]
+        return sorted(kinds, key=lambda kind: (kind.order, kind.name))
+
+
+STRATEGIES = StrategyRegistry()
 
 
 def register_strategy(kind: StrategyClass) -> StrategyClass:
@@ -99,19 +127,18 @@ def register_strategy(kind: StrategyClass) -> StrategyClass:
     decorator). pallet's own register when their modules (push_strategies, pull_strategies) are imported."""
     if not kind.name or not isinstance(getattr(kind, "direction", None), Direction):
         raise TypeError(f"{kind.__name__} needs a name and a direction to be registered")
-    _STRATEGIES[(kind.direction, kind.name)] = kind
+    STRATEGIES.add(kind)
     return kind
 
 
 def unregister_strategy(direction: Direction, name: str) -> None:
     """Remove a registered strategy (nothing if there is none)."""
-    _STRATEGIES.pop((direction, name), None)
+    STRATEGIES.remove(direction, name)
 
 
 def registered_strategies(direction: Direction) -> list[type[Strategy[Any]]]:
     """The strategies of ``direction`` in the order they are asked."""
-    return sorted((kind for (way, _), kind in _STRATEGIES.items() if way is direction),
-                  key=lambda kind: (kind.order, kind.name))
+    return STRATEGIES.ordered(direction)
 
 
 def select_strategy(direction: Direction, ctx: Context, planned: str, route: Route | None) -> Strategy[Context]:

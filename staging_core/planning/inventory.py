@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import zstandard
 
-from bundles.scan import SourceTree, scan
+from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 
 from staging_core.planning.planner import LARGE_FILE_BYTES, TreeStats
@@ -37,13 +37,6 @@ class Inventory:
         for size in self.sizes:
             counts[next((label for bound, label in bounds if size < bound), ">=64MiB")] += 1
         return counts
-
-
-def local_inventory(root: str, large_file_bytes: int = LARGE_FILE_BYTES,
-                    include: frozenset[bytes] | None = None) -> tuple[Inventory, list[bytes]]:
-    """Walk a local tree (the bundle scanner), or only the ``include`` selection; return the inventory and
-    the files' relative paths."""
-    return tree_inventory(scan(root, "none", 0, include=include), large_file_bytes)
 
 
 def tree_inventory(tree: SourceTree, large_file_bytes: int = LARGE_FILE_BYTES) -> tuple[Inventory, list[bytes]]:

@@ -1,5 +1,6 @@
-"""The Route type: what every bundle route declares (the strategies it carries, the transport capabilities it
-needs, what it does itself), read by the operations instead of the route's class.
+"""The Route type: what every bundle route declares, read by the operations instead of the route's class.
+
+A route declares the strategies it carries, the transport capabilities it needs and what it does itself.
 
 A route is how a bundle turns into the tree where it must land: an ``UnpackRoute`` (push, routes/unpack.py), a
 ``PackRoute`` (pull, routes/pack.py) or the ``TarToolsRoute`` (either, routes/tar_tools.py). Each derives from

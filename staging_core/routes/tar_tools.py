@@ -10,7 +10,6 @@ from bundles.errors import SourceError
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.wire import MANIFEST_END, FarEntry, parse_records, strip_tar_tools_line, tar_tools_script
-from mpi_stager.wire import FIND_RECORDS as FIND_RECORDS     # the listing record is mpi_stager.wire's; these stay
 
 from staging_core.routes.base import TAR_TOOLS, Route
 from staging_core.transports.base import Transport
@@ -73,12 +72,6 @@ class TarToolsOutcome:
     bytes_sent: int = 0
     rounds: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
-
-
-def tree_files(tree: SourceTree) -> set[bytes]:
-    """The paths of ``tree``'s regular files and hard links."""
-    index = tree.index
-    return {index.paths[i] for i in range(len(index)) if index.kinds[i] in (Kind.FILE, Kind.HARDLINK)}
 
 
 def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:

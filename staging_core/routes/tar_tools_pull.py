@@ -20,8 +20,8 @@ from staging_core.routes.tar_tools import (COMPRESSORS, ROUNDS, FarTree, TarTool
 from staging_core.transports.base import Endpoint, Transport
 from staging_core.transports.errors import classify
 
-def pull_plain(transport: Transport, endpoint: Endpoint, route: TarToolsRoute, dest: str, jobs: int,
-               progress: Progress, items: Sequence[str] | None = None) -> TarToolsOutcome:
+def pull_tar_tools(transport: Transport, endpoint: Endpoint, route: TarToolsRoute, dest: str, jobs: int,
+                   progress: Progress, items: Sequence[str] | None = None) -> TarToolsOutcome:
     """Make local ``dest`` (locked by the caller) equal the tree at ``endpoint`` with the far side's own tools.
 
     The far side lists its tree and hashes every file; entries missing here

@@ -26,8 +26,8 @@ TAR_RUN_BYTES = 16 << 20  # shard bytes (uncompressed) per far-side tar run; its
 OWNER_RWX = 0o700          # directories are extracted writable by us; their own modes are set last
 
 
-def push_plain(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: TarToolsRoute, jobs: int,
-               progress: Progress, clear_state: bool = True) -> TarToolsOutcome:
+def push_tar_tools(transport: Transport, tree: SourceTree, endpoint: Endpoint, route: TarToolsRoute, jobs: int,
+                   progress: Progress, clear_state: bool = True) -> TarToolsOutcome:
     """Make the tree at ``endpoint`` equal ``tree`` (a full scan of the source) with the far side's own tools.
 
     Everything runs in one far-side shell session (tar_tools_session.py). It

@@ -12,7 +12,7 @@ from typing import ClassVar, Protocol, cast
 from bundles.errors import PalletError, UsageError
 from bundles.state import prune
 from bundles.unpacking import UnpackOptions, unpack as unpack_bundle
-from mpi_stager.summaries import StagerSummary, decode
+from mpi_stager.wire import StagerSummary, decode_summary
 
 from staging_core.options import StagingOptions
 from staging_core.far_side.probe import FarSide
@@ -61,8 +61,8 @@ def unpack_argv(options: StagingOptions, bundle_path: str, dest_path: str, keep_
 
 def unpack_summary(output: bytes, where: str) -> StagerSummary:
     """The summary ``mpi_stager unpack --json`` printed last in ``output`` at ``where`` (the destination, or the
-    host that unpacked it): :func:`mpi_stager.summaries.decode`, SummaryError when there is none."""
-    return decode(output, "unpack", where)
+    host that unpacked it): :func:`mpi_stager.wire.decode_summary`, SummaryError when there is none."""
+    return decode_summary(output, "unpack", where)
 
 
 def _skipped(output: bytes, where: str) -> int:

@@ -2,7 +2,8 @@
 from .base import (Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry, Transport, TransferResult,
                    TransportOption, parse_url)
 from .errors import TransportError
-from .registry import all_declared_options, open_transport, schemes
+from .catalog import schemes
+from .registry import all_declared_options, open_transport
 
 __all__ = ["Capabilities", "Direction", "EarlyConnection", "Endpoint", "RemoteEntry", "Transport", "TransferResult",
            "TransportError", "TransportOption", "all_declared_options", "open_transport", "parse_url", "schemes"]

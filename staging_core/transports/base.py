@@ -66,8 +66,8 @@ def parse_url(text: str, path_required: bool = True) -> Endpoint:
     """Parse '/abs', 'file:///abs', 'ssh://[user@]host[:port]/abs', '[user@]host:/abs',
     'gsiftp://host:port/abs', 'ftp://host:port/abs' or 'globus://ENDPOINT_UUID/abs'.
 
-    Any other scheme registered in staging_core.transports.registry (the
-    only list of schemes, kept in staging_core.transports.catalog) parses as ``scheme://[user@]host[:port]/abs``.
+    Any other scheme registered in staging_core.transports.catalog (the
+    only list of schemes, opened by staging_core.transports.registry) parses as ``scheme://[user@]host[:port]/abs``.
     A remote URL names its path: ``ssh://host`` never means the far side's
     root (``path_required=False`` lets a URL that names only a host, as
     ``--unpack-via ssh://host`` does, stand for its '/'). Raises UsageError

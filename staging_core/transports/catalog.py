@@ -2,8 +2,8 @@
 
 This module imports nothing of the transports package: ``base`` (which parses URLs, so must know the schemes)
 and ``registry`` (which imports and opens transports) both read it, and imports point one way:
-``catalog`` <- ``base`` <- ``registry`` <- the transports. Use it through ``staging_core.transports.registry``,
-which re-exports :class:`Registration`, :func:`register`, :func:`unregister` and :func:`schemes`.
+``catalog`` <- ``base`` <- ``registry`` <- the transports. Import :class:`Registration`, :func:`register`,
+:func:`unregister` and :func:`schemes` from here; ``staging_core.transports.registry`` opens what they list.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The declared options of pallet's own transports (``Transport.declared_options``), kept apart from the
-transports so that they can be listed without importing any transport or its dependencies (globus-sdk):
+"""The declared options of pallet's own transports (``Transport.declared_options``), apart from the transports.
+
+They are kept apart so that they can be listed without importing any transport or its dependencies (globus-sdk):
 ``registry.all_declared_options`` reads them through ``Registration.options``. Each transport class sets its
 ``declared_options`` to its tuple here; tests/test_transport_capabilities.py checks that every tuple matches
 its constructor's keyword arguments and defaults.

@@ -1,5 +1,4 @@
-"""The Globus transport: one Globus Transfer task per batch between a local collection and a remote one
-(globus-sdk 4)."""
+"""The Globus transport (globus-sdk 4): one Transfer task per batch between a local collection and a remote one."""
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,7 @@
-"""Globus login for pallet: a native-app UserApp (globus-sdk 4) with tokens in a 0600 JSON file under the XDG
-config dir."""
+"""Globus login for pallet: a native-app UserApp (globus-sdk 4), its tokens in a 0600 JSON file.
+
+The file is under the XDG config dir.
+"""
 from __future__ import annotations
 
 import os

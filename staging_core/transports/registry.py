@@ -1,8 +1,8 @@
 """Lazy registry of transports by URL scheme: modules are imported only when a scheme is used.
 
 The table of schemes itself lives in :mod:`staging_core.transports.catalog` (which ``base`` reads to parse
-URLs, so imports point one way: catalog <- base <- registry); its :class:`Registration`, :func:`register`,
-:func:`unregister` and :func:`schemes` are re-exported here, the place to use them from.
+URLs, so imports point one way: catalog <- base <- registry): import :class:`Registration`, :func:`register`,
+:func:`unregister` and :func:`schemes` from there, and :func:`parse_url` from ``base``.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import shutil
 from bundles.errors import UsageError
 
 from .base import Capabilities, EarlyConnection, Endpoint, Transport, TransportOption, parse_url
-from .catalog import Registration, register, registration, schemes, unregister
+from .catalog import Registration, registration, schemes
 from .errors import MissingDependencyError
 
-__all__ = ["Registration", "all_declared_options", "declared_options", "open_endpoint", "open_transport",
-           "parse_url", "register", "schemes", "transport_class", "unregister"]
+__all__ = ["all_declared_options", "capable", "declared_capabilities", "declared_options", "open_endpoint",
+           "open_transport", "transport_class"]
 
 
 def _registered(scheme: str) -> Registration:

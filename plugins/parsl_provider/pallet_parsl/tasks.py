@@ -238,7 +238,7 @@ def _move(spec: BatchSpec, stream: bool) -> Moved:
     with OpenSource(spec.remote_root, options) as source:
         strategy, sizes = _strategy(spec, source)
         streams = stream and source.options.stream != "off" and source.streams
-        if strategy == "individual" or source.plain or streams:
+        if strategy == "individual" or not source.packs or streams:
             aligned = sizes if sizes is not None and len(sizes) == len(spec.items) else None
             result = fetch(spec.remote_root, spec.items, spec.local_root, replace(options, strategy=strategy),
                            aligned)
@@ -367,7 +367,7 @@ def _move_kept(spec: BatchSpec) -> Moved:
         return Moved(spec, "done before", 0, kept=kept)
     options = _fetch_options(spec)
     with OpenSource(spec.remote_root, options) as source:
-        if source.route is None or source.plain:
+        if not source.packs:
             raise UsageError("keep_packed needs a source that packs bundles: pallet at an ssh source, or pack_via "
                              "for a GridFTP/Globus one", spec.remote_root,
                              "install pallet there (pallet remote install HOST), set options.pack_via, or drop "

@@ -1,5 +1,4 @@
-"""Snakemake storage plugin `pallet`: remote inputs of a scheduler round fetched, and outputs sent, as one planned
-operation."""
+"""Snakemake storage plugin `pallet`: a round's remote inputs fetched, and outputs sent, as one planned operation."""
 from .provider import StorageProvider
 from .settings import StorageProviderSettings
 from .storage_object import StorageObject

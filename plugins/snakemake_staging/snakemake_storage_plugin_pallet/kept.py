@@ -90,7 +90,7 @@ class KeptBundles:
     def _fetch(self, root: Endpoint, kept: str, listing: list[RemoteEntry]) -> str:
         os.makedirs(kept, mode=0o700, exist_ok=True)
         with OpenSource(root, self.options) as source:
-            if source.route is None or source.plain:
+            if not source.packs:
                 raise UsageError("--storage-pallet-keep-packed needs a source that packs bundles: pallet at an "
                                  "ssh source, or --storage-pallet-pack-via for a GridFTP/Globus one", root.url(),
                                  "install pallet there (pallet remote install HOST), or drop keep-packed")
