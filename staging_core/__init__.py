@@ -17,7 +17,7 @@ _PUBLIC = {
     "OptionDeclaration": "options", "declarations": "options", "TransportSetting": "options",
     "transport_settings": "options",
     "plan": "planning.planner", "load_profile": "planning.profiles", "Inventory": "planning.inventory",
-    "DestinationLock": "operations.locking",
+    "DestinationLock": "locking",
     "OpenSource": "operations.pull_phases", "plan_pull": "operations.pull_phases",
     "move_packed": "operations.pull_phases",
     "OpenDestination": "operations.push_phases", "PushPlan": "operations.push_phases",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from staging_core.operations.locking import DestinationLock, DestinationLocked
+from staging_core.locking import DestinationLock, DestinationLocked
 from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions
 from staging_core.transports.base import parse_url
@@ -73,7 +73,7 @@ def test_a_locked_ssh_destination_refuses_and_the_lock_dies_with_its_holder(sshd
 
 _HOLD_LOCK = """
 import sys, time
-from staging_core.operations.locking import DestinationLock
+from staging_core.locking import DestinationLock
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
 endpoint = parse_url(sys.argv[1])

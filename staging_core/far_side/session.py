@@ -13,7 +13,7 @@ from mpi_stager.wire import (DECLINED, LOCKED, MAX_LISTING_HEADER, NOT_COMPARABL
                              decode_listing, decode_resume_reply, decode_summary, encode_dirs, hello_env, install_hint,
                              listing_size, parse_records)
 
-from staging_core.operations.locking import DestinationLock, locked_error
+from staging_core.locking import DestinationLock, locked_error
 from staging_core.options import StagingOptions
 from staging_core.far_side.streaming import FarStager
 from staging_core.transports.base import Endpoint, Transport

@@ -14,7 +14,7 @@ from mpi_stager.send import StreamSource, prepare_source
 from staging_core.far_side.probe import far_side_options
 from staging_core.far_side.session import FarSession, destination_lock
 from staging_core.operations.individual import uncarried_link
-from staging_core.operations.locking import DestinationLock
+from staging_core.locking import DestinationLock
 from staging_core.operations.push_strategies import can_stream, stream_codec
 from staging_core.operations.repair import (Comparison, compare_with_dest, compare_with_dest_entries, delete_extra,
                                             dirs_to_restore,

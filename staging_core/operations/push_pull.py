@@ -19,7 +19,7 @@ from bundles.state import remove_state
 
 from staging_core.far_side.streaming import PullStream
 from staging_core.operations.dry_run import pull_dry_run, push_dry_run
-from staging_core.operations.locking import DestinationLock
+from staging_core.locking import DestinationLock
 from staging_core.operations.pull_phases import OpenSource, plan_pull
 from staging_core.operations.pull_strategies import PullContext, early_stream, pull_strategy
 from staging_core.operations.push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
