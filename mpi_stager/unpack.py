@@ -1,6 +1,6 @@
 """`python -m mpi_stager unpack`: the one unpack driver (bundles.unpacking.unpack) on every rank of a communicator.
 
-It runs with mpi_stager's options and summary (the JSON a push or a Slurm job reads back, see wire.py).
+It runs with mpi_stager's options and summary (the JSON a push or a Slurm job reads back, see mpi_stager.wire).
 """
 from __future__ import annotations
 

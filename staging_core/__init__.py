@@ -13,7 +13,7 @@ _PUBLIC = {
     # operations
     "push": "operations.push_pull", "pull": "operations.push_pull",
     "fetch": "operations.selection", "send": "operations.selection",
-    "StagingOptions": "options", "StagingResult": "options", "STRATEGIES": "options",
+    "StagingOptions": "options", "StagingResult": "results", "STRATEGIES": "options",
     "OptionDeclaration": "options", "declarations": "options", "TransportSetting": "options",
     "transport_settings": "options",
     "plan": "planning.planner", "load_profile": "planning.profiles", "Inventory": "planning.inventory",

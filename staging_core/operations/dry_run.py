@@ -10,7 +10,8 @@ from bundles.tarformat import Kind
 
 from staging_core.operations.repair import (Comparison, PullComparison, compare_with_dest, compare_with_local, dest_md5,
                                             lists_exactly)
-from staging_core.options import StagingOptions, StagingResult
+from staging_core.options import StagingOptions
+from staging_core.results import StagingResult
 from staging_core.planning.inventory import Inventory
 from staging_core.planning.local_profile import route_profile
 from staging_core.planning.planner import plan

@@ -27,7 +27,8 @@ from staging_core.operations.push_strategies import PushContext, push_strategy
 from staging_core.operations.repair import (PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
                                             finish_local_pull, stamp_top)
 from staging_core.operations.strategy_base import Attempt, check_stream_shard_size, resolve_strategy
-from staging_core.options import STRATEGIES, STREAM_MODES, StagingOptions, StagingResult
+from staging_core.options import STRATEGIES, STREAM_MODES, StagingOptions
+from staging_core.results import StagingResult
 from staging_core.planning.inventory import Inventory
 from staging_core.planning.local_profile import copies_locally, observe
 from staging_core.planning.planner import Plan

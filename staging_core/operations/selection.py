@@ -8,7 +8,8 @@ from bundles.errors import UsageError
 from bundles.progress import Progress
 
 from staging_core.operations.push_pull import pull, push
-from staging_core.options import StagingOptions, StagingResult
+from staging_core.options import StagingOptions
+from staging_core.results import StagingResult
 
 _DEFAULTS = StagingOptions()
 
