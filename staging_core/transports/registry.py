@@ -105,9 +105,8 @@ def declared_capabilities(scheme: str) -> Capabilities | None:
     found = registration(scheme)
     if found is None:
         return None
-    module, _, name = found.target.partition(":")
     try:
-        kind = getattr(importlib.import_module(module), name)
+        kind: type[Transport] = _load(found.target)
     except ImportError:
         return None
     return kind.capabilities
