@@ -22,6 +22,8 @@ import time
 
 from bundles.stream import FrameKind, FrameReader
 
+RECORD = "shard-" + "[0-9]" * 6        # a journal record once written (never its temporary, shard-N.tmpR)
+
 
 class Tee:
     """A reader that passes on what it reads to ``copy`` at once."""
@@ -56,7 +58,7 @@ def main() -> int:
     frame, seen = reader.next(), 0
     while frame is not None and (seen := seen + (frame.kind in (FrameKind.SHARD, FrameKind.SKIP))) < count:
         frame = reader.next()
-    _wait_for(os.path.join(dest, ".pallet", "stream-*", "shard-*"), count)
+    _wait_for(os.path.join(dest, ".pallet", "stream-*", RECORD), count)
     if mode == "kill":
         receiver.kill()
     else:

@@ -124,7 +124,7 @@ def _sending(dest):
 
 
 def _unpacking(dest):
-    return lambda: bool(glob.glob(str(dest / ".pallet" / "journal-*" / "shard-*")))
+    return lambda: bool(glob.glob(str(dest / ".pallet" / "journal-*" / ("shard-" + "[0-9]" * 6))))
 
 
 @pytest.mark.parametrize("stage", ["pack", "transfer", "unpack"])

@@ -226,7 +226,7 @@ def test_kill_9_of_the_sender_mid_stream_then_a_rerun_resumes(sshd, tmp_path):
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=user_env(TMPDIR=control))
         try:
-            wait_for(lambda: glob.glob(str(dest / ".pallet" / "stream-*" / "shard-*")), sender)
+            wait_for(lambda: glob.glob(str(dest / ".pallet" / "stream-*" / ("shard-" + "[0-9]" * 6))), sender)
         finally:
             os.kill(sender.pid, signal.SIGKILL)
             sender.communicate()
