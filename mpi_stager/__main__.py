@@ -18,6 +18,7 @@ run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
             ... | python -m mpi_stager receive DEST   (a bundle stream on stdin, as pallet push sends it)
             python -m mpi_stager send SRC | ...      (a bundle stream on stdout, as pallet pull reads it)
             python -m mpi_stager session --list DEST  (lock, listing, stream, clean-up: how pallet push uses ssh)
+            python -m mpi_stager serve               (stat, list, put, get for a whole run: pallet's host session)
             python -m mpi_stager hello               (the far side's versions and capabilities, docs/wire.md)
 While it runs, DEST/.pallet holds the journal and an INCOMPLETE marker; a rerun after a crash
 (of this command, `pallet unpack` or `pallet pull`: one driver, one journal) extracts only the shards
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Parallel, resumable unpack of pallet bundles across MPI ranks.")
     parser.add_argument("--version", action=_VersionAction, help="print the versions of pallet and its protocols")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_unpack, _add_receive, _add_send, _add_session, _add_hello, _add_pack):
+    for add in (_add_unpack, _add_receive, _add_send, _add_session, _add_serve, _add_hello, _add_pack):
         add(commands)
     return parser
 
@@ -111,6 +112,16 @@ def _add_session(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                          help="wait for another operation's lock on DEST instead of exiting with status 4")
 
 
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    commands.add_parser("serve", help="serve a workflow run's small operations until stdin ends",
+                        description="Serve the host session (docs/wire.md, 'The host session'): a hello line "
+                                    "(the host-session version it answers $PALLET_HOST_HELLO with, and its "
+                                    "capabilities), then requests read on stdin until it ends, each answered in "
+                                    "turn: `stat` (batched), `list`, `put` (small files inline, under their "
+                                    "DEST's lock) and `get`. A failed operation is answered as an error and the "
+                                    "session goes on. Exit status 1 when the client shares no version.")
+
+
 def _add_hello(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     commands.add_parser("hello", help="print the hello line a session answers with: versions and capabilities",
                         description="Print the line a session opens with (docs/wire.md, 'The hello'): the session "
@@ -142,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_send(args)
     if args.command == "session":
         return _run_session(args)
+    if args.command == "serve":
+        return _run_serve()
     if args.command == "hello":
         return _run_hello()
     from .comm import get_communicator
@@ -223,6 +236,18 @@ def _run_session(args) -> int:
     except BrokenPipeError:
         return RECEIVER_GONE        # the caller went away; it reports what happened
     return 0
+
+
+def _run_serve() -> int:
+    from .serve import run_serve
+    from .wire import HOST_HELLO_ENV
+    try:
+        return run_serve(sys.stdin.buffer, sys.stdout.buffer, os.environ.get(HOST_HELLO_ENV))
+    except PalletError as exc:
+        print(f"mpi_stager serve: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return RECEIVER_GONE        # the client went away
 
 
 def _run_send(args) -> int:

@@ -6,8 +6,11 @@ import io
 import json
 import os
 import signal
+import stat
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet
 from tests.programs import program, user_env
 from tests.servers import count_invocations
 
-_MUX = ("-O exit", " -N ")          # ControlMaster start and stop: not commands at the far side
+_MUX = (" -O exit", " -O check", " -N ", " -G ")  # the connection's own calls: not far-side commands
 
 
 def ssh_flags(sshd) -> list[str]:
@@ -39,7 +42,7 @@ def ssh_flags(sshd) -> list[str]:
 def far_commands(calls: list[str]) -> list[str]:
     """The ssh calls that ran a command at the far side (from ``--`` on, when pallet put one), without the
     connection's own calls."""
-    return [call.partition(" -- ")[2] or call for call in calls if not any(m in call for m in _MUX)]
+    return [call.partition(" -- ")[2] or call for call in calls if not any(m in f" {call}" for m in _MUX)]
 
 
 def pushed(sshd, src: str, dest: Path, *args: str, remote_python: str = sys.executable) -> dict:
@@ -82,8 +85,8 @@ def test_an_individual_push_holds_the_session_while_rsync_runs(sshd, tmp_path, m
 def test_push_and_pull_take_over_the_connection_the_command_line_starts_early(sshd, tmp_path, monkeypatch):
     src = make_nasty_tree(str(tmp_path / "src"))
     calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
-    pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle")
-    done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--remote-python", sys.executable,
+    pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle", "--ssh-keep", "0")
+    done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--remote-python", sys.executable, "--ssh-keep", "0",
                       *ssh_flags(sshd), sshd.url(str(tmp_path / "dest")), str(tmp_path / "back"))
     assert done.returncode == 0, done.stderr
     masters = [call for call in calls() if " -N " in call]
@@ -93,9 +96,33 @@ def test_push_and_pull_take_over_the_connection_the_command_line_starts_early(ss
     assert not _live_masters(masters)
 
 
+def test_a_later_command_reuses_the_kept_connection(sshd, tmp_path, monkeypatch):
+    src = make_nasty_tree(str(tmp_path / "src"))
+    runtime = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))       # short: a socket's path holds 108 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
+    pushed(sshd, src, tmp_path / "dest", "--strategy", "bundle", "--ssh-keep", "30")
+    done = run_pallet("pull", "--quiet", "--strategy", "bundle", "--remote-python", sys.executable, "--ssh-keep", "30",
+                      *ssh_flags(sshd), sshd.url(str(tmp_path / "dest")), str(tmp_path / "back"))
+    assert done.returncode == 0, done.stderr
+    assert_same_tree(src, tmp_path / "back")
+    masters = [call for call in calls() if " -N " in call]
+    assert len(masters) == 1 and "ControlPersist=30" in masters[0], masters     # the pull found the push's
+    assert not any(" -O exit" in call for call in calls())
+    sockets = list((runtime / "pallet").iterdir())
+    try:
+        assert len(sockets) == 1 and stat.S_ISSOCK(sockets[0].lstat().st_mode) and \
+            stat.S_IMODE(sockets[0].parent.stat().st_mode) == 0o700
+    finally:
+        for socket in sockets:
+            subprocess.run(["ssh", "-o", f"ControlPath={socket}", "-O", "exit", "x"], capture_output=True)
+        shutil.rmtree(runtime)
+
+
 def test_a_push_that_fails_before_connecting_leaves_no_connection(sshd, tmp_path, monkeypatch):
     calls = count_invocations(tmp_path / "shims", "ssh", monkeypatch)
-    done = run_pallet("push", "--quiet", *ssh_flags(sshd), str(tmp_path / "missing"), sshd.url(str(tmp_path / "d")))
+    done = run_pallet("push", "--quiet", "--ssh-keep", "0", *ssh_flags(sshd), str(tmp_path / "missing"),
+                      sshd.url(str(tmp_path / "d")))
     assert done.returncode == 1 and "missing: does not exist" in done.stderr and "Traceback" not in done.stderr
     masters = [call for call in calls() if " -N " in call]
     assert len(masters) == 1 and not _live_masters(masters)

@@ -92,9 +92,9 @@ def test_a_master_that_idled_out_is_started_again(sshd, tmp_path, monkeypatch):
     idle = ssh_master.MASTER_IDLE_S
     monkeypatch.setattr(ssh_master, "MASTER_IDLE_S", 1)           # the first master idles out at once
     calls = count_invocations(tmp_path / "shim", "ssh", monkeypatch)
-    with open_transport(sshd.url(str(tmp_path)), ssh_options=sshd.ssh_options) as t:
+    with open_transport(sshd.url(str(tmp_path)), ssh_options=sshd.ssh_options, keep=0) as t:
         assert t.run(["echo", "one"]) == b"one\n"
-        socket = os.path.join(t._control_dir, "cm")
+        socket = t._master._socket
         deadline = time.monotonic() + 60                            # a guard only: the wait is for the event
         while os.path.exists(socket):
             assert time.monotonic() < deadline, "the master did not idle out"

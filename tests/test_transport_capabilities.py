@@ -134,7 +134,7 @@ def test_all_declared_options_lists_every_scheme_as_its_class_declares():
     assert sorted(listed) == schemes()
     for scheme, options in listed.items():
         assert options == _class_of(scheme).declared_options, scheme
-    assert [o.name for o in listed["ssh"]] == ["ssh_options", "parallel", "master"]
+    assert [o.name for o in listed["ssh"]] == ["ssh_options", "parallel", "master", "keep"]
     assert [o.name for o in listed["file"]] == ["link_mode", "threads"]
     ssh_options = listed["ssh"][0]
     assert (ssh_options.staging_field, ssh_options.flag, ssh_options.multiple) == ("ssh_options", "--ssh-option", True)

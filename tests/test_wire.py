@@ -23,11 +23,11 @@ from tests.programs import python_module, user_env
 from tests.servers import count_invocations
 
 FIXTURES = Path(__file__).with_name("wire_fixtures")
-_MUX = ("-O exit", " -N ")          # ControlMaster start and stop: not commands at the far side
+_MUX = (" -O exit", " -O check", " -N ", " -G ")  # the connection's own calls: not far-side commands
 
 
 def far_commands(calls: list[str]) -> list[str]:
-    return [call.partition(" -- ")[2] or call for call in calls if not any(m in call for m in _MUX)]
+    return [call.partition(" -- ")[2] or call for call in calls if not any(m in f" {call}" for m in _MUX)]
 
 
 def push(sshd, src: str, dest: Path, remote_python: str) -> subprocess.CompletedProcess:

@@ -2,24 +2,33 @@
 
 One package, whose names are all here: ``versions`` (every protocol version, the exit statuses a client acts on),
 ``hello`` (the versions and capabilities each side speaks, and the version report), ``messages`` (session requests
-and answers, and the listing record), ``summaries`` (the far side's JSON summaries) and ``tar_tools`` (the
-tar-tools route's versioned scripts). Import from ``mpi_stager.wire``; the modules are how it is laid out.
+and answers, and the listing record), ``summaries`` (the far side's JSON summaries), ``host`` (the host session: many
+operations on one far-side process) and ``tar_tools`` (the tar-tools route's versioned scripts).
+Import from ``mpi_stager.wire``; the modules are how it is laid out.
 """
 from __future__ import annotations
 
-from .versions import (LOCKED, MIN_SESSION_VERSION, MIN_SUMMARY_VERSION, RECEIVER_GONE, SESSION_VERSION,
-                       SOURCE_MISSING, STREAM_VERSION, SUMMARY_VERSION, TAR_TOOLS_VERSION, USAGE_ERROR,
-                       WireVersionError, decode_resume_reply, encode_resume_reply, install_hint)
+from .versions import (HOST_VERSION, LOCKED, MIN_HOST_VERSION, MIN_SESSION_VERSION, MIN_SUMMARY_VERSION,
+                       RECEIVER_GONE, SESSION_VERSION, SOURCE_MISSING, STREAM_VERSION, SUMMARY_VERSION,
+                       TAR_TOOLS_VERSION, USAGE_ERROR, WireVersionError, decode_resume_reply, encode_resume_reply,
+                       install_hint)
 from .hello import (FAR_HELLO, HELLO, HELLO_ENV, HELLO_PREFIX, SESSION_CAPS, VERSION_REPORT, Agreement, Hello,
                     VersionReport, Versions, agree, client_hello, client_hello_in, far_hello_for, hello_env)
 from .messages import (DECLINED, FIND_RECORDS, LISTING_ARGV, LISTING_FIELDS, LISTING_TAG, MAX_LISTING_HEADER,
                        NOT_COMPARABLE, OK, FarEntry, SessionRequest, decode_dirs, decode_listing, encode_dirs,
                        listing_block, listing_size, parse_records)
+from .host import (HOST_CAPS, HOST_HELLO_ENV, HOST_HELLO_PREFIX, MAX_LINE, HostHello, InlineDirectory, InlineFile,
+                   PutRequest, TooLarge, decode_error, decode_files, decode_get, decode_put, encode_error,
+                   encode_files, encode_get, encode_put, far_hello, frame, host_client_text, parse_header)
 from .summaries import KINDS, PackSummary, ReceiveSummary, StagerSummary, Summary, decode_summary, encode_summary
 from .tar_tools import MANIFEST_END, TAR_TOOLS_LINE, check_tar_tools_line, strip_tar_tools_line, tar_tools_script
 
 
 __all__ = [
+    "HOST_CAPS", "HOST_HELLO_ENV", "HOST_HELLO_PREFIX", "HOST_VERSION", "HostHello", "InlineDirectory", "InlineFile",
+    "MAX_LINE", "MIN_HOST_VERSION", "PutRequest", "TooLarge", "decode_error", "decode_files", "decode_get",
+    "decode_put", "encode_error", "encode_files", "encode_get", "encode_put", "far_hello", "frame",
+    "host_client_text", "parse_header",
     "Agreement", "DECLINED", "FAR_HELLO", "FIND_RECORDS", "FarEntry", "HELLO", "HELLO_ENV", "HELLO_PREFIX", "Hello",
     "KINDS", "LISTING_ARGV", "LISTING_FIELDS", "LISTING_TAG", "LOCKED", "MANIFEST_END", "MAX_LISTING_HEADER",
     "MIN_SESSION_VERSION", "MIN_SUMMARY_VERSION", "NOT_COMPARABLE", "OK", "PackSummary", "RECEIVER_GONE",

@@ -18,6 +18,8 @@ SESSION_VERSION = 3         # hello, requests and answers of `mpi_stager session
 MIN_SESSION_VERSION = 3     # the oldest session version this pallet speaks, as client and as far side
 SUMMARY_VERSION = 1         # the far side's JSON summaries (below); readers read every version up to theirs
 MIN_SUMMARY_VERSION = 0     # a summary without a version field (a pallet before versioned summaries) reads as 0
+HOST_VERSION = 1            # `mpi_stager serve`: the host session's hello, requests and answers (wire/host.py)
+MIN_HOST_VERSION = 1        # the oldest host-session version this pallet speaks, as client and as far side
 TAR_TOOLS_VERSION = 1       # the shell scripts of the tar-tools route and their output
 # STREAM_VERSION, the bundle stream's framing, is defined with that framing in bundles.stream (the bundle format's
 # streamed form, below mpi_stager) and listed here: this module is the one place that names every version.

@@ -21,7 +21,7 @@ from staging_core.transports.registry import capable, declared_capabilities
 from staging_core.routes.tar_tools import (FarTree, differing, far_tree, hash_local_files, link_groups, md5_of,
                                            regrouped, unchanged_files, with_link_groups)
 from staging_core.transports.base import Endpoint, RemoteEntry, Transport
-from staging_core.transports.safe_tree import SafeTree
+from bundles.safe_tree import SafeTree
 
 _KIND_LETTERS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l"}
 

@@ -7,15 +7,19 @@ from collections.abc import Sequence
 from bundles.errors import UsageError
 from bundles.progress import Progress
 
+from staging_core.far_side.host_session import HostSessions
+from staging_core.operations.inline import fetch_inline, inline_or_none, send_inline
 from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions
 from staging_core.results import StagingResult
+from staging_core.transports.base import EarlyConnection, parse_url
 
 _DEFAULTS = StagingOptions()
 
 
 def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: StagingOptions = _DEFAULTS,
-          sizes: Sequence[int] | None = None, progress: Progress | None = None) -> StagingResult:
+          sizes: Sequence[int] | None = None, progress: Progress | None = None,
+          sessions: HostSessions | None = None) -> StagingResult:
     """Bring ``items`` (paths relative to ``src_root_url``) to ``dest_root/<item>`` in one planned operation.
 
     The tree below the root is kept (``a/b.csv`` lands at
@@ -30,23 +34,41 @@ def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: Stag
     queue on its lock. Raises UsageError for items that are not relative
     paths inside the root, SourceError naming missing items, TransportError
     or PalletError naming the cause; result.transfers counts transfers.
+
+    ``sessions``: the run's host sessions (a workflow's). An ssh source is
+    then reached over its host's warm session, and a selection small
+    enough travels inline in one request (strategy ``inline``, see
+    :func:`staging_core.planning.planner.plan`).
     """
     names = clean_items(items)
-    if sizes is None:
-        return pull(src_root_url, dest_root, options, progress, names)
-    if len(sizes) != len(items):
+    if sizes is not None and len(sizes) != len(items):
         raise UsageError(f"{len(sizes)} sizes for {len(items)} items", hint="give one size per item, or none")
     by_name: dict[str, int] = {}
-    for item, size in zip(items, sizes, strict=True):
+    for item, size in zip(items, sizes or [0] * len(items), strict=True):
         by_name.setdefault(posixpath.normpath(item), size)
-    return pull(src_root_url, dest_root, options, progress, names, [by_name[name] for name in names])
+    named_sizes = None if sizes is None else [by_name[name] for name in names]
+    source = parse_url(src_root_url)
+    session = sessions.session(source, options) if sessions is not None else None
+    done = inline_or_none(session, lambda s: fetch_inline(s, source, names, dest_root, options, named_sizes))
+    if done is not None:
+        return done
+    early = EarlyConnection("master", session.master) if session is not None else None
+    return pull(src_root_url, dest_root, options, progress, names, named_sizes, early_connection=early)
 
 
 def send(src_root: str, items: Sequence[str], dest_root_url: str, options: StagingOptions = _DEFAULTS,
-         progress: Progress | None = None) -> StagingResult:
+         progress: Progress | None = None, sessions: HostSessions | None = None) -> StagingResult:
     """Send local ``src_root/<item>`` to ``dest_root_url/<item>`` in one planned operation; the mirror of
-    :func:`fetch` (bundles are stored and forwarded, then unpacked by the destination's route)."""
-    return push(src_root, dest_root_url, options, progress, clean_items(items))
+    :func:`fetch` (bundles are stored and forwarded, then unpacked by the destination's route), ``sessions``
+    as there."""
+    names = clean_items(items)
+    dest = parse_url(dest_root_url)
+    session = sessions.session(dest, options) if sessions is not None else None
+    done = inline_or_none(session, lambda s: send_inline(s, src_root, names, dest, options))
+    if done is not None:
+        return done
+    early = EarlyConnection("master", session.master) if session is not None else None
+    return push(src_root, dest_root_url, options, progress, names, early_connection=early)
 
 
 def clean_items(items: Sequence[str]) -> list[str]:

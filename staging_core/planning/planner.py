@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 LARGE_FILE_BYTES = 64 << 20       # hybrid: files at least this big travel individually
+INLINE_MAX_BYTES = 16 << 20       # inline: a selection's bytes travel in one message, held in memory once
+INLINE_MAX_FILES = 10_000         # inline: and as many files at most
 SIMPLER_WINS_WITHIN = 0.05        # individual is chosen unless another strategy is >5 % faster
 
 
@@ -133,6 +135,16 @@ def individual_seconds(files: int, nbytes: int, profile: LinkProfile) -> float:
             + files / profile.create_rate)
 
 
+def inline_seconds(files: int, nbytes: int, profile: LinkProfile) -> float:
+    """One request over a warm host session: a round trip, the bytes at one stream's rate, the creates."""
+    return profile.rtt_s + nbytes / stream_rate(profile, 1) + files / profile.create_rate
+
+
+def inline_fits(stats: TreeStats) -> bool:
+    """Whether a selection is small enough to travel inline (memory holds it once, whole)."""
+    return stats.bytes <= INLINE_MAX_BYTES and stats.files <= INLINE_MAX_FILES
+
+
 def bundle_bytes(files: int, nbytes: int, ratio: float, compress: bool) -> tuple[float, float]:
     """The bundle's raw (tar) bytes and the bytes it puts on the wire: file contents (shrunk by ``ratio`` when
     compressed) plus each member's tar headers and padding, which compress to almost nothing."""
@@ -155,7 +167,7 @@ def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, 
 
 
 def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ranks: int = 1,
-         bundle_possible: bool = True, in_place: int | None = None) -> Plan:
+         bundle_possible: bool = True, in_place: int | None = None, inline_possible: bool = False) -> Plan:
     """Choose how to move a tree. Pure: the same inputs always give the same plan.
 
     ``compress_ratio`` is compressed/original size measured on a sample
@@ -164,6 +176,10 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
     ``in_place``: DEST was compared with the source, ``stats`` are what
     differs and ``in_place`` files are there already (the plan is the
     incremental one, and says so); None: DEST was not compared.
+    ``inline_possible``: a warm host session could carry the files in one
+    request (a workflow's small operation); inline is then a candidate when
+    the files fit (:func:`inline_fits`), and chosen unless another is more
+    than 5 % faster, as the simplest.
     """
     raw, compressed = bundle_bytes(stats.files, stats.bytes, compress_ratio, True)
     bundle_ratio = compressed / raw if raw else 1.0
@@ -182,9 +198,13 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
                                         f"{stats.large_files} large file(s) individually"))
     candidates = [replace(c, low_seconds=c.predicted_seconds * profile.spread_low,
                           high_seconds=c.predicted_seconds * profile.spread_high) for c in candidates]
+    if inline_possible and inline_fits(stats):
+        seconds = inline_seconds(stats.files, stats.bytes, profile)
+        candidates.insert(0, Candidate("inline", seconds, low_seconds=seconds * profile.spread_low,
+                                       high_seconds=seconds * profile.spread_high))
     best = min(candidates, key=lambda c: c.predicted_seconds)
     if candidates[0].predicted_seconds <= best.predicted_seconds * (1 + SIMPLER_WINS_WITHIN):
-        best = candidates[0]          # bundling must pay for its extra machinery
+        best = candidates[0]          # the simplest unless another is clearly faster
     reason = _reason(best, candidates, stats, profile, compress, compress_ratio)
     if in_place is not None:
         reason = _incremental(stats, in_place, reason)
@@ -219,9 +239,11 @@ def _reason(best: Candidate, candidates: list[Candidate], stats: TreeStats, prof
             else "nothing else (no route to unpack a bundle at the destination)")
     why = {"individual": f"{stats.files} files cost only {per_file_total:.2f} s in per-file overhead",
            "bundle": f"{stats.files} files would cost {per_file_total:.2f} s in per-file overhead alone",
-           "hybrid": "large files stream well alone while the small ones need a bundle"}[best.strategy]
+           "hybrid": "large files stream well alone while the small ones need a bundle",
+           "inline": f"{stats.files} files ({stats.bytes} bytes) fit in one request over the warm host "
+                     "session"}[best.strategy]
     codec = (f"; compress (ratio {ratio:.2f}): compression and decompression both outrun the link"
              if compress else "; no compression: it would not outrun the link or the data does not shrink")
     default = " (default link profile: generic figures, not measured on this route)" if profile.is_default else ""
-    codec = codec if best.strategy != "individual" else ""
+    codec = codec if best.strategy not in ("individual", "inline") else ""
     return f"{best.strategy} ({best.predicted_seconds:.2f} s): {why}; vs {others}{codec}{default}"

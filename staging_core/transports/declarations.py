@@ -16,6 +16,8 @@ LOCAL_OPTIONS: tuple[TransportOption, ...] = (
     TransportOption("threads", int, 0, "regular files copied at once by the native engine (0: one per CPU)"),
 )
 
+KEEP_S = 60.0       # seconds an ssh connection is kept for later operations and commands
+
 SSH_OPTIONS: tuple[TransportOption, ...] = (
     TransportOption("ssh_options", str, (), "extra ssh arguments for every connection, e.g. -o ProxyJump=gate "
                     "(one argument a value)", multiple=True, staging_field="ssh_options", flag="--ssh-option",
@@ -25,6 +27,9 @@ SSH_OPTIONS: tuple[TransportOption, ...] = (
     TransportOption("master", object, None, "a started staging_core.transports.ssh_master.SSHMaster for this host "
                     "and these options (see Transport.connect_early), which the transport takes over and ends",
                     settable=False),
+    TransportOption("keep", float, KEEP_S, "seconds the connection stays open without use, for later operations "
+                    "and later pallet commands to the host (its socket in $XDG_RUNTIME_DIR/pallet, private to you; "
+                    "0: closed when the operation ends)"),
 )
 
 GRIDFTP_OPTIONS: tuple[TransportOption, ...] = (

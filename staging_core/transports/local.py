@@ -16,7 +16,7 @@ from . import parallel_copy
 from .base import Capabilities, Direction, Endpoint, RemoteEntry, Transport, TransferResult
 from .declarations import LOCAL_OPTIONS
 from .errors import RemotePathMissingError, TransportError, classify
-from .safe_tree import SafeTree
+from bundles.safe_tree import SafeTree
 
 
 class LocalTransport(Transport):

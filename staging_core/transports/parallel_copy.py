@@ -53,7 +53,7 @@ def _inode(path: str) -> tuple[int, int] | str:
 
 
 def copy(engine, source: str, tree, copy_plan: CopyPlan, result: TransferResult, threads: int) -> None:
-    """Copy ``copy_plan.files`` from ``source`` into ``tree`` (a transports.safe_tree.SafeTree: parent directories
+    """Copy ``copy_plan.files`` from ``source`` into ``tree`` (a bundles.safe_tree.SafeTree: parent directories
     are made or checked there without following a link) on ``threads`` native threads and record each in
     ``result``, a failure with the path it concerns."""
     target = tree.root

@@ -14,7 +14,7 @@ from bundles.errors import UsageError
 from bundles.reserved import PARTIAL_DIR
 
 from .base import Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry, Transport, TransferResult
-from .declarations import SSH_OPTIONS
+from .declarations import KEEP_S, SSH_OPTIONS
 from .errors import MissingDependencyError, RemotePathMissingError, SourceReadError, classify, source_read_error
 from .login_output import FILTER_TAG, LoginOutput
 from .ssh_master import LoginOutputError, SSHMaster, login_error, ssh_options_for
@@ -36,7 +36,10 @@ class SSHTransport(Transport):
     pallet), which the transport takes over and ends; without it, or for
     another host, the transport makes its own on first use;
     ``parallel`` > 1 splits each batch over that many rsync processes,
-    balanced by bytes and file count, sharing the one connection.
+    balanced by bytes and file count, sharing the one connection; ``keep``
+    > 0 keeps the connection for that many idle seconds after this
+    transport is done, for later operations and later `pallet` commands
+    (see :class:`SSHMaster`).
     """
 
     scheme = "ssh"
@@ -47,15 +50,14 @@ class SSHTransport(Transport):
     declared_options = SSH_OPTIONS
 
     def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str] = (), parallel: int = 1,
-                 master: SSHMaster | None = None):
+                 master: SSHMaster | None = None, keep: float = KEEP_S):
         super().__init__(endpoint)
         self.ssh_options = ssh_options_for(ssh_options)
         self.parallel = max(1, parallel)
         if master is not None and master.adopt(endpoint, self.ssh_options):
             self._master = master
         else:
-            self._master = SSHMaster(endpoint, self.ssh_options)
-        self._control_dir = self._master.control_dir
+            self._master = SSHMaster(endpoint, self.ssh_options, keep_s=keep)
         if self.parallel > 1:       # a pull's hard links may land in different parts (their inodes are unknown here)
             self.capabilities = Capabilities(**{**self.capabilities.__dict__, "parallel_streams": True,
                                                 "concurrency": self.parallel, "hardlinks": False})
@@ -64,7 +66,8 @@ class SSHTransport(Transport):
     def connect_early(cls, endpoint: Endpoint, options) -> EarlyConnection:
         """The ControlMaster to ``endpoint``'s host, started now with the ssh options a transport made from
         ``options`` (a StagingOptions) will have, so that the transport takes it over (option ``master``)."""
-        master = SSHMaster(endpoint, ssh_options_for(cls.options_from(options).get("ssh_options", ())))
+        given = cls.options_from(options)
+        master = SSHMaster(endpoint, ssh_options_for(given.get("ssh_options", ())), keep_s=given.get("keep", KEEP_S))
         return EarlyConnection("master", master.start())
 
     # ------------------------------------------------------------ connection
@@ -77,7 +80,7 @@ class SSHTransport(Transport):
         self._master.ready()
 
     def close(self) -> None:
-        self._master.close()
+        self._master.release()
 
     def _ssh(self, remote_argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess:
         """Run ``remote_argv`` there to its end: its output after what the login printed (see SSHMaster.command);
@@ -161,7 +164,7 @@ class SSHTransport(Transport):
                 *self._master.rsync_shell()]
         if temp_dir is not None:
             base.append(f"--temp-dir={temp_dir}")
-        with tempfile.NamedTemporaryFile(prefix="files-", dir=self._control_dir) as listing:
+        with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
             if items is not None:
                 listing.write(b"\0".join(os.fsencode(i) for i in items))
                 listing.flush()

@@ -4,6 +4,7 @@ A far command's output starts after what the far side's login printed (see login
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import shlex
@@ -23,6 +24,7 @@ from . import login_output
 from .base import Endpoint
 from .errors import TransportError, classify
 from .login_output import AfterLogin, LoginOutput, Marker
+from .ssh_socket import check_private, master_answers, session_directory, socket_path, users_control_path
 
 MASTER_IDLE_S = 30     # a master without clients exits after this (a killed pallet's too); ready() connects again
 _SOCKET_ROOT = "/tmp"  # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
@@ -66,29 +68,47 @@ def ssh_options_for(given: Sequence[str]) -> list[str]:
 
 
 class SSHMaster:
-    """``ssh -M -N -f`` to ``endpoint``'s host with ``ssh_options``, its socket in a private directory
-    (:attr:`control_dir`, which also holds the transport's temporary files).
+    """``ssh -M -N -f`` to ``endpoint``'s host with ``ssh_options``.
 
     :meth:`start` launches it and returns at once, so that the connection's
     round trips overlap whatever the caller does next (`pallet push` starts
     it before loading its packer). :meth:`ready` starts it if needed and
     waits until it is authenticated, raising the TransportError that
     ``ssh`` reported (host unreachable, key refused); a master that has
-    ended meanwhile (it exits after MASTER_IDLE_S without a client, counted
-    from its start when it never had one) is started again. :meth:`close`
-    ends it and removes its directory; it may be called more than once.
-    A transport takes a master over with :meth:`adopt`, which succeeds once,
-    and only for the host, user, port and options it was started with.
-    Its methods may be called from several threads.
+    ended meanwhile is started again.
+
+    Where it lives and how long:
+    - A master the user's ssh configuration keeps (its ControlPath, as
+      ``ssh -G`` expands it, answers ``ssh -O check``) is used as it is,
+      and never ended by pallet.
+    - With ``keep_s`` > 0 its socket is in this user's directory of kept
+      connections (:func:`ssh_socket.session_directory`, checked to be
+      private before each use), one per user, host, port and options, and
+      it outlives this process until ``keep_s`` seconds pass without a
+      client (ssh's ControlPersist), so that later operations and later
+      `pallet` commands start without a handshake. Only one process starts
+      it at a time (a lock on that directory); the others then use it.
+    - Else its socket is in a private directory of this process, and it ends
+      after MASTER_IDLE_S without a client (counted from its start when it
+      never had one), or at :meth:`close`, which also removes the directory.
+
+    :meth:`close` may be called more than once. A transport takes a master
+    over with :meth:`adopt` (only for the host, user, port and options it
+    was started with): once, unless the master is ``shared`` (a host
+    session's, closed by its owner) or kept. Its methods may be called from
+    several threads.
     """
 
-    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str]):
-        self.endpoint, self.ssh_options = endpoint, list(ssh_options)
-        self.control_dir = scratch_dir("pallet-ssh-", _SOCKET_ROOT)
+    def __init__(self, endpoint: Endpoint, ssh_options: Sequence[str], keep_s: float = 0.0, shared: bool = False):
+        self.endpoint, self.ssh_options, self.keep_s, self.shared = endpoint, list(ssh_options), keep_s, shared
+        self.control_dir = session_directory() if keep_s > 0 else scratch_dir("pallet-ssh-", _SOCKET_ROOT)
+        self._socket_path = socket_path(self.control_dir, endpoint, self.ssh_options) if keep_s > 0 else \
+            os.path.join(self.control_dir, "cm")
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._errors: IO[bytes] | None = None          # the master's stderr, while it connects
-        self._ready = self._adopted = False
+        self._ready = self._adopted = self._users = False
+        self._launching: int | None = None              # the kept-connections directory, locked while launching
         self.login_timeout_s = login_timeout(self.ssh_options)
 
     @property
@@ -122,9 +142,10 @@ class SSHMaster:
         return ["-e", shlex.join(rsh), f"--rsync-path={marker.command('rsync')}"]
 
     def start(self) -> SSHMaster:
-        """Launch the connection unless launched already; do not wait for it."""
+        """Launch the connection unless launched already, or found running; do not wait for it."""
         with self._lock:
-            self._launch()
+            if not self._ready and not self._found_running():
+                self._launch()
         return self
 
     def ready(self) -> None:
@@ -134,6 +155,9 @@ class SSHMaster:
                 return
             if self._ready:                 # it ended after idling: connect again
                 self._process, self._ready = None, False
+            if self._process is None and self._found_running():
+                self._ready = True
+                return
             process, errors = self._launch()
             try:
                 code = process.wait(timeout=_CONNECT_TIMEOUT_S)
@@ -143,6 +167,7 @@ class SSHMaster:
             errors.seek(0)
             stderr = errors.read().decode(errors="replace")
             errors.close()
+            self._unlock_launch()
             if code != 0:
                 self._process = None        # a later call tries again
                 raise classify(stderr, code, self._master_argv(), self.endpoint.url(),
@@ -155,14 +180,29 @@ class SSHMaster:
         same = (endpoint.user, endpoint.host, endpoint.port) == (self.endpoint.user, self.endpoint.host,
                                                                  self.endpoint.port)
         with self._lock:
-            if self._adopted or not same or list(ssh_options) != self.ssh_options:
+            if not same or list(ssh_options) != self.ssh_options or (self._adopted and not self.kept):
                 return False
             self._adopted = True
             return True
 
+    @property
+    def kept(self) -> bool:
+        """Whether the connection outlives this object (kept, or the user's own): :meth:`close` leaves it."""
+        return self.keep_s > 0 or self.shared or self._users
+
+    def release(self) -> None:
+        """What a transport that adopted this master calls when it closes: :meth:`close`, unless the master is
+        ``shared`` (its owner closes it)."""
+        if not self.shared:
+            self.close()
+
     def close(self) -> None:
-        """End the connection (waiting for one still being made) and remove the socket's directory."""
+        """End the connection (waiting for one still being made) and remove the socket's directory; a kept or
+        the user's own connection is left running (a launch still under way is stopped)."""
         with self._lock:
+            if self.keep_s > 0 or self._users:
+                self._stop_launch()
+                return
             if self._process is not None:
                 if not self._ready:         # still connecting (a command that failed early): stop it
                     self._process.kill()
@@ -173,6 +213,47 @@ class SSHMaster:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
                 self._process, self._ready = None, False
             shutil.rmtree(self.control_dir, ignore_errors=True)
+
+    def _found_running(self) -> bool:
+        """Whether a master is there already to be used: the user's own, or (``keep_s``) a kept one, checked to
+        be private. When none is, a kept master's launch is prepared: the directory of kept connections is
+        locked (until :meth:`ready` has waited for it) and a dead master's socket removed."""
+        if not self._users:
+            theirs = users_control_path([*self._base_argv(), self.destination])
+            if theirs and os.path.exists(theirs) and master_answers(self._base_argv(), theirs, self.destination):
+                self._socket_path, self._users = theirs, True
+                return True
+        if self.keep_s <= 0:
+            return False
+        if self._launching is None:
+            check_private(self.control_dir, directory=True)
+            self._launching = os.open(self.control_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(self._launching, fcntl.LOCK_EX)
+        if os.path.lexists(self._socket):
+            check_private(self._socket, directory=False)
+            if master_answers(self._base_argv(), self._socket, self.destination):
+                self._unlock_launch()
+                return True
+            os.unlink(self._socket)             # a master that died without removing it
+        return False
+
+    def _unlock_launch(self) -> None:
+        if self._launching is not None:
+            os.close(self._launching)
+            self._launching = None
+
+    def _stop_launch(self) -> None:
+        """Stop a launch that :meth:`ready` has not waited for (the caller gave up before connecting)."""
+        if self._process is not None and not self._ready:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+            if self._errors is not None:
+                self._errors.close()
+        self._unlock_launch()
+
+    def _base_argv(self) -> list[str]:
+        return ["ssh", *self._port(), *self.ssh_options, "-o", "BatchMode=yes"]
 
     def _launch(self) -> tuple[subprocess.Popen, IO[bytes]]:
         """The master's process and the file its stderr goes to: launched now unless launched already."""
@@ -185,11 +266,12 @@ class SSHMaster:
 
     @property
     def _socket(self) -> str:
-        return os.path.join(self.control_dir, "cm")
+        return self._socket_path
 
     def _master_argv(self) -> list[str]:
+        persist = max(1, round(self.keep_s)) if self.keep_s > 0 else MASTER_IDLE_S
         return ["ssh", *self._port(), "-o", f"ControlPath={self._socket}", "-o", "ControlMaster=yes",
-                "-o", f"ControlPersist={MASTER_IDLE_S}", "-o", "BatchMode=yes", *self.ssh_options, *_KEEPALIVE,
+                "-o", f"ControlPersist={persist}", "-o", "BatchMode=yes", *self.ssh_options, *_KEEPALIVE,
                 "-f", "-N", self.destination]
 
     def _port(self) -> list[str]:

@@ -1,0 +1,259 @@
+"""A warm host session: one ssh connection and one `mpi_stager serve` per host, shared by a run's operations."""
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+
+from bundles.errors import PalletError
+from mpi_stager.wire import (HOST_HELLO_ENV, MAX_LINE, HostHello, decode_error, frame, host_client_text,
+                             install_hint, parse_header)
+
+from staging_core.far_side.streaming import FarStager
+from staging_core.options import StagingOptions
+from staging_core.transports.declarations import KEEP_S
+from staging_core.transports.base import EarlyConnection, Endpoint, Transport
+from staging_core.transports.errors import TransportError
+from staging_core.transports.registry import open_endpoint
+from staging_core.transports.ssh_master import SSHMaster, ssh_options_for
+
+
+class SessionLost(TransportError):
+    """The connection or the far side of a host session ended during an operation: that operation failed
+    (nothing it wrote is left in place half-done); the next request starts a new far side."""
+
+    retryable = True
+
+
+class NoHostSession(PalletError):
+    """The far side cannot serve a host session (no pallet there, or one without `mpi_stager serve`, or of a
+    host-session version this one does not speak): the caller moves files the usual way."""
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """What one host session serves: user, host, port, ssh options and the far side's Python."""
+
+    user: str | None
+    host: str | None
+    port: int | None
+    ssh_options: tuple[str, ...]
+    remote_python: str
+
+
+class HostSession:
+    """``remote_python -m mpi_stager serve`` over one ssh connection to one host (docs/wire.md, "The host
+    session"), for every stat, list, put and get of a run.
+
+    :meth:`request` sends one request and returns its answer's payload; the
+    requests of several threads are served one after another. The far side
+    is started on the first request (its hello checked) and again after it
+    or the connection died: the request that was under way raises
+    SessionLost (retryable) and the next one starts afresh. An ``error``
+    answer raises the PalletError it carries (the session goes on).
+    NoHostSession when the far side cannot serve (then every later request
+    says so at once, without trying again). :meth:`transport` is an ssh
+    transport over the same connection for the operations that move files
+    the usual way. :meth:`close_far_side` ends the far side (the connection
+    stays); :meth:`close` ends both.
+    """
+
+    def __init__(self, key: HostKey, endpoint: Endpoint, options: StagingOptions, keep_s: float):
+        self.key, self.options = key, options
+        self.endpoint = replace(endpoint, path="/")
+        self.master = SSHMaster(self.endpoint, list(key.ssh_options), keep_s=keep_s, shared=True)
+        self._transport: Transport | None = None
+        self._far: FarStager | None = None
+        self._serves: bool | None = None
+        self._refusal: NoHostSession | None = None
+        self._lock = threading.Lock()
+        self.last_used = time.monotonic()
+        self.far_sides_started = 0
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url()
+
+    def transport(self) -> Transport:
+        """An ssh transport to this host over the session's connection (never closing it)."""
+        with self._lock:
+            return self._raw_transport()
+
+    def serves(self) -> bool:
+        """Whether the far side serves host sessions (starting it to find out)."""
+        try:
+            with self._lock:
+                self._far_side()
+        except NoHostSession:
+            return False
+        return True
+
+    def request(self, op: str, payload: bytes) -> bytes:
+        """Send ``op`` with ``payload``; the ``ok`` answer's payload (see the class for errors)."""
+        with self._lock:
+            far = self._far_side()
+            try:
+                far.stdin.write(frame(op, payload))
+                far.stdin.flush()
+                tag, size = parse_header(far.stdout.readline(MAX_LINE) or b"(the far side ended)", self.url)
+                body = _read_exactly(far, size)
+            except (OSError, ValueError, PalletError) as exc:
+                self._drop()
+                raise SessionLost(f"the host session ended during `{op}` ({_said(exc)})", self.url,
+                                  "run the operation again: the next one starts a new far side") from None
+            finally:
+                self.last_used = time.monotonic()
+        if tag == "error":
+            raise decode_error(body, self.url)
+        return body
+
+    @property
+    def active(self) -> bool:
+        """Whether a far side is running (an idle one is ended by the pool's reaper)."""
+        return self._far is not None
+
+    def close_far_side(self) -> None:
+        """End the far side (it exits as its input ends); the connection is left to :meth:`close`."""
+        with self._lock:
+            self._drop()
+
+    def close(self) -> None:
+        """End the far side and the connection (a kept connection stays for its idle time)."""
+        self.close_far_side()
+        self.master.close()
+
+    def _far_side(self) -> FarStager:
+        if self._refusal is not None:
+            raise self._refusal
+        if self._far is not None and self._far.process.poll() is None:
+            return self._far
+        self._drop()
+        self.master.ready()
+        argv = ["env", f"{HOST_HELLO_ENV}={host_client_text()}", *shlex.split(self.key.remote_python), "-m",
+                "mpi_stager", "serve"]
+        far = FarStager(self._raw_transport(), argv, self.url)
+        self.far_sides_started += 1
+        line = far.stdout.readline(MAX_LINE)
+        hello = HostHello.parse(line)
+        if hello is None or not hello.speaks:
+            far.close(5)
+            said = "it has no host session" if hello is None else \
+                f"it speaks host-session v{hello.low} to v{hello.high}"
+            self._refusal = NoHostSession(f"the far side's pallet cannot serve this one ({said})", self.url,
+                                          install_hint(self.url))
+            raise self._refusal
+        self._far = far
+        return far
+
+    def _raw_transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = open_endpoint(self.endpoint, self.options, early=EarlyConnection("master", self.master))
+        return self._transport
+
+    def _drop(self) -> None:
+        far, self._far = self._far, None
+        if far is not None:
+            far.close(5)
+
+
+class HostSessions:
+    """The host sessions of one run (a Snakemake provider's, a Parsl provider's, a script's): one per
+    :class:`HostKey`, shared by every thread.
+
+    A session whose far side has been idle ``idle_s`` seconds has its far
+    side ended by a reaper thread (the next request starts another); the
+    connection stays for the ssh transport's ``keep`` seconds more, so
+    that later operations and later `pallet` commands find it. :meth:`close`
+    (the plugins' cleanup, or interpreter exit through a finalizer) ends
+    every far side and every connection that is not kept.
+    """
+
+    def __init__(self, idle_s: float = 60.0):
+        self.idle_s = idle_s
+        self._sessions: dict[HostKey, HostSession] = {}
+        self._wake = threading.Condition(threading.Lock())
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
+        weakref.finalize(self, _close_all, self._sessions, self._wake, self._closed)
+
+    def session(self, endpoint: Endpoint, options: StagingOptions) -> HostSession | None:
+        """The session to ``endpoint``'s host for ``options`` (made on first use); None where host sessions do
+        not apply (not an ssh URL)."""
+        if endpoint.scheme != "ssh":
+            return None
+        given = open_options(options)
+        key = HostKey(endpoint.user, endpoint.host, endpoint.port, tuple(ssh_options_for(given["ssh_options"])),
+                      options.remote_python)
+        with self._wake:
+            session = self._sessions.get(key)
+            if session is None:
+                session = self._sessions[key] = HostSession(key, endpoint, options, given["keep"])
+            self._closed.clear()
+            if self._reaper is None or not self._reaper.is_alive():
+                self._reaper = threading.Thread(target=_reap, args=(self._sessions, self._wake, self._closed,
+                                                                    self.idle_s),
+                                                name="pallet-host-sessions", daemon=True)
+                self._reaper.start()
+            return session
+
+    def all(self) -> list[HostSession]:
+        with self._wake:
+            return list(self._sessions.values())
+
+    def close(self) -> None:
+        """End every session (its far side and its connection, unless kept); the pool can be used again."""
+        _close_all(self._sessions, self._wake, self._closed)
+
+
+def _reap(sessions: dict[HostKey, HostSession], wake: threading.Condition, closed: threading.Event,
+          idle_s: float) -> None:
+    """The reaper thread: end far sides idle for ``idle_s``, looking again when the soonest could be; return once
+    the pool is closed or empty (it holds no reference to the pool, which may then be collected)."""
+    with wake:
+        while not closed.is_set() and sessions:
+            now = time.monotonic()
+            active = [s for s in sessions.values() if s.active]
+            idle = [s for s in active if now - s.last_used >= idle_s]
+            if idle:
+                wake.release()
+                try:
+                    for session in idle:
+                        session.close_far_side()
+                finally:
+                    wake.acquire()
+                continue
+            soonest = min((s.last_used for s in active), default=now) + idle_s
+            wake.wait(max(0.05, soonest - now))
+
+
+def _close_all(sessions: dict[HostKey, HostSession], wake: threading.Condition, closed: threading.Event) -> None:
+    """Close and forget every session (the pool's close, and its finalizer at exit), waking the reaper to end."""
+    with wake:
+        closing = list(sessions.values())
+        sessions.clear()
+        closed.set()
+        wake.notify_all()
+    for session in closing:
+        session.close()
+
+
+def open_options(options: StagingOptions) -> dict:
+    """The ssh transport's keyword arguments for ``options`` (ssh options, keep)."""
+    from staging_core.transports.ssh import SSHTransport
+    given = SSHTransport.options_from(options)
+    given.setdefault("ssh_options", ())
+    given.setdefault("keep", KEEP_S)
+    return given
+
+
+def _read_exactly(far: FarStager, size: int) -> bytes:
+    data = far.stdout.read(size)
+    if len(data) != size:
+        raise OSError(f"the answer ends after {len(data)} of {size} bytes")
+    return data
+
+
+def _said(exc: BaseException) -> str:
+    return getattr(exc, "message", None) or str(exc) or type(exc).__name__
