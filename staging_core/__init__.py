@@ -13,6 +13,9 @@ _PUBLIC = {
     # operations
     "push": "operations.push_pull", "pull": "operations.push_pull",
     "fetch": "operations.selection", "send": "operations.selection",
+    # a run's warm connections: one host session per host, shared by threads (docs/host-sessions.md)
+    "HostSessions": "far_side.host_session", "HostSession": "far_side.host_session",
+    "SessionLost": "far_side.host_session", "NoHostSession": "far_side.host_session",
     "StagingOptions": "options", "StagingResult": "results", "STRATEGIES": "options",
     "OptionDeclaration": "options", "declarations": "options", "TransportSetting": "options",
     "transport_settings": "options",
