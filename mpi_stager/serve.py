@@ -115,12 +115,13 @@ def put_files(payload: bytes) -> bytes:
 
 
 def get_files(payload: bytes) -> bytes:
-    """The files (and directories) of a ``get`` selection with their bytes, each read stably
-    (:func:`bundles.inline.stable_read`). SourceError names paths that do not exist; TooLarge when the
-    selection holds more bytes than its limit, or anything but files and directories."""
+    """The files (and directories, and the parents of each selected path below the root) of a ``get`` selection
+    with their bytes, each file read stably (:func:`bundles.inline.stable_read`). SourceError names paths that
+    do not exist; TooLarge when the selection holds more bytes than its limit, or anything but files and
+    directories."""
     root, paths, limit = decode_get(payload, _SOURCE)
     entries: list[tuple[str, os.stat_result]] = []
-    missing = []
+    missing, parents = [], set()
     for rel in paths:
         full = os.path.join(root, rel)
         try:
@@ -128,6 +129,7 @@ def get_files(payload: bytes) -> bytes:
         except (FileNotFoundError, NotADirectoryError):
             missing.append(rel)
             continue
+        entries += _parents(root, rel, parents)
         entries.append((rel, info))
         if stat.S_ISDIR(info.st_mode):
             entries += [(os.path.join(rel, os.fsdecode(name)), below)
@@ -147,3 +149,13 @@ def get_files(payload: bytes) -> bytes:
         files.append(InlineFile(rel, stat.S_IMODE(info.st_mode), info.st_mtime_ns, len(data), digest(data)))
         contents.append(data)
     return encode_files(files, contents)
+
+
+def _parents(root: str, rel: str, seen: set[str]) -> list[tuple[str, os.stat_result]]:
+    """The directories between ``root`` and ``rel`` not in ``seen`` (added to it), outermost first."""
+    found, head = [], os.path.dirname(rel)
+    while head and head not in seen:
+        seen.add(head)
+        found.append((head, os.lstat(os.path.join(root, head))))
+        head = os.path.dirname(head)
+    return found[::-1]

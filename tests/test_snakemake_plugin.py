@@ -125,14 +125,22 @@ async def in_one_round(method: str, objects) -> None:
             group.create_task(getattr(obj, method)())
 
 
-def test_a_round_of_retrievals_is_one_transfer_and_keeps_remote_mtimes(sshd, tmp_path, monkeypatch):
+def inline_operations(log: str) -> int:
+    """The operations the plugin's log reports as moved inline over a host session (no process of their own)."""
+    return log.count(": inline, 1 transfer(s)")
+
+
+def test_a_round_of_retrievals_is_one_transfer_and_keeps_remote_mtimes(sshd, tmp_path, monkeypatch, caplog):
     data = make_inputs(tmp_path / "remote" / "data", 300)
     transfers = count_transfers(tmp_path / "shim", monkeypatch)
     storage = provider(tmp_path, ssh_settings(sshd))
     objects = [storage.object(sshd.url(str(data / f"s{n:05d}.csv"))) for n in range(300)]
     assert all(obj.exists() for obj in objects)
-    asyncio.run(in_one_round("managed_retrieve", objects))
-    assert len(transfers()) == 1, transfers()              # one rsync batch, or one streamed bundle
+    with caplog.at_level(logging.INFO, logger="pallet-test"):
+        asyncio.run(in_one_round("managed_retrieve", objects))
+    log = "\n".join(record.getMessage() for record in caplog.records)
+    assert log.count("pallet: fetched 300 object(s)") == 1, log
+    assert len(transfers()) + inline_operations(log) == 1, (transfers(), log)   # one operation moved them all
     for n, obj in enumerate(objects):
         local = obj.local_path()
         assert local.read_text() == f"{n},{3 * n}\n"
@@ -211,12 +219,13 @@ def test_workflow_with_2000_remote_inputs_over_ssh(sshd, tmp_path, monkeypatch):
     first = snakemake(tmp_path / "wf", *args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "wf" / "results" / "summary.txt").read_text() == f"2000 {3 * 2000 * 1999 // 2}\n"
-    assert len(transfers()) == 1, transfers()                   # 4 jobs, 2,000 inputs, one round: one transfer
+    operations = len(transfers()) + inline_operations(first.stderr)
+    assert operations == 1, (transfers(), first.stderr[-3000:])  # 4 jobs, 2,000 inputs, one round: one operation
     assert "pallet: fetched 2000 object(s)" in first.stderr
     again = snakemake(tmp_path / "wf", *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Nothing to be done" in again.stderr
-    assert len(transfers()) == 1                                # nothing fetched again
+    assert len(transfers()) + inline_operations(again.stderr) == 0    # nothing fetched again
 
 
 def remote_jobs(sshd, tmp_path: Path, data: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path]:

@@ -1,21 +1,23 @@
 """A warm host session: one ssh connection and one `mpi_stager serve` per host, shared by a run's operations."""
 from __future__ import annotations
 
+import os
 import shlex
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from bundles.errors import PalletError
 from mpi_stager.wire import (HOST_HELLO_ENV, MAX_LINE, HostHello, decode_error, frame, host_client_text,
-                             install_hint, parse_header)
+                             install_hint, parse_header, parse_records)
 
 from staging_core.far_side.streaming import FarStager
 from staging_core.options import StagingOptions
 from staging_core.transports.declarations import KEEP_S
-from staging_core.transports.base import EarlyConnection, Endpoint, Transport
-from staging_core.transports.errors import TransportError
+from staging_core.transports.base import EarlyConnection, Endpoint, RemoteEntry, Transport
+from staging_core.transports.errors import RemotePathMissingError, TransportError
 from staging_core.transports.registry import open_endpoint
 from staging_core.transports.ssh_master import SSHMaster, ssh_options_for
 
@@ -50,8 +52,10 @@ class HostSession:
     :meth:`request` sends one request and returns its answer's payload; the
     requests of several threads are served one after another. The far side
     is started on the first request (its hello checked) and again after it
-    or the connection died: the request that was under way raises
-    SessionLost (retryable) and the next one starts afresh. An ``error``
+    or the connection died: a request that finds it gone, or loses it
+    before the answer, is sent once more to a new one (every request is
+    idempotent); when that fails too, it raises SessionLost (retryable),
+    and the next request starts afresh. An ``error``
     answer raises the PalletError it carries (the session goes on).
     NoHostSession when the far side cannot serve (then every later request
     says so at once, without trying again). :meth:`transport` is an ssh
@@ -93,21 +97,53 @@ class HostSession:
     def request(self, op: str, payload: bytes) -> bytes:
         """Send ``op`` with ``payload``; the ``ok`` answer's payload (see the class for errors)."""
         with self._lock:
-            far = self._far_side()
             try:
-                far.stdin.write(frame(op, payload))
-                far.stdin.flush()
-                tag, size = parse_header(far.stdout.readline(MAX_LINE) or b"(the far side ended)", self.url)
-                body = _read_exactly(far, size)
-            except (OSError, ValueError, PalletError) as exc:
-                self._drop()
-                raise SessionLost(f"the host session ended during `{op}` ({_said(exc)})", self.url,
-                                  "run the operation again: the next one starts a new far side") from None
+                tag, body = self._exchange(op, payload)
             finally:
                 self.last_used = time.monotonic()
         if tag == "error":
             raise decode_error(body, self.url)
         return body
+
+    def _exchange(self, op: str, payload: bytes) -> tuple[str, bytes]:
+        """One request and its answer. A far side kept from an earlier request that ends before answering (it
+        died meanwhile, or during this request) is replaced and the request sent once more: every request is
+        idempotent (``put`` renames whole files into place). SessionLost when that fails too, or a far side
+        started for this request ends."""
+        for attempt in (1, 2):
+            far, started = self._far_side()
+            try:
+                far.stdin.write(frame(op, payload))
+                far.stdin.flush()
+                line = far.stdout.readline(MAX_LINE)
+                if not line and not started and attempt == 1:
+                    self._drop()
+                    continue
+                tag, size = parse_header(line or b"(the far side ended)", self.url)
+                return tag, _read_exactly(far, size)
+            except (OSError, ValueError, PalletError) as exc:
+                self._drop()
+                if isinstance(exc, OSError) and not started and attempt == 1:
+                    continue                        # the pipe to a far side that had ended broke on the write
+                raise SessionLost(f"the host session ended during `{op}` ({_said(exc)})", self.url,
+                                  "run the operation again: the next one starts a new far side") from None
+        raise SessionLost(f"the host session ended during `{op}`", self.url, "run the operation again")
+
+    def list(self, path: str) -> list[RemoteEntry]:
+        """Every entry below the directory ``path``, paths relative to it (as ``Transport.list`` gives them), in
+        one request; RemotePathMissingError when it does not exist."""
+        body = self.request("list", os.fsencode(path))
+        if body[:1] != b"+":
+            raise RemotePathMissingError("path does not exist", f"{self.url.rstrip('/')}{path}",
+                                         "check the remote path")
+        return remote_entries(body[1:])
+
+    def stat_many(self, paths: Sequence[str]) -> dict[str, RemoteEntry]:
+        """The entries of those ``paths`` (absolute) that exist, by path, in one request."""
+        if not paths:
+            return {}
+        return {entry.path: entry for entry in
+                remote_entries(self.request("stat", b"\0".join(os.fsencode(p) for p in paths)))}
 
     @property
     def active(self) -> bool:
@@ -124,11 +160,12 @@ class HostSession:
         self.close_far_side()
         self.master.close()
 
-    def _far_side(self) -> FarStager:
+    def _far_side(self) -> tuple[FarStager, bool]:
+        """The running far side, or one started now (its hello checked); whether it was started now."""
         if self._refusal is not None:
             raise self._refusal
-        if self._far is not None and self._far.process.poll() is None:
-            return self._far
+        if self._far is not None and self._far.process.poll() is None and not _ended(self._far):
+            return self._far, False
         self._drop()
         self.master.ready()
         argv = ["env", f"{HOST_HELLO_ENV}={host_client_text()}", *shlex.split(self.key.remote_python), "-m",
@@ -145,7 +182,7 @@ class HostSession:
                                           install_hint(self.url))
             raise self._refusal
         self._far = far
-        return far
+        return far, True
 
     def _raw_transport(self) -> Transport:
         if self._transport is None:
@@ -246,6 +283,18 @@ def open_options(options: StagingOptions) -> dict:
     given.setdefault("ssh_options", ())
     given.setdefault("keep", KEEP_S)
     return given
+
+
+def remote_entries(records: bytes) -> list[RemoteEntry]:
+    """Listing records (mpi_stager.wire.LISTING_FIELDS) as RemoteEntry values (a size for files only)."""
+    return [RemoteEntry(os.fsdecode(path), e.kind, e.size if e.kind == "f" else 0, e.mode, e.mtime_ns,
+                        os.fsdecode(e.target)) for path, e in parse_records(records).items()]
+
+
+def _ended(far: FarStager) -> bool:
+    """Whether an idle far side's output has ended (or holds what no request asked for): it cannot serve."""
+    ended = getattr(far.process, "output_ended", None)
+    return bool(ended()) if ended is not None else False
 
 
 def _read_exactly(far: FarStager, size: int) -> bytes:

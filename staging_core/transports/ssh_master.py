@@ -4,9 +4,11 @@ A far command's output starts after what the far side's login printed (see login
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import os
+import select
 import shlex
 import shutil
 import subprocess
@@ -24,7 +26,8 @@ from . import login_output
 from .base import Endpoint
 from .errors import TransportError, classify
 from .login_output import AfterLogin, LoginOutput, Marker
-from .ssh_socket import check_private, master_answers, session_directory, socket_path, users_control_path
+from .ssh_socket import (check_private, listening, master_answers, session_directory, socket_path,
+                         users_control_path)
 
 MASTER_IDLE_S = 30     # a master without clients exits after this (a killed pallet's too); ready() connects again
 _SOCKET_ROOT = "/tmp"  # ControlMaster sockets: a long $TMPDIR would exceed the 108-byte socket path limit
@@ -151,10 +154,11 @@ class SSHMaster:
     def ready(self) -> None:
         """Launch the connection if needed and wait until it is up; TransportError if ssh failed."""
         with self._lock:
-            if self._ready and os.path.exists(self._socket):
+            if self._ready and listening(self._socket):
                 return
-            if self._ready:                 # it ended after idling: connect again
+            if self._ready:                 # it ended (idle, or killed): connect again
                 self._process, self._ready = None, False
+                self._remove_dead_socket()
             if self._process is None and self._found_running():
                 self._ready = True
                 return
@@ -220,7 +224,7 @@ class SSHMaster:
         locked (until :meth:`ready` has waited for it) and a dead master's socket removed."""
         if not self._users:
             theirs = users_control_path([*self._base_argv(), self.destination])
-            if theirs and os.path.exists(theirs) and master_answers(self._base_argv(), theirs, self.destination):
+            if theirs and listening(theirs) and master_answers(self._base_argv(), theirs, self.destination):
                 self._socket_path, self._users = theirs, True
                 return True
         if self.keep_s <= 0:
@@ -231,11 +235,21 @@ class SSHMaster:
             fcntl.flock(self._launching, fcntl.LOCK_EX)
         if os.path.lexists(self._socket):
             check_private(self._socket, directory=False)
-            if master_answers(self._base_argv(), self._socket, self.destination):
+            if listening(self._socket):
                 self._unlock_launch()
                 return True
             os.unlink(self._socket)             # a master that died without removing it
         return False
+
+    def _remove_dead_socket(self) -> None:
+        """Remove the socket of a master that died (kill -9 leaves it): ssh would not start a master over it. The
+        user's own is theirs to tidy; a kept one is checked to be ours first."""
+        if self._users or not os.path.lexists(self._socket):
+            return
+        if self.keep_s > 0:
+            check_private(self._socket, directory=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket)
 
     def _unlock_launch(self) -> None:
         if self._launching is not None:
@@ -300,6 +314,12 @@ class FarProcess(subprocess.Popen):
         self._err = AfterLogin(self.stderr.detach(), marker.line)
         self._fail = fail
         self.stdout, self.stderr = io.BufferedReader(self._out, _READ_BUFFER), io.BufferedReader(self._err)
+
+    def output_ended(self) -> bool:
+        """Whether the far command's output can be read now without waiting: between the requests of a
+        request-answer protocol, only its end (or a far side that broke the protocol) makes it so."""
+        readable, _, _ = select.select([self._out.raw_fd], [], [], 0)
+        return bool(readable)
 
     @property
     def marked(self) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import stat
 import subprocess
 from collections.abc import Sequence
@@ -73,6 +74,17 @@ def users_control_path(ssh_argv: Sequence[str]) -> str | None:
         if key == "controlpath" and value and value != "none":
             return value
     return None
+
+
+def listening(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` (a master that died leaves its socket
+    file behind, refusing them): one connect, no ssh started."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def master_answers(client_argv: Sequence[str], socket: str, destination: str) -> bool:

@@ -5,8 +5,8 @@ import posixpath
 import threading
 from dataclasses import dataclass, field, replace
 
-from staging_core import (Endpoint, RemoteEntry, RemotePathMissingError, StagingOptions, Transport, TransportError,
-                          open_endpoint)
+from staging_core import (Endpoint, HostSession, HostSessions, RemoteEntry, RemotePathMissingError, StagingOptions,
+                          Transport, TransportError, open_endpoint)
 
 TIMESTAMP = ".snakemake_timestamp"      # Snakemake's mark of when a directory output was finished
 HostKey = tuple[str, str | None, int | None, str | None]
@@ -80,10 +80,13 @@ class RemoteInventory:
       failed listing is remembered and raised again until ``forget``.
     - Thread-safe: lookups come from Snakemake's event loop and from batch
       worker threads; calls to one host are serialised on its transport.
+    - With ``sessions`` (the provider's host sessions), an ssh host whose far
+      side serves one is listed and stat'ed in one request each over its
+      warm session, and its transport shares the session's connection.
     """
 
-    def __init__(self, options: StagingOptions):
-        self.options = options
+    def __init__(self, options: StagingOptions, sessions: HostSessions | None = None):
+        self.options, self.sessions = options, sessions
         self._transports: dict[HostKey, Transport] = {}
         self._locks: dict[HostKey, threading.RLock] = {}
         self._listings: dict[tuple[HostKey, str], Listing] = {}
@@ -96,15 +99,15 @@ class RemoteInventory:
             if listing is None and posixpath.dirname(endpoint.path) != "/":
                 listing, fresh = self._list(replace(endpoint, path=posixpath.dirname(endpoint.path))), True
             if listing is None:
-                return self._transport(endpoint).stat(endpoint.path)
+                return self._stat(endpoint)
             if listing.error is not None:
                 raise listing.error.with_traceback(None)
             rel = relative(endpoint.path, listing.root)
             if listing.is_stale(rel):
-                return self._transport(endpoint).stat(endpoint.path)
+                return self._stat(endpoint)
             entry = listing.entries.get(rel)
             if entry is None and not fresh and not trust_absence:
-                entry = self._transport(endpoint).stat(endpoint.path)
+                entry = self._stat(endpoint)
                 if entry is not None:
                     listing.record(rel, entry)
             return entry
@@ -116,7 +119,7 @@ class RemoteInventory:
             listing = self._covering(endpoint)
             if listing is None or listing.error is not None or \
                     listing.is_stale(relative(endpoint.path, listing.root)):
-                return self._transport(endpoint).list(endpoint.path)
+                return self._list_remote(endpoint)
             prefix = relative(endpoint.path, listing.root) + "/"
             return [replace(entry, path=rel[len(prefix):]) for rel, entry in listing.entries.items()
                     if rel.startswith(prefix)]
@@ -176,9 +179,25 @@ class RemoteInventory:
     def _transport(self, endpoint: Endpoint) -> Transport:
         key = host_key(endpoint)
         if key not in self._transports:
-            root = replace(endpoint, path="/")
-            self._transports[key] = open_endpoint(root, self.options)
+            session = self.sessions.session(endpoint, self.options) if self.sessions is not None else None
+            self._transports[key] = session.transport() if session is not None else \
+                open_endpoint(replace(endpoint, path="/"), self.options)
         return self._transports[key]
+
+    def _session(self, endpoint: Endpoint) -> HostSession | None:
+        """The host's warm session when its far side serves one (else None: the transport answers)."""
+        session = self.sessions.session(endpoint, self.options) if self.sessions is not None else None
+        return session if session is not None and session.serves() else None
+
+    def _stat(self, endpoint: Endpoint) -> RemoteEntry | None:
+        session = self._session(endpoint)
+        if session is None:
+            return self._transport(endpoint).stat(endpoint.path)
+        return session.stat_many([endpoint.path]).get(endpoint.path)
+
+    def _list_remote(self, directory: Endpoint) -> list[RemoteEntry]:
+        session = self._session(directory)
+        return session.list(directory.path) if session is not None else self._transport(directory).list(directory.path)
 
     def _covering(self, endpoint: Endpoint) -> Listing | None:
         key, path = host_key(endpoint), endpoint.path
@@ -192,7 +211,7 @@ class RemoteInventory:
     def _list(self, directory: Endpoint) -> Listing:
         listing = Listing(directory.path)
         try:
-            listing.entries = {entry.path: entry for entry in self._transport(directory).list(directory.path)}
+            listing.entries = {entry.path: entry for entry in self._list_remote(directory)}
         except RemotePathMissingError:
             pass                                    # the parent does not exist: neither do its children
         except TransportError as exc:

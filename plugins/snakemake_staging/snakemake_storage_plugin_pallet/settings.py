@@ -55,6 +55,14 @@ class PluginSettings(StorageProviderSettingsBase):
     batch_max_files: int = _setting(0, "Start a new batch after this many objects (0: no limit).", int)
     batch_max_bytes: int | None = _setting(None, "Start a new batch after this many bytes, e.g. 64G "
                                                     "(default: no limit).", parse_size)
+    prefetch_budget: int = _setting(1 << 30, "The first retrieval from a location also fetches, in the same "
+                                             "operation, the other inputs the workflow's jobs named there that "
+                                             "exist remotely and are not here yet, up to this many bytes, e.g. "
+                                             "500M (default 1G; 0: fetch only what each round asks for).",
+                                    parse_size)
+    session_idle: float = _setting(60.0, "Seconds a host's far-side session stays open without a request (it "
+                                         "answers the run's small retrievals, stores and queries in one round "
+                                         "trip each; the next request after it closed opens a new one).", float)
 
 
 def _sentence(text: str) -> str:
@@ -135,6 +143,10 @@ def check(settings: PluginSettings) -> None:
         problems.append(f"{flag('batch_max_files')} must not be negative")
     if settings.batch_window < 0:
         problems.append(f"{flag('batch_window')} must not be negative")
+    if settings.prefetch_budget is not None and settings.prefetch_budget < 0:
+        problems.append(f"{flag('prefetch_budget')} must not be negative")
+    if settings.session_idle is not None and settings.session_idle <= 0:
+        problems.append(f"{flag('session_idle')} must be positive")
     found = [problem for problem in problems if problem]
     if found:
         raise WorkflowError("invalid pallet storage settings: " + "; ".join(found))

@@ -55,6 +55,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
             return
         entry = self._entry(trust_absence=True)
         cache.exists_in_storage[self.cache_key()] = entry is not None
+        if entry is not None:
+            self.provider.prefetch.note(self.request(), entry)
         for path, sibling, mtime_ns in self.provider.inventory.siblings(self.endpoint):
             key = self.cache_key(local_suffix(query_for(replace(self.endpoint, path=path))))
             cache.exists_in_storage[key] = True

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from staging_core import (BundleError, DestinationError, Endpoint, PalletError, RemoteEntry, SourceError,
-                          StagingOptions, StagingResult, UsageError, copy_out, fetch, local_tree_items, open_bundle,
-                          scratch_space, send)
+from staging_core import (BundleError, DestinationError, Endpoint, HostSessions, PalletError, RemoteEntry,
+                          SourceError, StagingOptions, StagingResult, UsageError, copy_out, fetch, local_tree_items,
+                          open_bundle, scratch_space, send)
 
 from .inventory import RemoteInventory, host_key, relative
 from .kept import KeptBundle, KeptBundles, ListingChanged
@@ -66,12 +66,19 @@ class Stager:
     for the requests of failed groups and never raise. The groups of a
     batch run at the same time (up to MAX_CONCURRENT), and so may batches
     from other threads; operations into one destination queue on its lock.
+    ``sessions``: the provider's host sessions, over which every fetch and
+    send to an ssh host runs (a small one inline, in one round trip);
+    ``extend(group, log)``: the objects to retrieve with a group (the
+    group itself, or more: see prefetch.py); if the extended group fails,
+    the group alone is retrieved again.
     """
 
     def __init__(self, inventory: RemoteInventory, options: StagingOptions, scratch_root: str,
-                 logger: logging.Logger, wait_for_space: int | None = None, kept: KeptBundles | None = None):
+                 logger: logging.Logger, wait_for_space: int | None = None, kept: KeptBundles | None = None,
+                 sessions: HostSessions | None = None, extend=None):
         self.inventory, self.options, self.scratch_root, self.logger = inventory, options, scratch_root, logger
-        self.wait_for_space, self.kept = wait_for_space, kept
+        self.wait_for_space, self.kept, self.sessions = wait_for_space, kept, sessions
+        self.extend = extend or (lambda group, log: group)
 
     def retrieve(self, requests: list[Request]) -> dict[int, BatchFailed]:
         return self._each_group(requests, "retrieve", self._retrieve_group)
@@ -80,8 +87,8 @@ class Stager:
         return self._each_group(requests, "store", self._store_group)
 
     def _each_group(self, requests: list[Request], action: str, work) -> dict[int, BatchFailed]:
-        indexed = sorted(enumerate(requests), key=lambda pair: _location(pair[1]))
-        groups = [list(members) for _, members in groupby(indexed, key=lambda pair: _location(pair[1]))]
+        indexed = sorted(enumerate(requests), key=lambda pair: location(pair[1]))
+        groups = [list(members) for _, members in groupby(indexed, key=lambda pair: location(pair[1]))]
         if len(groups) == 1:
             return _run_group(groups[0], action, work)
         failures: dict[int, BatchFailed] = {}
@@ -93,6 +100,17 @@ class Stager:
     # ------------------------------------------------------------ retrieval
 
     def _retrieve_group(self, group: list[Request]) -> None:
+        extended = self.extend(group, self.logger.info) if self.kept is None else group
+        if len(extended) > len(group):
+            try:
+                self._fetch_group(extended)
+                return
+            except (PalletError, OSError) as exc:
+                self.logger.warning(f"pallet: the prefetch with this retrieval failed ({exc}); retrieving only "
+                                    "what was asked for")
+        self._fetch_group(group)
+
+    def _fetch_group(self, group: list[Request]) -> None:
         root = _common_root(group)
         items, sizes, directories = self._selection(group, root)
         if self.kept is not None:
@@ -103,7 +121,7 @@ class Stager:
         self.logger.info(f"pallet: fetching {len(group)} object(s) from {source}")
         try:
             with scratch_space(".pallet-fetch-", self.scratch_root) as landing:
-                result = fetch(source, items, landing, self.options, sizes=sizes)
+                result = fetch(source, items, landing, self.options, sizes=sizes, sessions=self.sessions)
                 _place(group, root, landing, directories)
         except Exception:
             for request in group:
@@ -207,12 +225,12 @@ class Stager:
         self.logger.info(f"pallet: sending {len(group)} object(s) to {dest}")
         try:
             if base is not None:
-                result = send(base, items, dest, self.options)
+                result = send(base, items, dest, self.options, sessions=self.sessions)
             else:
                 with scratch_space(".pallet-send-", self.scratch_root) as staged:
                     for rel, request in zip(rels, group, strict=True):
                         _link_copy(request.local, os.path.join(staged, rel))
-                    result = send(staged, items, dest, self.options)
+                    result = send(staged, items, dest, self.options, sessions=self.sessions)
         finally:
             for request in group:
                 self.inventory.forget(request.remote)
@@ -251,7 +269,8 @@ def _leaves(entries: list[RemoteEntry]) -> list[RemoteEntry]:
     return [e for e in entries if e.kind != "d" or e.path not in parents]
 
 
-def _location(request: Request) -> tuple:
+def location(request: Request) -> tuple:
+    """Where a request's operation is rooted: its host, and its top-level directory (never ``/`` itself)."""
     top = request.remote.path.split("/")[1]
     return tuple("" if part is None else str(part) for part in host_key(request.remote)) + (top,)
 
