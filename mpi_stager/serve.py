@@ -121,7 +121,8 @@ def get_files(payload: bytes) -> bytes:
     directories."""
     root, paths, limit = decode_get(payload, _SOURCE)
     entries: list[tuple[str, os.stat_result]] = []
-    missing, parents = [], set()
+    missing: list[str] = []
+    parents: set[str] = set()
     for rel in paths:
         full = os.path.join(root, rel)
         try:

@@ -12,7 +12,7 @@ import importlib
 _PUBLIC = {
     # operations
     "push": "operations.push_pull", "pull": "operations.push_pull",
-    "fetch": "operations.selection", "send": "operations.selection",
+    "fetch": "operations.selection", "send": "operations.selection", "fetch_if_small": "operations.selection",
     # a run's warm connections: one host session per host, shared by threads (docs/host-sessions.md)
     "HostSessions": "far_side.host_session", "HostSession": "far_side.host_session",
     "SessionLost": "far_side.host_session", "NoHostSession": "far_side.host_session",

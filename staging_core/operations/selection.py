@@ -41,19 +41,38 @@ def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: Stag
     :func:`staging_core.planning.planner.plan`).
     """
     names = clean_items(items)
-    if sizes is not None and len(sizes) != len(items):
-        raise UsageError(f"{len(sizes)} sizes for {len(items)} items", hint="give one size per item, or none")
-    by_name: dict[str, int] = {}
-    for item, size in zip(items, sizes or [0] * len(items), strict=True):
-        by_name.setdefault(posixpath.normpath(item), size)
-    named_sizes = None if sizes is None else [by_name[name] for name in names]
-    source = parse_url(src_root_url)
-    session = sessions.session(source, options) if sessions is not None else None
-    done = inline_or_none(session, lambda s: fetch_inline(s, source, names, dest_root, options, named_sizes))
+    named_sizes = _sizes_of(names, items, sizes)
+    session = sessions.session(parse_url(src_root_url), options) if sessions is not None else None
+    done = inline_or_none(session, lambda s: fetch_inline(s, parse_url(src_root_url), names, dest_root, options,
+                                                          named_sizes))
     if done is not None:
         return done
     early = EarlyConnection("master", session.master) if session is not None else None
     return pull(src_root_url, dest_root, options, progress, names, named_sizes, early_connection=early)
+
+
+def fetch_if_small(src_root_url: str, items: Sequence[str], dest_root: str, options: StagingOptions,
+                   sizes: Sequence[int] | None, sessions: HostSessions) -> StagingResult | None:
+    """:func:`fetch` when the planner sends ``items`` inline over the source host's session (``sizes`` in
+    their order, or None); None, having moved nothing, when it does not."""
+    names = clean_items(items)
+    named_sizes = _sizes_of(names, items, sizes)
+    session = sessions.session(parse_url(src_root_url), options)
+    return inline_or_none(session, lambda s: fetch_inline(s, parse_url(src_root_url), names, dest_root, options,
+                                                          named_sizes))
+
+
+def _sizes_of(names: list[str], items: Sequence[str], sizes: Sequence[int] | None) -> list[int] | None:
+    """``sizes`` (given in the order of ``items``) in the order of ``names``, their cleaned form; UsageError
+    when there is not one per item."""
+    if sizes is None:
+        return None
+    if len(sizes) != len(items):
+        raise UsageError(f"{len(sizes)} sizes for {len(items)} items", hint="give one size per item, or none")
+    by_name: dict[str, int] = {}
+    for item, size in zip(items, sizes, strict=True):
+        by_name.setdefault(posixpath.normpath(item), size)
+    return [by_name[name] for name in names]
 
 
 def send(src_root: str, items: Sequence[str], dest_root_url: str, options: StagingOptions = _DEFAULTS,

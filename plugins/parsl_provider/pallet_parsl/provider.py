@@ -18,9 +18,10 @@ from parsl.data_provider.files import File
 from parsl.data_provider.staging import Staging
 from parsl.dataflow.dflow import DataFlowKernel
 from parsl.dataflow.futures import AppFuture
+from parsl.executors import ThreadPoolExecutor
 from parsl.utils import RepresentationMixin
 
-from staging_core import StagingOptions, UsageError, declarations, transport_settings
+from staging_core import HostSessions, StagingOptions, UsageError, declarations, transport_settings
 
 from .batches import Activity, Batch, Batcher, BatchKey, Member
 from .kept import PackedBatch, ReadsKeptInputs, private_copy_path
@@ -54,6 +55,13 @@ class PalletStaging(Staging, RepresentationMixin):
       seconds after its first file (None: no age limit), at that many
       files, or at that many bytes of known sizes (``size_hint``), whichever
       comes first; ``flush()`` closes every open batch now.
+    - ``session_idle``: seconds a host's far-side session stays open without
+      a request. A batch small enough (the planner decides) moves inline
+      over it in one round trip; batches whose tasks run in this process
+      (a ThreadPoolExecutor ``mover``) share this provider's sessions, and
+      tasks elsewhere (HighThroughputExecutor workers) open their own for
+      the task, over the ssh connection every process of the user shares
+      (kept ``ssh_keep`` seconds, see docs/host-sessions.md).
     - ``size_hint(url)``: the size of a file when the workflow knows it
       without I/O (e.g. from a manifest), else None; with every size of a
       batch known, the plan needs no remote listing.
@@ -109,7 +117,7 @@ class PalletStaging(Staging, RepresentationMixin):
                  size_hint: Callable[[str], int | None] | None = None, options: StagingOptions = DEFAULT_OPTIONS,
                  mover: str | None = None, unpack_executor: str | None = None, mpi_ranks: int = 2,
                  mpi_launcher: str = "mpiexec -n {ranks}", unpack_workers: int = 1, keep_packed: bool = False,
-                 scratch: str | None = None, idle: float = 0.5, **pallet_options: Any):
+                 scratch: str | None = None, idle: float = 0.5, session_idle: float = 60.0, **pallet_options: Any):
         counts = (max_files, max_bytes, mpi_ranks, unpack_workers)
         if idle <= 0 or (window is not None and window <= 0) or min(counts) < 1:
             raise UsageError("idle, window, max_files, max_bytes, mpi_ranks and unpack_workers must be positive")
@@ -128,6 +136,7 @@ class PalletStaging(Staging, RepresentationMixin):
         self._made_dirs: set[str] = set()
         self._apps: dict[tuple, object] = {}
         self._watches: dict[int, SubmitWatch] = {}             # id(dfk) -> its submissions, as batches see them
+        self.sessions = HostSessions(session_idle)             # for the tasks that run in this process
 
     # ------------------------------------------------------------ the Staging interface
 
@@ -198,9 +207,10 @@ class PalletStaging(Staging, RepresentationMixin):
     def _open_batch(self, dfk, batch: Batch) -> Future:
         """Submit the tasks of a new batch, waiting for its manifest; return the future of the last."""
         mover = self.mover or batch.key.executor
+        shared = {"sessions": self.sessions} if _in_this_process(dfk, mover) else {}
         if batch.key.direction == "out":
             return self._app(dfk, send_batch, mover)(batch.manifest, _parsl_staging_inhibit=True,
-                                                     **_resources(dfk, mover, 1))
+                                                     **_resources(dfk, mover, 1), **shared)
         if batch.key.packed:             # kept as it came: its check is light, and runs where it was moved
             moved = self._app(dfk, move_batch, mover)(batch.manifest, False, _parsl_staging_inhibit=True,
                                                       **_resources(dfk, mover, 1))
@@ -209,7 +219,7 @@ class PalletStaging(Staging, RepresentationMixin):
         unpacker = self.unpack_executor or batch.key.executor
         stream = self.unpack_executor is None and not _is_mpi(dfk, unpacker)      # no unpack asked for elsewhere
         moved = self._app(dfk, move_batch, mover)(batch.manifest, stream, _parsl_staging_inhibit=True,
-                                                  **_resources(dfk, mover, 1))
+                                                  **_resources(dfk, mover, 1), **shared)
         how = UnpackPlan(self.mpi_launcher if _is_mpi(dfk, unpacker) else None, self.unpack_workers)
         return self._app(dfk, unpack_batch, unpacker)(moved, how, _parsl_staging_inhibit=True,
                                                       **_resources(dfk, unpacker, self.mpi_ranks))
@@ -332,6 +342,11 @@ def _submitting(frame) -> bool:
 def _below(host_root: str, remote_path: str) -> str:
     """The local copy of ``remote_path``: the same absolute path, re-rooted at ``host_root``."""
     return os.path.join(host_root, posixpath.normpath("/" + remote_path).lstrip("/"))
+
+
+def _in_this_process(dfk, label: str) -> bool:
+    """Whether the executor ``label`` runs tasks in this process's threads (their arguments are not copied)."""
+    return isinstance(dfk.executors.get(label), ThreadPoolExecutor)
 
 
 def _is_mpi(dfk, label: str) -> bool:

@@ -14,11 +14,13 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from staging_core import (DestinationLock, Endpoint, OpenSource, PalletError, RemoteEntry, SourceError,
-                          StagingOptions, UsageError, fetch, missing_members, move_packed, open_bundle, open_transport,
-                          parse_url, plan_pull, run_local, send, unpack_summary)
+from staging_core import (DestinationLock, Endpoint, HostSessions, OpenSource, PalletError, RemoteEntry, SourceError,
+                          StagingOptions, UsageError, fetch, fetch_if_small, missing_members, move_packed, open_bundle,
+                          open_transport, parse_url, plan_pull, run_local, send, unpack_summary)
 
 MARKER = "batch-{}.json"         # in BatchSpec.state_root
 INCOMING = "incoming-{}"
@@ -132,7 +134,7 @@ class BatchDone:
 
 
 def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: bool = True,
-               parsl_resource_specification: dict | None = None) -> Moved:
+               parsl_resource_specification: dict | None = None, sessions: HostSessions | None = None) -> Moved:
     """First task of an incoming batch: plan it and bring it here.
 
     Returns at once when the batch's completion marker exists (a rerun).
@@ -148,14 +150,19 @@ def move_batch(spec: BatchSpec, stream: bool = True, _parsl_staging_inhibit: boo
     batch finds, for each item, a bundle kept before (by any batch of any
     run into this ROOT) that holds it; only the items none holds are packed
     at the source and brought into ``state_root/packed-ID/``, where they
-    stay. Raises BatchError naming the batch and the cause.
+    stay. A batch small enough travels inline over the source host's
+    session (``sessions``: the provider's, when this task runs in its
+    process; else one of this task's own, whose ssh connection is still
+    the kept one all processes share). Raises BatchError naming the batch
+    and the cause.
     """
     done = None if spec.packed else _done_before(spec)
     if done is not None:
         return done
     started = time.monotonic()
     try:
-        moved = _move_kept(spec) if spec.packed else _move(spec, stream)
+        with _sessions(sessions) as run_sessions:
+            moved = _move_kept(spec) if spec.packed else _move(spec, stream, run_sessions)
     except PalletError as exc:
         raise _failed(spec, exc) from exc
     return replace(moved, seconds=time.monotonic() - started)
@@ -189,15 +196,18 @@ def unpack_batch(moved: Moved, how: UnpackPlan, _parsl_staging_inhibit: bool = T
 
 
 def send_batch(spec: BatchSpec, _parsl_staging_inhibit: bool = True,
-               parsl_resource_specification: dict | None = None) -> BatchDone:
+               parsl_resource_specification: dict | None = None, sessions: HostSessions | None = None) -> BatchDone:
     """The task of an outgoing batch: send the outputs of the apps that succeeded (``spec.items``) to
-    ``remote_root`` in one planned operation (staging_core.operations.selection.send: rsync skips what is already
-    there, a bundle is unpacked by the destination's route, resumably). Raises BatchError."""
+    ``remote_root`` in one planned operation (staging_core.operations.selection.send: inline over the host's
+    session when small, ``sessions`` as for :func:`move_batch`; rsync skips what is already there, a bundle is
+    unpacked by the destination's route, resumably). Raises BatchError."""
     started = time.monotonic()
     if not spec.items:
         return BatchDone(spec.number, "out", 0, "nothing to send", 0, 0)
     try:
-        result = send(spec.local_root, spec.items, spec.remote_root, replace(spec.options, pack_via=None))
+        with _sessions(sessions) as run_sessions:
+            result = send(spec.local_root, spec.items, spec.remote_root, replace(spec.options, pack_via=None),
+                          sessions=run_sessions)
     except PalletError as exc:
         raise _failed(spec, exc) from exc
     return BatchDone(spec.number, "out", len(spec.items), result.strategy, result.transfers, result.bytes_sent,
@@ -230,11 +240,28 @@ def _failed(spec: BatchSpec, exc: BaseException) -> BatchError:
                       number=spec.number, files=len(spec.items), cause=exc)
 
 
-def _move(spec: BatchSpec, stream: bool) -> Moved:
-    """The move task's work: the source opened and the batch planned (staging_core's pull phases); files
-    fetched into ``local_root`` (individually, streamed, or by the tar-tools route), or a bundle of them
-    packed at the source and brought into ``state_root/incoming-ID/`` for the unpack task."""
+@contextmanager
+def _sessions(given: HostSessions | None) -> Iterator[HostSessions]:
+    """``given``, or host sessions of this task's own, closed when it ends."""
+    if given is not None:
+        yield given
+        return
+    own = HostSessions()
+    try:
+        yield own
+    finally:
+        own.close()
+
+
+def _move(spec: BatchSpec, stream: bool, sessions: HostSessions) -> Moved:
+    """The move task's work: a small batch fetched inline over the source host's session; else the source
+    opened and the batch planned (staging_core's pull phases), files fetched into ``local_root``
+    (individually, streamed, or by the tar-tools route), or a bundle of them packed at the source and brought
+    into ``state_root/incoming-ID/`` for the unpack task."""
     options = _fetch_options(spec)
+    small = fetch_if_small(spec.remote_root, spec.items, spec.local_root, options, spec.sizes, sessions)
+    if small is not None:
+        return Moved(spec, small.strategy, small.transfers, None, small.bytes_sent)
     with OpenSource(spec.remote_root, options) as source:
         strategy, sizes = _strategy(spec, source)
         streams = stream and source.options.stream != "off" and source.streams
