@@ -14,9 +14,9 @@ from .codecs import get_codec
 from .errors import PalletError, StreamError
 from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_size_limit, little_endian
 from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan, entry_bound
+from .stream_reply import STREAM_VERSION
 from .tarformat import BLOCK, Kind
 
-STREAM_VERSION = 1                       # listed with every protocol version in mpi_stager.wire (docs/wire.md)
 SKELETON_COLUMNS = ["path", "kind", "mode", "mtime_ns", "size", "link", "link_group"]
 DATA_CHUNK = 4 << 20                     # largest DATA frame payload
 MAX_STREAMED_SHARD_SIZE = MAX_AUTO_SHARD  # the largest --shard-size a stream carries (beyond: store and forward)
@@ -147,25 +147,6 @@ def raw_bound(index: Index, plan: ShardPlan) -> int:
 def compressed_bound(raw: int) -> int:
     """An upper bound of the compressed size of ``raw`` bytes for every codec (zstd, gzip, none)."""
     return raw + raw // 64 + 65536
-
-
-def encode_resume_reply(stream_id: str, done: dict[int, bytes]) -> bytes:
-    """The receiver's answer to a skeleton, one JSON line: the shards (number -> hash) it already holds."""
-    listed = {str(n): digest.hex() for n, digest in sorted(done.items())}
-    return json.dumps({"stream": stream_id, "done": listed}).encode() + b"\n"
-
-
-def decode_resume_reply(line: bytes, stream_id: str, source: str | None) -> dict[int, bytes]:
-    """Decode the receiver's answer to the skeleton of ``stream_id``; StreamError naming ``source`` if it is not one."""
-    try:
-        reply = json.loads(line)
-        if reply["stream"] != stream_id:
-            raise ValueError(f"stream {reply['stream']}, not {stream_id}")
-        return {int(number): bytes.fromhex(digest) for number, digest in reply["done"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise StreamError(f"the receiver answered {bytes(line[:200])!r} ({exc})", source,
-                          "check that both sides run the same pallet version, and that no shell startup file "
-                          "prints to stdout") from None
 
 
 class FrameWriter:

@@ -11,8 +11,8 @@ from bundles.inline import InlineFile, digest, stable_read, write_inline
 from bundles.safety import path_problem
 from bundles.state import holding_lock
 
-from .session import read_exactly
-from .wire import MAX_LINE, TooLarge, decode_get, decode_put, encode_error, encode_files, far_hello, frame, parse_header
+from .wire import (MAX_LINE, TooLarge, decode_get, decode_put, encode_error, encode_files, far_hello, frame,
+                   parse_header, read_exactly)
 
 _SOURCE = "host session"
 

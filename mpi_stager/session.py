@@ -14,7 +14,7 @@ from bundles.stream import FrameKind, FrameReader
 from .receive import receive
 from .wire import encode_summary as encode
 from .wire import (DECLINED, LISTING_ARGV, NOT_COMPARABLE, OK, Hello, SessionRequest, WireVersionError, decode_dirs,
-                   far_hello_for, install_hint, listing_block)
+                   far_hello_for, install_hint, listing_block, read_exactly)
 
 
 def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False,
@@ -108,13 +108,6 @@ def drop_offer(inp: BinaryIO, source: str) -> None:
     if frame is None or frame.kind != FrameKind.SKELETON:
         raise StreamError("a receive-new request is not followed by a stream's skeleton", source,
                           install_hint(None))
-
-
-def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:
-    data = inp.read(size)
-    if len(data) != size:
-        raise StreamError(f"a request ends after {len(data)} of {size} bytes", source, "rerun the push")
-    return data
 
 
 def _locked(dest: str, wait: bool) -> AbstractContextManager:

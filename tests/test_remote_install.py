@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bundles.stream import STREAM_VERSION
+from bundles.stream_reply import STREAM_VERSION
 from mpi_stager.wire import SESSION_VERSION
 from staging_core.testing import assert_same_tree, make_nasty_tree
 from tests.programs import program, user_env

@@ -19,7 +19,8 @@ from .messages import (DECLINED, FIND_RECORDS, LISTING_ARGV, LISTING_FIELDS, LIS
                        listing_block, listing_size, parse_records)
 from .host import (HOST_CAPS, HOST_HELLO_ENV, HOST_HELLO_PREFIX, MAX_LINE, HostHello, InlineDirectory, InlineFile,
                    PutRequest, TooLarge, decode_error, decode_files, decode_get, decode_put, encode_error,
-                   encode_files, encode_get, encode_put, far_hello, frame, host_client_text, parse_header)
+                   encode_files, encode_get, encode_put, far_hello, frame, host_client_text, parse_header,
+                   read_exactly)
 from .summaries import KINDS, PackSummary, ReceiveSummary, StagerSummary, Summary, decode_summary, encode_summary
 from .tar_tools import MANIFEST_END, TAR_TOOLS_LINE, check_tar_tools_line, strip_tar_tools_line, tar_tools_script
 
@@ -28,7 +29,7 @@ __all__ = [
     "HOST_CAPS", "HOST_HELLO_ENV", "HOST_HELLO_PREFIX", "HOST_VERSION", "HostHello", "InlineDirectory", "InlineFile",
     "MAX_LINE", "MIN_HOST_VERSION", "PutRequest", "TooLarge", "decode_error", "decode_files", "decode_get",
     "decode_put", "encode_error", "encode_files", "encode_get", "encode_put", "far_hello", "frame",
-    "host_client_text", "parse_header",
+    "host_client_text", "parse_header", "read_exactly",
     "Agreement", "DECLINED", "FAR_HELLO", "FIND_RECORDS", "FarEntry", "HELLO", "HELLO_ENV", "HELLO_PREFIX", "Hello",
     "KINDS", "LISTING_ARGV", "LISTING_FIELDS", "LISTING_TAG", "LOCKED", "MANIFEST_END", "MAX_LISTING_HEADER",
     "MIN_SESSION_VERSION", "MIN_SUMMARY_VERSION", "NOT_COMPARABLE", "OK", "PackSummary", "RECEIVER_GONE",

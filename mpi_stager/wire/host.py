@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import BinaryIO
 from dataclasses import dataclass
 
 from bundles.inline import InlineDirectory, InlineFile
@@ -64,6 +65,14 @@ def far_hello(client: str | None) -> HostHello:
 def frame(tag: str, payload: bytes = b"") -> bytes:
     """A request (``stat`` ...) or answer (``ok``, ``error``): ``TAG SIZE\\n`` and SIZE bytes."""
     return f"{tag} {len(payload)}\n".encode() + payload
+
+
+def read_exactly(inp: BinaryIO, size: int, source: str) -> bytes:
+    """``size`` bytes of ``inp``; StreamError when it ends before them."""
+    data = inp.read(size)
+    if len(data) != size:
+        raise StreamError(f"a request ends after {len(data)} of {size} bytes", source, "rerun the operation")
+    return data
 
 
 def parse_header(line: bytes, source: str) -> tuple[str, int]:

@@ -5,11 +5,11 @@ from urllib.parse import urlsplit
 
 
 from bundles.errors import PalletError
-# The bundle stream's version and its receiver's answer are defined with that framing in bundles.stream (the bundle
-# format's streamed form, below mpi_stager) and listed here, so that this package names every version.
-from bundles.stream import STREAM_VERSION as STREAM_VERSION
-from bundles.stream import decode_resume_reply as decode_resume_reply
-from bundles.stream import encode_resume_reply as encode_resume_reply
+# The bundle stream's version and its receiver's answer are defined beside that framing in bundles.stream_reply (the
+# bundle format's streamed form is below mpi_stager) and listed here, so that this package names every version.
+from bundles.stream_reply import STREAM_VERSION as STREAM_VERSION
+from bundles.stream_reply import decode_resume_reply as decode_resume_reply
+from bundles.stream_reply import encode_resume_reply as encode_resume_reply
 
 
 # ---------------------------------------------------------------- versions (docs/wire.md, "Versions")

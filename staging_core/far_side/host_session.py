@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from bundles.errors import PalletError
 from mpi_stager.wire import (HOST_HELLO_ENV, MAX_LINE, HostHello, decode_error, frame, host_client_text,
-                             install_hint, parse_header, parse_records)
+                             install_hint, parse_header, parse_records, read_exactly)
 
 from staging_core.far_side.streaming import FarStager
 from staging_core.options import StagingOptions
@@ -20,6 +20,9 @@ from staging_core.transports.base import EarlyConnection, Endpoint, RemoteEntry,
 from staging_core.transports.errors import RemotePathMissingError, TransportError
 from staging_core.transports.registry import open_endpoint
 from staging_core.transports.ssh_master import SSHMaster, ssh_options_for
+
+
+PIPELINED_MAX = 64 << 10     # a first request this small is sent with the far side's start, before its hello
 
 
 class SessionLost(TransportError):
@@ -51,7 +54,8 @@ class HostSession:
 
     :meth:`request` sends one request and returns its answer's payload; the
     requests of several threads are served one after another. The far side
-    is started on the first request (its hello checked) and again after it
+    is started on the first request (a small first request is sent with it,
+    before its hello is read and checked) and again after it
     or the connection died: a request that finds it gone, or loses it
     before the answer, is sent once more to a new one (every request is
     idempotent); when that fails too, it raises SessionLost (retryable),
@@ -89,10 +93,17 @@ class HostSession:
         """Whether the far side serves host sessions (starting it to find out)."""
         try:
             with self._lock:
-                self._far_side()
+                far, started = self._far_side()
+                if started:
+                    self._hello(far)
         except NoHostSession:
             return False
         return True
+
+    @property
+    def refused(self) -> bool:
+        """Whether the far side was found unable to serve (asking costs nothing)."""
+        return self._refusal is not None
 
     def request(self, op: str, payload: bytes) -> bytes:
         """Send ``op`` with ``payload``; the ``ok`` answer's payload (see the class for errors)."""
@@ -112,22 +123,37 @@ class HostSession:
         started for this request ends."""
         for attempt in (1, 2):
             far, started = self._far_side()
+            pipelined = started and len(payload) <= PIPELINED_MAX
+            if started and not pipelined:
+                self._hello(far)
             try:
                 far.stdin.write(frame(op, payload))
                 far.stdin.flush()
+            except OSError as exc:
+                if pipelined:
+                    self._hello(far)                # a far side that cannot serve says so before it ends
+                self._drop()
+                if not started and attempt == 1:
+                    continue                        # the pipe to a far side that had ended broke on the write
+                raise self._lost(op, exc) from None
+            if pipelined:
+                self._hello(far)
+            try:
                 line = far.stdout.readline(MAX_LINE)
                 if not line and not started and attempt == 1:
                     self._drop()
                     continue
                 tag, size = parse_header(line or b"(the far side ended)", self.url)
-                return tag, _read_exactly(far, size)
+                return tag, read_exactly(far.stdout, size, self.url)
             except (OSError, ValueError, PalletError) as exc:
                 self._drop()
-                if isinstance(exc, OSError) and not started and attempt == 1:
-                    continue                        # the pipe to a far side that had ended broke on the write
-                raise SessionLost(f"the host session ended during `{op}` ({_said(exc)})", self.url,
-                                  "run the operation again: the next one starts a new far side") from None
-        raise SessionLost(f"the host session ended during `{op}`", self.url, "run the operation again")
+                raise self._lost(op, exc) from None
+        raise self._lost(op, None)
+
+    def _lost(self, op: str, exc: BaseException | None) -> SessionLost:
+        said = f" ({_said(exc)})" if exc is not None else ""
+        return SessionLost(f"the host session ended during `{op}`{said}", self.url,
+                           "run the operation again: the next one starts a new far side")
 
     def list(self, path: str) -> list[RemoteEntry]:
         """Every entry below the directory ``path``, paths relative to it (as ``Transport.list`` gives them), in
@@ -151,9 +177,9 @@ class HostSession:
         return self._far is not None
 
     def close_far_side(self) -> None:
-        """End the far side (it exits as its input ends); the connection is left to :meth:`close`."""
+        """End the far side at once (it exits as its input ends); the connection is left to :meth:`close`."""
         with self._lock:
-            self._drop()
+            self._drop(wait=False)
 
     def close(self) -> None:
         """End the far side and the connection (a kept connection stays for its idle time)."""
@@ -161,7 +187,8 @@ class HostSession:
         self.master.close()
 
     def _far_side(self) -> tuple[FarStager, bool]:
-        """The running far side, or one started now (its hello checked); whether it was started now."""
+        """The running far side, or one started now, whose hello the caller reads (:meth:`_hello`); whether it was
+        started now."""
         if self._refusal is not None:
             raise self._refusal
         if self._far is not None and self._far.process.poll() is None and not _ended(self._far):
@@ -170,29 +197,42 @@ class HostSession:
         self.master.ready()
         argv = ["env", f"{HOST_HELLO_ENV}={host_client_text()}", *shlex.split(self.key.remote_python), "-m",
                 "mpi_stager", "serve"]
-        far = FarStager(self._raw_transport(), argv, self.url)
+        self._far = FarStager(self._raw_transport(), argv, self.url)
         self.far_sides_started += 1
-        line = far.stdout.readline(MAX_LINE)
-        hello = HostHello.parse(line)
+        return self._far, True
+
+    def _hello(self, far: FarStager) -> None:
+        """Read a new far side's hello; NoHostSession (kept for every later request) when it cannot serve."""
+        try:
+            hello = HostHello.parse(far.stdout.readline(MAX_LINE))
+        except BaseException:
+            self._drop(wait=False)
+            raise
         if hello is None or not hello.speaks:
+            self._far = None
             far.close(5)
             said = "it has no host session" if hello is None else \
                 f"it speaks host-session v{hello.low} to v{hello.high}"
             self._refusal = NoHostSession(f"the far side's pallet cannot serve this one ({said})", self.url,
                                           install_hint(self.url))
             raise self._refusal
-        self._far = far
-        return far, True
 
     def _raw_transport(self) -> Transport:
         if self._transport is None:
             self._transport = open_endpoint(self.endpoint, self.options, early=EarlyConnection("master", self.master))
         return self._transport
 
-    def _drop(self) -> None:
+    def _drop(self, wait: bool = True) -> None:
+        """Forget the far side: its input ended, and (``wait``) its exit waited for up to 5 s, else its ssh
+        stopped at once (the far side then ends as its input does; nothing is in flight)."""
         far, self._far = self._far, None
-        if far is not None:
+        if far is None:
+            return
+        if wait:
             far.close(5)
+        else:
+            far.close_input()
+            far.abandon()
 
 
 class HostSessions:
@@ -295,13 +335,6 @@ def _ended(far: FarStager) -> bool:
     """Whether an idle far side's output has ended (or holds what no request asked for): it cannot serve."""
     ended = getattr(far.process, "output_ended", None)
     return bool(ended()) if ended is not None else False
-
-
-def _read_exactly(far: FarStager, size: int) -> bytes:
-    data = far.stdout.read(size)
-    if len(data) != size:
-        raise OSError(f"the answer ends after {len(data)} of {size} bytes")
-    return data
 
 
 def _said(exc: BaseException) -> str:

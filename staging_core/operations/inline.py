@@ -32,15 +32,15 @@ class LocalSelection:
 def send_inline(session: HostSession, src_root: str, items: Sequence[str], dest: Endpoint,
                 options: StagingOptions) -> StagingResult | None:
     """Send ``src_root/<item>`` to ``dest``'s path in one ``put`` when the planner picks inline for it (small
-    plain files and directories; ``options.strategy`` auto); None when it does not, or the far side cannot
-    serve a host session: the caller sends the usual way. The files are read stably and checked at the far
-    side against their digests; DEST's lock is taken there for the put alone."""
+    plain files and directories; ``options.strategy`` auto); None when it does not, and NoHostSession when the
+    far side cannot serve a host session: the caller sends the usual way. The files are read stably and checked
+    at the far side against their digests; DEST's lock is taken there for the put alone."""
     started = time.monotonic()
     selection = local_selection(src_root, items)
     if selection is None:
         return None
     chosen = _plan(dest, options, len(selection.files), selection.nbytes)
-    if chosen is None or not session.serves():
+    if chosen is None or session.refused:
         return None
     files, contents = [], []
     for full, rel in selection.files:
@@ -57,11 +57,12 @@ def fetch_inline(session: HostSession, src: Endpoint, items: Sequence[str], dest
     """Bring ``items`` below ``src`` into ``dest_root`` in one ``get`` when the planner picks inline for them
     (``sizes`` known: from them; unknown: the far side refuses a selection over the inline limit); None when it
     does not, or the far side cannot serve: the caller fetches the usual way. Each file is checked against the
-    digest the far side read it with and put in place whole (bundles.inline), under ``dest_root``'s lock."""
+    digest the far side read it with and put in place whole (bundles.inline), under ``dest_root``'s lock;
+    NoHostSession as for :func:`send_inline`."""
     started = time.monotonic()
     known = sum(sizes) if sizes is not None else 0
     chosen = _plan(src, options, len(items), known, local_dest=dest_root)
-    if chosen is None or not session.serves():
+    if chosen is None or session.refused:
         return None
     try:
         body = session.request("get", encode_get(src.path, items, INLINE_MAX_BYTES))
