@@ -13,9 +13,8 @@ from .transfers import Request, location
 class Prefetch:
     """What the workflow named, and which locations have been prefetched.
 
-    Snakemake asks the inventory about every input and output of the jobs
-    it plans before it runs any; :meth:`note` keeps each object found to be
-    a remote file then. The first retrieval from a location (host and
+    Snakemake asks about every input and output of the jobs it plans before
+    it runs any; :meth:`note` keeps each object found to be a remote file. The first retrieval from a location (host and
     top-level directory, as batches group them) is extended by
     :meth:`extend` with the noted objects of that location that are not
     here yet (no local copy with the remote size and mtime), up to

@@ -55,8 +55,6 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
             return
         entry = self._entry(trust_absence=True)
         cache.exists_in_storage[self.cache_key()] = entry is not None
-        if entry is not None:
-            self.provider.prefetch.note(self.request(), entry)
         for path, sibling, mtime_ns in self.provider.inventory.siblings(self.endpoint):
             key = self.cache_key(local_suffix(query_for(replace(self.endpoint, path=path))))
             cache.exists_in_storage[key] = True
@@ -88,7 +86,11 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
         return sum(e.size for e in self._call("list", self.provider.inventory.children, self.endpoint))
 
     def _entry(self, trust_absence: bool = False) -> RemoteEntry | None:
-        return self._call("check", self.provider.inventory.lookup, self.endpoint, trust_absence)
+        """The remote entry (None: absent); a file found is noted for the prefetch (prefetch.py)."""
+        entry = self._call("check", self.provider.inventory.lookup, self.endpoint, trust_absence)
+        if entry is not None:
+            self.provider.prefetch.note(self.request(), entry)
+        return entry
 
     def _existing(self) -> RemoteEntry:
         entry = self._entry()

@@ -1,0 +1,500 @@
+"""Workflow scale over a warm host session: a Snakemake workflow of N jobs, each reading M remote inputs and
+writing one remote output, with pallet over ssh (loopback and an emulated 40 ms / 1 Gbit link), pallet on file://,
+snakemake-storage-plugin-fs on the same directory as a local path, and plain local files (the floor); and Parsl
+apps of the same shape on a HighThroughputExecutor, with PalletStaging over ssh against the same apps on local
+files. Every run gets fresh remote and local trees; variants run side by side, interleaved when repeated."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+for entry in (str(ROOT), str(BENCH)):
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+from bench_bundle import code_version                            # noqa: E402
+from bench_small_ops import Far, loopback, namespace              # noqa: E402
+from push_report import Target                                    # noqa: E402
+from wan import LinkSpec, missing_tools                           # noqa: E402
+
+INPUT_BYTES = 1024                 # every input file has exactly this size; an output holds the sum it read
+RUN_TIMEOUT_S = 3600
+
+# (numerator, denominator, at most): the issue's targets
+SNAKEMAKE_TARGETS = (("pallet-ssh", "pallet-file", 1.5), ("pallet-ssh", "fs", 0.3),
+                     ("pallet-ssh-40ms", "pallet-file", 2.0))
+PARSL_TARGETS = (("pallet-ssh", "local", 1.5),)
+
+SNAKEFILE = '''\
+PROVIDER, PREFIX = config["provider"], config["prefix"]
+STORE = (lambda paths: paths) if PROVIDER == "none" else getattr(storage, PROVIDER)
+JOBS, INPUTS = int(config["jobs"]), int(config["inputs"])
+
+
+rule all:
+    input: STORE(expand(PREFIX + "/out/o{n}.txt", n=range(JOBS)))
+
+
+rule make:
+    input: lambda w: STORE([f"{PREFIX}/in/j{w.n}/i{k}.txt" for k in range(INPUTS)])
+    output: STORE(PREFIX + "/out/o{n}.txt")
+'''
+RULE_BODY = {
+    # one shell command per job, run by Snakemake in a thread of its own process
+    "shell": '    shell: "cat {input} | wc -c > {output}"\n',
+    # a Python `run:` block: Snakemake 9 spawns a new snakemake process for every such job
+    "run": ('    run:\n'
+            '        with open(output[0], "w") as out:\n'
+            '            out.write(f"{sum(len(open(path, \'rb\').read()) for path in input)}\\n")\n'),
+}
+
+# "pallet: fetched 110 object(s) (110 files, 112640 bytes) from ssh://...: inline, 1 transfer(s), 0.03 s"
+OPERATION = re.compile(r"pallet: (fetched|sent) (\d+) object\(s\) \((\d+) files, (\d+) bytes\) (?:from|to) (\S+): "
+                       r"(.+), (\d+) transfer\(s\), ([\d.]+) s")
+PREFETCH = re.compile(r"pallet: prefetching (\d+) object\(s\)")
+
+
+@dataclass
+class Run:
+    """One run of one variant: wall seconds (None: failed), what pallet's log or batches said."""
+
+    variant: str
+    round: int
+    seconds: float | None
+    error: str = ""
+    counts: dict = field(default_factory=dict)
+
+
+@dataclass
+class Variant:
+    """A way to run the workload: its name, the link, and what the runner needs."""
+
+    name: str
+    what: str
+    provider: str = "none"                    # snakemake: none, pallet, fs; parsl: none, pallet
+    far: Far | None = None                    # ssh variants: the host
+    file_url: bool = False                    # pallet on file://
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> list[float]:
+        return [r.seconds for r in self.runs if r.seconds is not None]
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds) if self.seconds else None
+
+
+# ---------------------------------------------------------------- trees, environment, leftovers
+
+def make_tree(tree: Path, jobs: int, inputs: int) -> None:
+    """``tree``/in/jJ/iK.txt: ``inputs`` files of INPUT_BYTES bytes for each of ``jobs`` jobs, every one different."""
+    for job in range(jobs):
+        folder = tree / "in" / f"j{job}"
+        folder.mkdir(parents=True)
+        for k in range(inputs):
+            head = f"job {job} input {k} "
+            (folder / f"i{k}.txt").write_text(head + "x" * (INPUT_BYTES - len(head) - 1) + "\n")
+
+
+def check_outputs(tree: Path, jobs: int, inputs: int) -> str:
+    """'' when ``tree``/out holds every job's output with the bytes its inputs had, else what is wrong."""
+    expected = f"{inputs * INPUT_BYTES}"
+    wrong = [n for n in range(jobs) if not (tree / "out" / f"o{n}.txt").is_file()
+             or (tree / "out" / f"o{n}.txt").read_text().strip() != expected]
+    return f"{len(wrong)} of {jobs} outputs missing or wrong (first: o{wrong[0]}.txt)" if wrong else ""
+
+
+def run_environment(runtime: Path) -> dict[str, str]:
+    """The environment of a run's processes: no PYTHON* variables (the plugin and pallet_parsl are found as
+    installed), and XDG_RUNTIME_DIR a directory of this run only, so that no kept ssh connection of an earlier
+    run serves it (each run starts cold, as a workflow's first run does) and the ones it leaves are found."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
+    env["XDG_RUNTIME_DIR"] = str(runtime)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def end_processes_mentioning(*marks: Path) -> list[str]:
+    """SIGTERM the processes whose command line names one of ``marks`` (a run's own directories: the kept ssh
+    connection it left, Parsl workers); SIGKILL those still there after 5 s. Their PIDs and programs."""
+    needles = [str(mark).encode() for mark in marks]
+    found, said = [], []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(needle in cmdline for needle in needles):
+            found.append(int(entry.name))
+            words = cmdline.split(b"\0")
+            said.append(f"{entry.name} {os.path.basename(words[0].decode(errors='replace'))} "
+                        f"{' '.join(w.decode(errors='replace') for w in words[1:3])}")
+    for pid in found:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in found):
+        time.sleep(0.1)
+    for pid in found:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return said
+
+
+def fresh_runtime() -> Path:
+    """A private, short directory for XDG_RUNTIME_DIR (a kept connection's socket path must stay short)."""
+    return Path(tempfile.mkdtemp(prefix="pwf-", dir="/tmp"))
+
+
+# ---------------------------------------------------------------- Snakemake
+
+def snakemake_once(variant: Variant, run_dir: Path, args: argparse.Namespace, round_: int) -> Run:
+    """One Snakemake run of ``variant`` on a fresh tree and a fresh working directory, timed whole."""
+    tree, workflow = run_dir / "tree", run_dir / "wf"
+    make_tree(tree, args.jobs, args.inputs)
+    workflow.mkdir(parents=True)
+    (workflow / "Snakefile").write_text(SNAKEFILE + RULE_BODY[args.rule])
+    prefix = str(tree)
+    if variant.far is not None:
+        prefix = variant.far.url(tree)
+    elif variant.file_url:
+        prefix = f"file://{tree}"
+    argv = [str(Path(sys.executable).with_name("snakemake")), "--cores", str(args.cores), "--config",
+            f"provider={variant.provider}", f"prefix={prefix}", f"jobs={args.jobs}", f"inputs={args.inputs}"]
+    if variant.far is not None:
+        argv += ["--storage-pallet-ssh-options", shlex.join(variant.far.ssh_options),
+                 "--storage-pallet-remote-python", variant.far.remote_python]
+    runtime = fresh_runtime()
+    log = run_dir / "snakemake.log"
+    try:
+        started = time.perf_counter()
+        with open(log, "w") as out:
+            done = subprocess.run(argv, cwd=workflow, env=run_environment(runtime), stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
+        seconds = time.perf_counter() - started
+    finally:
+        left = end_processes_mentioning(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+    text = log.read_text(errors="replace")
+    counts = pallet_counts(text) if variant.provider == "pallet" else {}
+    if left:
+        counts["processes_left"] = left
+    if done.returncode != 0:
+        tail = " | ".join(text.strip().splitlines()[-4:])
+        return Run(variant.name, round_, None, f"snakemake exited {done.returncode}: {tail}", counts)
+    problem = check_outputs(tree, args.jobs, args.inputs)
+    return Run(variant.name, round_, None if problem else seconds, problem, counts)
+
+
+def pallet_counts(text: str) -> dict:
+    """From a Snakemake log: prefetch operations (and the objects they added), fetch and store operations by
+    strategy, the objects and transfers in them, and the seconds pallet reported for them."""
+    counts: dict = {"prefetch_ops": 0, "prefetched_objects": 0}
+    for match in PREFETCH.finditer(text):
+        counts["prefetch_ops"] += 1
+        counts["prefetched_objects"] += int(match[1])
+    for verb, key in (("fetched", "fetch"), ("sent", "store")):
+        found = [m for m in OPERATION.finditer(text) if m[1] == verb]
+        counts[f"{key}_ops"] = len(found)
+        counts[f"{key}_strategies"] = dict(Counter(m[6] for m in found))
+        counts[f"{key}_objects"] = sum(int(m[2]) for m in found)
+        counts[f"{key}_transfers"] = sum(int(m[7]) for m in found)
+        counts[f"{key}_seconds"] = round(sum(float(m[8]) for m in found), 2)
+    return counts
+
+
+def snakemake_variants(far0: Far, far40: Far | None, rtt: str) -> list[Variant]:
+    found = [Variant("local", "plain local files, no storage plugin (the floor)"),
+             Variant("pallet-file", "pallet on file://", "pallet", file_url=True),
+             Variant("pallet-ssh", "pallet over ssh loopback", "pallet", far0),
+             Variant("fs", "snakemake-storage-plugin-fs on the same directory as a local path", "fs")]
+    if far40 is not None:
+        found.append(Variant("pallet-ssh-40ms", f"pallet over ssh, emulated {rtt}", "pallet", far40))
+    return found
+
+
+# ---------------------------------------------------------------- Parsl
+
+# The Parsl run's own process. The apps are defined here, in __main__, so that Parsl sends them to the workers
+# by value (the workers cannot import this file).
+PARSL_CHILD = '''\
+import json, sys
+sys.path[:0] = json.loads(sys.argv[2])
+import bench_workflow
+
+
+def combine(inputs=(), outputs=()):
+    total = 0
+    for path in inputs:
+        with open(path, "rb") as handle:
+            total += len(handle.read())
+    with open(outputs[0], "w") as out:
+        out.write(f"{total}\\n")
+    return total
+
+
+def noop():
+    return 0
+
+
+print("RESULT " + json.dumps(bench_workflow.parsl_run(json.loads(sys.argv[1]), combine, noop)), flush=True)
+'''
+
+
+def parsl_run(spec: dict, combine, noop) -> dict:
+    """One Parsl run (in a process of its own): an HTEX with ``workers`` local workers, started and warmed up by
+    one ``noop`` app untimed; then ``jobs`` ``combine`` apps of ``inputs`` inputs and one output each, timed from
+    the first submission until every app has returned and every output has arrived."""
+    import parsl
+    from parsl import python_app
+    from parsl.config import Config
+    from parsl.data_provider.data_manager import default_staging
+    from parsl.data_provider.files import File
+    from parsl.executors import HighThroughputExecutor
+    from parsl.providers import LocalProvider
+
+    tree, work = Path(spec["tree"]), Path(spec["work"])
+    staging = None
+    storage = list(default_staging)
+    if spec["provider"] == "pallet":
+        from pallet_parsl import PalletStaging
+        staging = PalletStaging(remote_python=spec["remote_python"], ssh_options=spec["ssh_options"])
+        storage = [staging, *default_staging]
+
+    def place(path: Path) -> File:
+        return File(spec["url_prefix"] + str(path)) if spec["url_prefix"] else File(str(path))
+
+    executor = HighThroughputExecutor(label="htex", address="127.0.0.1", cores_per_worker=1,
+                                      max_workers_per_node=spec["workers"], working_dir=str(work / "local"),
+                                      provider=LocalProvider(init_blocks=1, min_blocks=1, max_blocks=1),
+                                      storage_access=storage)
+    dfk = parsl.load(Config(executors=[executor], run_dir=str(work / "runinfo"), strategy="none"))
+    try:
+        python_app(noop, executors=["htex"])().result(timeout=300)
+        app = python_app(combine, executors=["htex"])
+        started = time.perf_counter()
+        futures = [app(inputs=[place(tree / "in" / f"j{n}" / f"i{k}.txt") for k in range(spec["inputs"])],
+                       outputs=[place(tree / "out" / f"o{n}.txt")]) for n in range(spec["jobs"])]
+        submitted = time.perf_counter() - started
+        totals = [future.result(timeout=RUN_TIMEOUT_S) for future in futures]
+        for future in futures:
+            future.outputs[0].result(timeout=RUN_TIMEOUT_S)
+        seconds = time.perf_counter() - started
+        batches = [b.result(timeout=60) for b in staging.batches()] if staging is not None else []
+    finally:
+        dfk.cleanup()
+        parsl.clear()
+    if set(totals) != {spec["inputs"] * INPUT_BYTES}:
+        raise SystemExit(f"apps read {sorted(set(totals))[:5]} bytes, not {spec['inputs'] * INPUT_BYTES}")
+    counts = {"submit_seconds": round(submitted, 2)}
+    for direction in ("in", "out") if staging is not None else ():
+        mine = [b for b in batches if b.direction == direction]
+        counts[f"batches_{direction}"] = len(mine)
+        counts[f"batches_{direction}_strategies"] = dict(Counter(b.strategy for b in mine))
+        counts[f"batches_{direction}_files"] = sum(b.files for b in mine)
+        counts[f"batches_{direction}_transfers"] = sum(b.transfers for b in mine)
+        counts[f"batches_{direction}_seconds"] = round(sum(b.seconds for b in mine), 2)
+    return {"seconds": seconds, "counts": counts}
+
+
+def parsl_once(variant: Variant, run_dir: Path, args: argparse.Namespace, round_: int) -> Run:
+    """One Parsl run of ``variant`` in a new Python process, on a fresh tree; its outputs checked."""
+    tree = run_dir / "tree"
+    make_tree(tree, args.jobs, args.inputs)
+    (tree / "out").mkdir()
+    far = variant.far
+    spec = {"tree": str(tree), "work": str(run_dir), "jobs": args.jobs, "inputs": args.inputs,
+            "workers": args.cores, "provider": variant.provider,
+            "url_prefix": far.url("") if far is not None else "",
+            "ssh_options": shlex.join(far.ssh_options) if far is not None else "",
+            "remote_python": far.remote_python if far is not None else sys.executable}
+    runtime = fresh_runtime()
+    try:
+        with open(run_dir / "parsl.log", "w") as out:
+            argv = [sys.executable, "-c", PARSL_CHILD, json.dumps(spec), json.dumps([str(BENCH), str(ROOT)])]
+            done = subprocess.run(argv, cwd=run_dir, env=run_environment(runtime), stdout=subprocess.PIPE, stderr=out,
+                                  stdin=subprocess.DEVNULL, text=True, timeout=RUN_TIMEOUT_S)
+    finally:
+        left = end_processes_mentioning(runtime, run_dir)
+        shutil.rmtree(runtime, ignore_errors=True)
+    result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if done.returncode != 0 or result is None:
+        tail = " | ".join((run_dir / "parsl.log").read_text(errors="replace").strip().splitlines()[-4:])
+        return Run(variant.name, round_, None, f"exited {done.returncode}: {tail}")
+    counts = result["counts"] | ({"processes_left": left} if left else {})
+    problem = check_outputs(tree, args.jobs, args.inputs)
+    return Run(variant.name, round_, None if problem else result["seconds"], problem, counts)
+
+
+def parsl_variants(far0: Far, far40: Far | None, rtt: str) -> list[Variant]:
+    found = [Variant("local", "the same apps on local files, no staging (the floor)"),
+             Variant("pallet-ssh", "PalletStaging over ssh loopback", "pallet", far0)]
+    if far40 is not None:
+        found.append(Variant("pallet-ssh-40ms", f"PalletStaging over ssh, emulated {rtt}", "pallet", far40))
+    return found
+
+
+# ---------------------------------------------------------------- running and reporting
+
+def measure(kind: str, variants: list[Variant], once, work: Path, args: argparse.Namespace) -> None:
+    """``args.repeat`` rounds; in each, every variant once, the order reversed every other round."""
+    for round_ in range(args.repeat):
+        for variant in variants if round_ % 2 == 0 else list(reversed(variants)):
+            run_dir = work / kind / f"{variant.name}-{round_}"
+            run_dir.mkdir(parents=True)
+            print(f"  [{kind}] round {round_ + 1}/{args.repeat}: {variant.name} ...", end=" ", flush=True)
+            run = once(variant, run_dir, args, round_)
+            variant.runs.append(run)
+            print(f"{run.seconds:.1f} s" if run.seconds is not None else f"FAILED: {run.error}", flush=True)
+            if run.seconds is not None and not args.keep_trees:
+                shutil.rmtree(run_dir / "tree", ignore_errors=True)
+
+
+def targets(variants: list[Variant], wanted) -> list[Target]:
+    by_name = {v.name: v for v in variants}
+    found = []
+    for top, bottom, limit in wanted:
+        if top in by_name and bottom in by_name:
+            a, b = by_name[top].median, by_name[bottom].median
+            found.append(Target(f"{top} / {bottom}", a / b if a is not None and b else None, limit))
+    return found
+
+
+def report(kind: str, title: str, variants: list[Variant], found: list[Target]) -> None:
+    floor = variants[0].median
+    print(f"\n{title}")
+    print(f"  {'variant':16s} {'median s':>9s} {'above floor':>12s}  runs (s)          what")
+    for v in variants:
+        above = f"{v.median - floor:12.1f}" if v.median is not None and floor is not None else f"{'-':>12s}"
+        median = f"{v.median:9.1f}" if v.median is not None else f"{'-':>9s}"
+        runs = " ".join(f"{s:.1f}" for s in v.seconds) or "-"
+        print(f"  {v.name:16s} {median} {above}  {runs:17s} {v.what}")
+        for error in dict.fromkeys(r.error for r in v.runs if r.error):
+            print(f"  {'':16s} error: {error}")
+    for target in found:
+        value = f"{target.value:.2f}" if target.value is not None else "-"
+        print(f"  ratio {target.name:30s} {value:>6s}  (target <= {target.limit:g}: {target.verdict})")
+    for v in variants:
+        for run in v.runs:
+            if run.counts:
+                print(f"  {kind} {v.name} round {run.round + 1}: {describe_counts(run.counts)}")
+
+
+def describe_counts(counts: dict) -> str:
+    if "fetch_ops" in counts:
+        text = (f"prefetch {counts['prefetch_ops']} op(s) adding {counts['prefetched_objects']} object(s); "
+                f"fetch {counts['fetch_ops']} op(s) {counts['fetch_strategies']} ({counts['fetch_objects']} objects, "
+                f"{counts['fetch_seconds']} s); store {counts['store_ops']} op(s) {counts['store_strategies']} "
+                f"({counts['store_objects']} objects, {counts['store_seconds']} s)")
+    elif "batches_in" in counts:
+        text = (f"submit {counts['submit_seconds']} s; in: {counts['batches_in']} batch(es) "
+                f"{counts['batches_in_strategies']} ({counts['batches_in_files']} files, "
+                f"{counts['batches_in_seconds']} s); out: {counts['batches_out']} batch(es) "
+                f"{counts['batches_out_strategies']} ({counts['batches_out_files']} files, "
+                f"{counts['batches_out_seconds']} s)")
+    else:
+        text = f"submit {counts['submit_seconds']} s" if "submit_seconds" in counts else ""
+    if counts.get("processes_left"):
+        text += f"; left by the run and stopped: {counts['processes_left']}"
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("what", nargs="?", choices=("snakemake", "parsl", "all"), default="all",
+                        help="which workflow engine (default: both)")
+    parser.add_argument("--jobs", type=int, help="Snakemake jobs / Parsl apps (default 200 / 500)")
+    parser.add_argument("--inputs", type=int, default=10, help="remote inputs per job (default 10)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds, variants interleaved (default 1)")
+    parser.add_argument("--cores", type=int, default=2, help="snakemake --cores, HTEX workers (default 2)")
+    parser.add_argument("--rule", choices=tuple(RULE_BODY), default="shell",
+                        help="the Snakemake job: a shell command (default), or a Python run: block, which "
+                             "Snakemake 9 runs in a new snakemake process per job")
+    parser.add_argument("--only-loopback", action="store_true", help="skip the emulated link (needs no root)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip of the emulated link (default 40)")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the emulated link (default 1gbit)")
+    parser.add_argument("--keep-home", action="store_true",
+                        help="ssh sessions keep the account's HOME and rc files (default: an empty HOME)")
+    parser.add_argument("--keep-trees", action="store_true", help="keep every run's tree (default: failed runs')")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
+                        help="runs are written below it (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="write every run's numbers to FILE")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # so that the link is torn down
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="workflow-", dir=args.workdir))
+    os.environ["XDG_CONFIG_HOME"] = str(work / "config")            # profiles and probe findings of this run only
+    kinds = ("snakemake", "parsl") if args.what == "all" else (args.what,)
+    jobs_asked = args.jobs
+    print(f"pallet {code_version()}; {', '.join(kinds)}; {args.inputs} inputs of {INPUT_BYTES} B per job; "
+          f"{args.repeat} round(s); --cores {args.cores}; work in {work}", flush=True)
+    doc: dict = {"commit": code_version(), "inputs": args.inputs, "input_bytes": INPUT_BYTES, "repeat": args.repeat,
+                 "cores": args.cores, "rule": args.rule, "link": None, "results": {}}
+    verdicts: list[Target] = []
+    started = time.monotonic()
+    with ExitStack() as stack:
+        far0 = stack.enter_context(loopback(work / "loopback", args.keep_home))
+        far40, rtt = None, ""
+        if not args.only_loopback:
+            spec = LinkSpec(args.rtt_ms, args.rate)
+            if os.geteuid() != 0 or missing_tools():
+                print(f"skipping the emulated link: needs root and {', '.join(missing_tools()) or 'its tools'}")
+            else:
+                (work / "wan").mkdir()
+                far40, measured = stack.enter_context(namespace(work / "wan", spec, args.keep_home))
+                rtt = spec.label
+                doc["link"] = f"{spec.label}: {measured}"
+                print(f"emulated link {spec.label}: {measured}", flush=True)
+        for kind in kinds:
+            args.jobs = jobs_asked or (200 if kind == "snakemake" else 500)
+            if kind == "snakemake":
+                variants, once, wanted = snakemake_variants(far0, far40, rtt), snakemake_once, SNAKEMAKE_TARGETS
+                title = (f"Snakemake: {args.jobs} jobs ({args.rule}), {args.inputs} remote inputs and 1 remote "
+                         f"output each, --cores {args.cores}; wall seconds of the whole snakemake run")
+            else:
+                variants, once, wanted = parsl_variants(far0, far40, rtt), parsl_once, PARSL_TARGETS
+                title = (f"Parsl: {args.jobs} apps on a HighThroughputExecutor ({args.cores} workers), "
+                         f"{args.inputs} inputs and 1 output each; seconds from the first submission to the "
+                         f"last output arrived")
+            print(f"\n== {kind}: {args.jobs} jobs", flush=True)
+            measure(kind, variants, once, work, args)
+            found = targets(variants, wanted)
+            verdicts += found
+            report(kind, title, variants, found)
+            doc["results"][kind] = {"jobs": args.jobs, "title": title,
+                                    "variants": [{"name": v.name, "what": v.what, "median": v.median,
+                                                  "runs": [asdict(r) for r in v.runs]} for v in variants],
+                                    "targets": [t.to_json() for t in found]}
+    doc["total_seconds"] = round(time.monotonic() - started, 1)
+    print(f"\nwhole benchmark: {doc['total_seconds']:.0f} s; logs of every run are in {work}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"raw numbers written to {args.json}")
+    return 0 if all(t.verdict == "PASS" for t in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
