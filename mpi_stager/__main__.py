@@ -211,7 +211,8 @@ class _VersionAction(argparse.Action):
 
         from . import wire
         print(f"mpi_stager (pallet {version('pallet')}): session protocol v{wire.SESSION_VERSION}, summary "
-              f"v{wire.SUMMARY_VERSION}, bundle stream v{wire.STREAM_VERSION}, tar tools v{wire.TAR_TOOLS_VERSION}")
+              f"v{wire.SUMMARY_VERSION}, bundle stream v{wire.STREAM_VERSION}, tar tools v{wire.TAR_TOOLS_VERSION}, "
+              f"host session v{wire.HOST_VERSION}")
         parser.exit()
 
 
