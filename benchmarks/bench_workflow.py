@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -28,7 +29,7 @@ for entry in (str(ROOT), str(BENCH)):
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
-from bench_bundle import code_version                            # noqa: E402
+from bench_bundle import code_version, machine_busy_seconds, wait_for_idle      # noqa: E402
 from bench_small_ops import Far, loopback, namespace              # noqa: E402
 from push_report import Target                                    # noqa: E402
 from wan import LinkSpec, missing_tools                           # noqa: E402
@@ -64,6 +65,39 @@ RULE_BODY = {
             '            out.write(f"{sum(len(open(path, \'rb\').read()) for path in input)}\\n")\n'),
 }
 
+# Runs snakemake's own command line in this process and counts the requests pallet's host sessions send (stat,
+# list, get, put: one round trip each) and their seconds, into argv[1] after each request (snakemake may leave
+# without running exit handlers). Only counts: where the class is not there, nothing is counted.
+DRIVER = '''\
+import collections, json, sys, threading, time
+OUT = sys.argv[1]
+sys.argv = ["snakemake", *sys.argv[2:]]
+counts, spent, lock = collections.Counter(), collections.Counter(), threading.Lock()
+try:
+    from staging_core.far_side.host_session import HostSession
+    original = HostSession.request
+except (ImportError, AttributeError):
+    original = None
+
+
+def request(self, op, payload):
+    started = time.perf_counter()
+    try:
+        return original(self, op, payload)
+    finally:
+        with lock:
+            counts[op] += 1
+            spent[op] += time.perf_counter() - started
+            with open(OUT, "w") as out:
+                json.dump({"requests": counts, "request_seconds": {k: round(v, 3) for k, v in spent.items()}}, out)
+
+
+if original is not None:
+    HostSession.request = request
+from snakemake.cli import main
+main()
+'''
+
 # "pallet: fetched 110 object(s) (110 files, 112640 bytes) from ssh://...: inline, 1 transfer(s), 0.03 s"
 OPERATION = re.compile(r"pallet: (fetched|sent) (\d+) object\(s\) \((\d+) files, (\d+) bytes\) (?:from|to) (\S+): "
                        r"(.+), (\d+) transfer\(s\), ([\d.]+) s")
@@ -79,6 +113,8 @@ class Run:
     seconds: float | None
     error: str = ""
     counts: dict = field(default_factory=dict)
+    machine_cpus: float = 0.0              # busy CPUs of the whole machine, on average over the run
+    own_cpus: float = 0.0                  # of them, the run's own processes that this script waited for
 
 
 @dataclass
@@ -173,12 +209,13 @@ def snakemake_once(variant: Variant, run_dir: Path, args: argparse.Namespace, ro
     make_tree(tree, args.jobs, args.inputs)
     workflow.mkdir(parents=True)
     (workflow / "Snakefile").write_text(SNAKEFILE + RULE_BODY[args.rule])
+    (workflow / "driver.py").write_text(DRIVER)
     prefix = str(tree)
     if variant.far is not None:
         prefix = variant.far.url(tree)
     elif variant.file_url:
         prefix = f"file://{tree}"
-    argv = [str(Path(sys.executable).with_name("snakemake")), "--cores", str(args.cores), "--config",
+    argv = [sys.executable, "driver.py", str(run_dir / "requests.json"), "--cores", str(args.cores), "--config",
             f"provider={variant.provider}", f"prefix={prefix}", f"jobs={args.jobs}", f"inputs={args.inputs}"]
     if variant.far is not None:
         argv += ["--storage-pallet-ssh-options", shlex.join(variant.far.ssh_options),
@@ -196,6 +233,8 @@ def snakemake_once(variant: Variant, run_dir: Path, args: argparse.Namespace, ro
         shutil.rmtree(runtime, ignore_errors=True)
     text = log.read_text(errors="replace")
     counts = pallet_counts(text) if variant.provider == "pallet" else {}
+    if (run_dir / "requests.json").exists():
+        counts |= json.loads((run_dir / "requests.json").read_text())
     if left:
         counts["processes_left"] = left
     if done.returncode != 0:
@@ -361,12 +400,24 @@ def measure(kind: str, variants: list[Variant], once, work: Path, args: argparse
         for variant in variants if round_ % 2 == 0 else list(reversed(variants)):
             run_dir = work / kind / f"{variant.name}-{round_}"
             run_dir.mkdir(parents=True)
+            waited = wait_for_idle(args.idle_wait) if args.idle_wait else 0.0
             print(f"  [{kind}] round {round_ + 1}/{args.repeat}: {variant.name} ...", end=" ", flush=True)
+            busy, own, started = machine_busy_seconds(), _children_cpu(), time.perf_counter()
             run = once(variant, run_dir, args, round_)
+            wall = time.perf_counter() - started
+            run.machine_cpus = round((machine_busy_seconds() - busy) / wall, 2)
+            run.own_cpus = round((_children_cpu() - own) / wall, 2)
             variant.runs.append(run)
-            print(f"{run.seconds:.1f} s" if run.seconds is not None else f"FAILED: {run.error}", flush=True)
+            print(f"{run.seconds:.1f} s" if run.seconds is not None else f"FAILED: {run.error}",
+                  f"(busy CPUs: machine {run.machine_cpus:.2f}, this run's waited-for processes {run.own_cpus:.2f}"
+                  f"{f'; idle wait {waited:.0f} s' if args.idle_wait else ''})", flush=True)
             if run.seconds is not None and not args.keep_trees:
                 shutil.rmtree(run_dir / "tree", ignore_errors=True)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def targets(variants: list[Variant], wanted) -> list[Target]:
@@ -405,6 +456,9 @@ def describe_counts(counts: dict) -> str:
                 f"fetch {counts['fetch_ops']} op(s) {counts['fetch_strategies']} ({counts['fetch_objects']} objects, "
                 f"{counts['fetch_seconds']} s); store {counts['store_ops']} op(s) {counts['store_strategies']} "
                 f"({counts['store_objects']} objects, {counts['store_seconds']} s)")
+        if counts.get("requests"):
+            text += (f"; host-session requests {dict(counts['requests'])}, "
+                     f"{sum(counts['request_seconds'].values()):.1f} s in them")
     elif "batches_in" in counts:
         text = (f"submit {counts['submit_seconds']} s; in: {counts['batches_in']} batch(es) "
                 f"{counts['batches_in_strategies']} ({counts['batches_in_files']} files, "
@@ -434,6 +488,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the emulated link (default 1gbit)")
     parser.add_argument("--keep-home", action="store_true",
                         help="ssh sessions keep the account's HOME and rc files (default: an empty HOME)")
+    parser.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
+                        help="before each run, wait up to S seconds for a quiet second on the machine (default 0)")
     parser.add_argument("--keep-trees", action="store_true", help="keep every run's tree (default: failed runs')")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pallet-bench",
                         help="runs are written below it (default: %(default)s)")
@@ -455,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cores": args.cores, "rule": args.rule, "link": None, "results": {}}
     verdicts: list[Target] = []
     started = time.monotonic()
+    doc["load_average_at_start"] = os.getloadavg()
     with ExitStack() as stack:
         far0 = stack.enter_context(loopback(work / "loopback", args.keep_home))
         far40, rtt = None, ""
@@ -489,7 +546,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "runs": [asdict(r) for r in v.runs]} for v in variants],
                                     "targets": [t.to_json() for t in found]}
     doc["total_seconds"] = round(time.monotonic() - started, 1)
-    print(f"\nwhole benchmark: {doc['total_seconds']:.0f} s; logs of every run are in {work}")
+    doc["load_average_at_end"] = os.getloadavg()
+    print(f"\nwhole benchmark: {doc['total_seconds']:.0f} s; load average (1, 5, 15 min) at the start "
+          f"{' '.join(f'{x:.2f}' for x in doc['load_average_at_start'])}, at the end "
+          f"{' '.join(f'{x:.2f}' for x in doc['load_average_at_end'])}; logs of every run are in {work}")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"raw numbers written to {args.json}")

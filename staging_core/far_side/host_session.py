@@ -108,6 +108,7 @@ class HostSession:
     def request(self, op: str, payload: bytes) -> bytes:
         """Send ``op`` with ``payload``; the ``ok`` answer's payload (see the class for errors)."""
         with self._lock:
+            self.last_used = time.monotonic()
             try:
                 tag, body = self._exchange(op, payload)
             finally:
@@ -176,10 +177,13 @@ class HostSession:
         """Whether a far side is running (an idle one is ended by the pool's reaper)."""
         return self._far is not None
 
-    def close_far_side(self) -> None:
-        """End the far side at once (it exits as its input ends); the connection is left to :meth:`close`."""
+    def close_far_side(self, idle_s: float = 0.0) -> None:
+        """End the far side at once (it exits as its input ends), when no request has been made for ``idle_s``
+        seconds (checked under the session's lock: a request under way is never cut); the connection is left
+        to :meth:`close`."""
         with self._lock:
-            self._drop(wait=False)
+            if time.monotonic() - self.last_used >= idle_s:
+                self._drop(wait=False)
 
     def close(self) -> None:
         """End the far side and the connection (a kept connection stays for its idle time)."""
@@ -297,7 +301,7 @@ def _reap(sessions: dict[HostKey, HostSession], wake: threading.Condition, close
                 wake.release()
                 try:
                     for session in idle:
-                        session.close_far_side()
+                        session.close_far_side(idle_s)
                 finally:
                     wake.acquire()
                 continue

@@ -6,13 +6,13 @@ import os
 import re
 import stat
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from bundles.errors import UsageError
 from bundles.reserved import PARTIAL_DIR
 
+from ..scratch import scratch
 from .base import Capabilities, Direction, EarlyConnection, Endpoint, RemoteEntry, Transport, TransferResult
 from .declarations import KEEP_S, SSH_OPTIONS
 from .errors import MissingDependencyError, RemotePathMissingError, SourceReadError, classify, source_read_error
@@ -164,11 +164,12 @@ class SSHTransport(Transport):
                 *self._master.rsync_shell()]
         if temp_dir is not None:
             base.append(f"--temp-dir={temp_dir}")
-        with tempfile.NamedTemporaryFile(prefix="pallet-files-") as listing:
+        with scratch("pallet-ssh-files-") as private:        # a killed pallet's is swept by the next one's
             if items is not None:
-                listing.write(b"\0".join(os.fsencode(i) for i in items))
-                listing.flush()
-                base += ["--from0", f"--files-from={listing.name}"]
+                listing = os.path.join(private, "files")
+                with open(listing, "wb") as handle:
+                    handle.write(b"\0".join(os.fsencode(i) for i in items))
+                base += ["--from0", f"--files-from={listing}"]
             command = [*base, source, target]
             done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL)
         source_root = local_root if direction is Direction.PUSH else remote_root
