@@ -220,6 +220,8 @@ def snakemake_once(variant: Variant, run_dir: Path, args: argparse.Namespace, ro
     if variant.far is not None:
         argv += ["--storage-pallet-ssh-options", shlex.join(variant.far.ssh_options),
                  "--storage-pallet-remote-python", variant.far.remote_python]
+    if variant.provider == "pallet":
+        argv += shlex.split(args.pallet_args)
     runtime = fresh_runtime()
     log = run_dir / "snakemake.log"
     try:
@@ -431,7 +433,7 @@ def targets(variants: list[Variant], wanted) -> list[Target]:
 
 
 def report(kind: str, title: str, variants: list[Variant], found: list[Target]) -> None:
-    floor = variants[0].median
+    floor = next((v.median for v in variants if v.name == "local"), None)
     print(f"\n{title}")
     print(f"  {'variant':16s} {'median s':>9s} {'above floor':>12s}  runs (s)          what")
     for v in variants:
@@ -483,6 +485,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rule", choices=tuple(RULE_BODY), default="shell",
                         help="the Snakemake job: a shell command (default), or a Python run: block, which "
                              "Snakemake 9 runs in a new snakemake process per job")
+    parser.add_argument("--pallet-args", default="", metavar="ARGS",
+                        help="more snakemake arguments for the pallet runs, one string split like a shell line, "
+                             "e.g. '--storage-pallet-prefetch-budget 0'")
+    parser.add_argument("--only",
+                        type=lambda text: text.split(","), metavar="NAME[,NAME...]",
+                        help="run only these variants (e.g. local,pallet-ssh); ratios need both of their sides")
     parser.add_argument("--only-loopback", action="store_true", help="skip the emulated link (needs no root)")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="round trip of the emulated link (default 40)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate cap of the emulated link (default 1gbit)")
@@ -536,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
                 title = (f"Parsl: {args.jobs} apps on a HighThroughputExecutor ({args.cores} workers), "
                          f"{args.inputs} inputs and 1 output each; seconds from the first submission to the "
                          f"last output arrived")
+            if args.only:
+                variants = [v for v in variants if v.name in args.only]
             print(f"\n== {kind}: {args.jobs} jobs", flush=True)
             measure(kind, variants, once, work, args)
             found = targets(variants, wanted)

@@ -27,7 +27,8 @@ from bundles.tarformat import Kind
 from staging_core.operations.push_pull import push
 from staging_core.options import StagingOptions
 from mpi_stager.send import RelaySink, prepare_source, send_stream
-from staging_core.far_side.streaming import FarStagerError, stream_push
+from staging_core.far_side.far_process import FarStagerError
+from staging_core.far_side.streaming import stream_push
 from staging_core.transports.base import parse_url
 from staging_core.transports.registry import open_transport
 from tests.conftest import assert_same_tree, make_nasty_tree, run_pallet

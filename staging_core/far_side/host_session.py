@@ -13,7 +13,7 @@ from bundles.errors import PalletError
 from mpi_stager.wire import (HOST_HELLO_ENV, MAX_LINE, HostHello, decode_error, frame, host_client_text,
                              install_hint, parse_header, parse_records, read_exactly)
 
-from staging_core.far_side.streaming import FarStager
+from staging_core.far_side.far_process import FarStager
 from staging_core.options import StagingOptions
 from staging_core.transports.declarations import KEEP_S
 from staging_core.transports.base import EarlyConnection, Endpoint, RemoteEntry, Transport

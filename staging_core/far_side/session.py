@@ -15,7 +15,7 @@ from mpi_stager.wire import (DECLINED, LOCKED, MAX_LISTING_HEADER, NOT_COMPARABL
 
 from staging_core.locking import DestinationLock, locked_error
 from staging_core.options import StagingOptions
-from staging_core.far_side.streaming import FarStager
+from staging_core.far_side.far_process import FarStager
 from staging_core.transports.base import Endpoint, Transport
 
 _OFFER_GRACE_S = 5

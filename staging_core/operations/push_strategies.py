@@ -14,7 +14,8 @@ from bundles.state import ensure_state_dir
 from bundles.writer import PackOptions, pack
 
 from staging_core.far_side.session import SessionStream
-from staging_core.far_side.streaming import FarStager, stream_push
+from staging_core.far_side.far_process import FarStager
+from staging_core.far_side.streaming import stream_push
 from staging_core.operations.individual import Marked, begin, check_carried, finish_selection, send_until_stable
 from staging_core.operations.strategy_base import (Attempt, Stage, Strategy, register_strategy, select_strategy,
                                                    streams_where, transfer_all)

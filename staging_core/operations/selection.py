@@ -9,7 +9,6 @@ from bundles.progress import Progress
 
 from staging_core.far_side.host_session import HostSessions
 from staging_core.operations.inline import fetch_inline, inline_or_none, send_inline
-from staging_core.operations.push_pull import pull, push
 from staging_core.options import StagingOptions
 from staging_core.results import StagingResult
 from staging_core.transports.base import EarlyConnection, parse_url
@@ -48,6 +47,7 @@ def fetch(src_root_url: str, items: Sequence[str], dest_root: str, options: Stag
     if done is not None:
         return done
     early = EarlyConnection("master", session.master) if session is not None else None
+    from staging_core.operations.push_pull import pull     # loaded when needed: an inline fetch does without it
     return pull(src_root_url, dest_root, options, progress, names, named_sizes, early_connection=early)
 
 
@@ -87,6 +87,7 @@ def send(src_root: str, items: Sequence[str], dest_root_url: str, options: Stagi
     if done is not None:
         return done
     early = EarlyConnection("master", session.master) if session is not None else None
+    from staging_core.operations.push_pull import push     # loaded when needed: an inline send does without it
     return push(src_root, dest_root_url, options, progress, names, early_connection=early)
 
 
