@@ -1,7 +1,9 @@
 """What exists remotely: one recursive listing per parent directory answers exists/mtime/size for all its siblings."""
 from __future__ import annotations
 
+import os
 import posixpath
+import stat
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -111,6 +113,51 @@ class RemoteInventory:
                 if entry is not None:
                     listing.record(rel, entry)
             return entry
+
+    def lookup_many(self, endpoints: list[Endpoint]) -> dict[str, RemoteEntry | None]:
+        """:meth:`lookup` of each of ``endpoints`` (all of one host), by path: those a cached listing answers from
+        it, the others (over a host session) in one ``stat`` request and no listing, else one by one."""
+        if not endpoints:
+            return {}
+        key = host_key(endpoints[0])
+        found: dict[str, RemoteEntry | None] = {}
+        with self._lock(key):
+            unknown = []
+            for endpoint in endpoints:
+                listing = self._covering(endpoint)
+                rel = relative(endpoint.path, listing.root) if listing is not None else ""
+                if listing is not None and listing.error is None and not listing.is_stale(rel) \
+                        and rel in listing.entries:
+                    found[endpoint.path] = listing.entries[rel]
+                else:
+                    unknown.append(endpoint)
+            session = self._session(endpoints[0]) if len(unknown) > 1 else None
+            if session is not None:
+                stated = session.stat_many([endpoint.path for endpoint in unknown])
+                found.update({endpoint.path: stated.get(endpoint.path) for endpoint in unknown})
+                return found
+        found.update({endpoint.path: self.lookup(endpoint) for endpoint in unknown})
+        return found
+
+    def stored(self, endpoint: Endpoint, local: str) -> None:
+        """Record that the file ``local`` was just stored at ``endpoint`` (its size, mode and mtime, which the
+        store keeps): later questions about it are answered without asking the host. Anything else than a
+        regular file is forgotten (:meth:`forget`) instead."""
+        try:
+            info = os.lstat(local)
+        except OSError:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode):
+            self.forget(endpoint)
+            return
+        with self._lock(host_key(endpoint)):
+            listing = self._covering(endpoint)
+            if listing is None or listing.error is not None:
+                return
+            rel = relative(endpoint.path, listing.root)
+            listing.stale.discard(rel)
+            if not listing.is_stale(rel):
+                listing.record(rel, RemoteEntry(rel, "f", info.st_size, stat.S_IMODE(info.st_mode), info.st_mtime_ns))
 
     def children(self, endpoint: Endpoint) -> list[RemoteEntry]:
         """Every entry below the directory ``endpoint.path``, paths relative to it (from the cache when known)."""

@@ -180,8 +180,9 @@ class Stager:
         item; a directory brings everything below it that is not a parent of something else (parents come
         along). SourceError names the objects that do not exist."""
         items, sizes, missing, directories = [], [], [], set()
+        known = self.inventory.lookup_many([request.remote for request in group])
         for request in group:
-            entry = self.inventory.lookup(request.remote)
+            entry = known[request.remote.path]
             rel = relative(request.remote.path, root)
             if entry is None:
                 missing.append(request.query)
@@ -231,9 +232,12 @@ class Stager:
                     for rel, request in zip(rels, group, strict=True):
                         _link_copy(request.local, os.path.join(staged, rel))
                     result = send(staged, items, dest, self.options, sessions=self.sessions)
-        finally:
+        except BaseException:
             for request in group:
                 self.inventory.forget(request.remote)
+            raise
+        for request in group:
+            self.inventory.stored(request.remote, request.local)
         self._report("sent", len(group), dest, result)
 
     def _report(self, verb: str, objects: int, where: str, result: StagingResult) -> None:
