@@ -68,7 +68,9 @@ class RemoteInventory:
     - ``lookup(endpoint, trust_absence)`` returns the RemoteEntry at
       ``endpoint.path`` or None. It answers from a cached listing of any
       ancestor directory; otherwise it lists the parent directory once,
-      recursively, and keeps that listing: every sibling, and everything
+      recursively (the grandparent, when another of its directories was
+      listed before: one directory per sample costs two listings, not one
+      each), and keeps that listing: every sibling, and everything
       below the parent, is then known without another remote call (the
       root ``/`` is never listed; objects right below it are stat'ed). An
       absence read from a listing made by this very call, or with
@@ -92,6 +94,7 @@ class RemoteInventory:
         self._transports: dict[HostKey, Transport] = {}
         self._locks: dict[HostKey, threading.RLock] = {}
         self._listings: dict[tuple[HostKey, str], Listing] = {}
+        self._listed_below: set[tuple[HostKey, str]] = set()    # directories a child of which was listed
         self._guard = threading.Lock()
 
     def lookup(self, endpoint: Endpoint, trust_absence: bool = False) -> RemoteEntry | None:
@@ -99,7 +102,7 @@ class RemoteInventory:
         with self._lock(key):
             listing, fresh = self._covering(endpoint), False
             if listing is None and posixpath.dirname(endpoint.path) != "/":
-                listing, fresh = self._list(replace(endpoint, path=posixpath.dirname(endpoint.path))), True
+                listing, fresh = self._list(replace(endpoint, path=self._directory_to_list(endpoint))), True
             if listing is None:
                 return self._stat(endpoint)
             if listing.error is not None:
@@ -245,6 +248,18 @@ class RemoteInventory:
     def _list_remote(self, directory: Endpoint) -> list[RemoteEntry]:
         session = self._session(directory)
         return session.list(directory.path) if session is not None else self._transport(directory).list(directory.path)
+
+    def _directory_to_list(self, endpoint: Endpoint) -> str:
+        """The directory to list for ``endpoint``: its parent, or, when a sibling of that parent was listed
+        already (a layout of one directory per sample), the grandparent, once, so that one listing answers for
+        all its directories. Never a directory right below ``/``."""
+        parent = posixpath.dirname(endpoint.path)
+        grand = posixpath.dirname(parent)
+        key = (host_key(endpoint), grand)
+        if grand.count("/") >= 2 and key in self._listed_below:
+            return grand
+        self._listed_below.add(key)
+        return parent
 
     def _covering(self, endpoint: Endpoint) -> Listing | None:
         key, path = host_key(endpoint), endpoint.path
