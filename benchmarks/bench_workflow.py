@@ -396,8 +396,9 @@ def parsl_variants(far0: Far, far40: Far | None, rtt: str) -> list[Variant]:
 
 # ---------------------------------------------------------------- running and reporting
 
-def measure(kind: str, variants: list[Variant], once, work: Path, args: argparse.Namespace) -> None:
-    """``args.repeat`` rounds; in each, every variant once, the order reversed every other round."""
+def measure(kind: str, variants: list[Variant], once, work: Path, args: argparse.Namespace, save) -> None:
+    """``args.repeat`` rounds; in each, every variant once, the order reversed every other round; ``save()`` after
+    each run (the numbers so far survive an interrupted benchmark)."""
     for round_ in range(args.repeat):
         for variant in variants if round_ % 2 == 0 else list(reversed(variants)):
             run_dir = work / kind / f"{variant.name}-{round_}"
@@ -410,6 +411,7 @@ def measure(kind: str, variants: list[Variant], once, work: Path, args: argparse
             run.machine_cpus = round((machine_busy_seconds() - busy) / wall, 2)
             run.own_cpus = round((_children_cpu() - own) / wall, 2)
             variant.runs.append(run)
+            save()
             print(f"{run.seconds:.1f} s" if run.seconds is not None else f"FAILED: {run.error}",
                   f"(busy CPUs: machine {run.machine_cpus:.2f}, this run's waited-for processes {run.own_cpus:.2f}"
                   f"{f'; idle wait {waited:.0f} s' if args.idle_wait else ''})", flush=True)
@@ -474,6 +476,11 @@ def describe_counts(counts: dict) -> str:
     return text
 
 
+def _terminated(*_) -> None:
+    print("\nSIGTERM: stopping; the numbers so far are in --json FILE", flush=True)
+    sys.exit(143)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", nargs="?", choices=("snakemake", "parsl", "all"), default="all",
@@ -487,7 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "Snakemake 9 runs in a new snakemake process per job")
     parser.add_argument("--pallet-args", default="", metavar="ARGS",
                         help="more snakemake arguments for the pallet runs, one string split like a shell line, "
-                             "e.g. '--storage-pallet-prefetch-budget 0'")
+                             "e.g. '--storage-pallet-prefetch-budget 1' (one byte: nothing is prefetched)")
     parser.add_argument("--only",
                         type=lambda text: text.split(","), metavar="NAME[,NAME...]",
                         help="run only these variants (e.g. local,pallet-ssh); ratios need both of their sides")
@@ -507,7 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # so that the link is torn down
+    signal.signal(signal.SIGTERM, _terminated)                    # so that the link is torn down
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="workflow-", dir=args.workdir))
     os.environ["XDG_CONFIG_HOME"] = str(work / "config")            # profiles and probe findings of this run only
@@ -520,41 +527,57 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: list[Target] = []
     started = time.monotonic()
     doc["load_average_at_start"] = os.getloadavg()
-    with ExitStack() as stack:
-        far0 = stack.enter_context(loopback(work / "loopback", args.keep_home))
-        far40, rtt = None, ""
-        if not args.only_loopback:
-            spec = LinkSpec(args.rtt_ms, args.rate)
-            if os.geteuid() != 0 or missing_tools():
-                print(f"skipping the emulated link: needs root and {', '.join(missing_tools()) or 'its tools'}")
-            else:
-                (work / "wan").mkdir()
-                far40, measured = stack.enter_context(namespace(work / "wan", spec, args.keep_home))
-                rtt = spec.label
-                doc["link"] = f"{spec.label}: {measured}"
-                print(f"emulated link {spec.label}: {measured}", flush=True)
-        for kind in kinds:
-            args.jobs = jobs_asked or (200 if kind == "snakemake" else 500)
-            if kind == "snakemake":
-                variants, once, wanted = snakemake_variants(far0, far40, rtt), snakemake_once, SNAKEMAKE_TARGETS
-                title = (f"Snakemake: {args.jobs} jobs ({args.rule}), {args.inputs} remote inputs and 1 remote "
-                         f"output each, --cores {args.cores}; wall seconds of the whole snakemake run")
-            else:
-                variants, once, wanted = parsl_variants(far0, far40, rtt), parsl_once, PARSL_TARGETS
-                title = (f"Parsl: {args.jobs} apps on a HighThroughputExecutor ({args.cores} workers), "
-                         f"{args.inputs} inputs and 1 output each; seconds from the first submission to the "
-                         f"last output arrived")
-            if args.only:
-                variants = [v for v in variants if v.name in args.only]
-            print(f"\n== {kind}: {args.jobs} jobs", flush=True)
-            measure(kind, variants, once, work, args)
-            found = targets(variants, wanted)
-            verdicts += found
-            report(kind, title, variants, found)
-            doc["results"][kind] = {"jobs": args.jobs, "title": title,
-                                    "variants": [{"name": v.name, "what": v.what, "median": v.median,
-                                                  "runs": [asdict(r) for r in v.runs]} for v in variants],
-                                    "targets": [t.to_json() for t in found]}
+    try:
+        with ExitStack() as stack:
+            far0 = stack.enter_context(loopback(work / "loopback", args.keep_home))
+            far40, rtt = None, ""
+            if not args.only_loopback:
+                spec = LinkSpec(args.rtt_ms, args.rate)
+                if os.geteuid() != 0 or missing_tools():
+                    print(f"skipping the emulated link: needs root and {', '.join(missing_tools()) or 'its tools'}")
+                else:
+                    (work / "wan").mkdir()
+                    try:
+                        far40, measured = stack.enter_context(namespace(work / "wan", spec, args.keep_home))
+                    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                        doc["link_error"] = str(exc)
+                        print(f"skipping the emulated link, which could not be set up: {exc}", flush=True)
+                    else:
+                        rtt = spec.label
+                        doc["link"] = f"{spec.label}: {measured}"
+                        print(f"emulated link {spec.label}: {measured}", flush=True)
+            for kind in kinds:
+                args.jobs = jobs_asked or (200 if kind == "snakemake" else 500)
+                if kind == "snakemake":
+                    variants, once, wanted = snakemake_variants(far0, far40, rtt), snakemake_once, SNAKEMAKE_TARGETS
+                    title = (f"Snakemake: {args.jobs} jobs ({args.rule}), {args.inputs} remote inputs and 1 remote "
+                             f"output each, --cores {args.cores}; wall seconds of the whole snakemake run")
+                else:
+                    variants, once, wanted = parsl_variants(far0, far40, rtt), parsl_once, PARSL_TARGETS
+                    title = (f"Parsl: {args.jobs} apps on a HighThroughputExecutor ({args.cores} workers), "
+                             f"{args.inputs} inputs and 1 output each; seconds from the first submission to the "
+                             f"last output arrived")
+                if args.only:
+                    variants = [v for v in variants if v.name in args.only]
+                print(f"\n== {kind}: {args.jobs} jobs", flush=True)
+
+                def save(kind=kind, title=title, variants=variants, wanted=wanted) -> list[Target]:
+                    found = targets(variants, wanted)
+                    doc["results"][kind] = {"jobs": args.jobs, "title": title,
+                                            "variants": [{"name": v.name, "what": v.what, "median": v.median,
+                                                          "runs": [asdict(r) for r in v.runs]} for v in variants],
+                                            "targets": [t.to_json() for t in found]}
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(doc, indent=2))
+                    return found
+                measure(kind, variants, once, work, args, save)
+                found = save()
+                verdicts += found
+                report(kind, title, variants, found)
+    finally:                    # the sshd and the link are gone: what still names the work directory is ours
+        if left := end_processes_mentioning(work):
+            print(f"stopped processes left below {work}: {left}")
+
     doc["total_seconds"] = round(time.monotonic() - started, 1)
     doc["load_average_at_end"] = os.getloadavg()
     print(f"\nwhole benchmark: {doc['total_seconds']:.0f} s; load average (1, 5, 15 min) at the start "
