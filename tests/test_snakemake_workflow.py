@@ -4,6 +4,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,12 @@ rule make:
     params: fail=lambda w: "yes" if str(w.n) == FAIL else ""
     shell: 'test -z "{params.fail}" && cat {input} | wc -c > {output}'
 """
+
+
+def test_the_prefetch_budget_takes_sizes_and_zero():
+    from snakemake_storage_plugin_pallet.settings import StorageProviderSettings
+    parse = next(f for f in fields(StorageProviderSettings) if f.name == "prefetch_budget").metadata["type"]
+    assert (parse("0"), parse("500M"), parse("1G")) == (0, 500 << 20, 1 << 30)
 
 
 def remote_inputs(root: Path) -> dict[int, int]:

@@ -28,6 +28,11 @@ def _setting(default, text: str, kind):
     return field(default=default, metadata={"help": text, "type": kind})
 
 
+def budget(text: str) -> int:
+    """A byte budget: a size as ``parse_size`` reads it (``500M``), or 0 for none."""
+    return 0 if str(text).strip() == "0" else parse_size(text)
+
+
 @dataclass
 class PluginSettings(StorageProviderSettingsBase):
     """The plugin's own settings: how it batches the requests of a round, and keeps bundles.
@@ -59,7 +64,7 @@ class PluginSettings(StorageProviderSettingsBase):
                                              "operation, the other inputs the workflow's jobs named there that "
                                              "exist remotely and are not here yet, up to this many bytes, e.g. "
                                              "500M (default 1G; 0: fetch only what each round asks for).",
-                                    parse_size)
+                                    budget)
     session_idle: float = _setting(60.0, "Seconds a host's far-side session stays open without a request (it "
                                          "answers the run's small retrievals, stores and queries in one round "
                                          "trip each; the next request after it closed opens a new one).", float)

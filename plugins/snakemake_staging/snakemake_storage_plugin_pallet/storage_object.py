@@ -35,6 +35,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
     up to ``--wait-for-free-local-storage``), not per object.
     """
 
+    _noted = False          # told to the provider's prefetch (prefetch.py) already
+
     @cached_property
     def endpoint(self) -> Endpoint:
         """Where the object lives (the query must be concrete: no wildcards left)."""
@@ -88,7 +90,8 @@ class StorageObject(StorageObjectRead, StorageObjectWrite, StorageObjectGlob):
     def _entry(self, trust_absence: bool = False) -> RemoteEntry | None:
         """The remote entry (None: absent); a file found is noted for the prefetch (prefetch.py)."""
         entry = self._call("check", self.provider.inventory.lookup, self.endpoint, trust_absence)
-        if entry is not None:
+        if entry is not None and not self._noted:
+            self._noted = True                  # once per object: Snakemake asks about each many times
             self.provider.prefetch.note(self.request(), entry)
         return entry
 
