@@ -50,6 +50,40 @@ class InlineDirectory:
     mtime_ns: int
 
 
+def selection_entries(root: str, items: Iterable[str]) -> tuple[list[tuple[str, os.stat_result]], list[str]]:
+    """What a selection of ``items`` below ``root`` holds, each entry with its lstat, never following a link:
+    for each item its parent directories below ``root`` (outermost first, once each), the item, and, for a
+    directory, everything below it; and the items that do not exist."""
+    entries: list[tuple[str, os.stat_result]] = []
+    missing: list[str] = []
+    parents: set[str] = set()
+    for rel in items:
+        full = os.path.join(root, rel)
+        try:
+            info = os.lstat(full)
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(rel)
+            continue
+        entries += _parents(root, rel, parents)
+        entries.append((rel, info))
+        if stat.S_ISDIR(info.st_mode):
+            for top, names, filenames in os.walk(full):
+                for name in names + filenames:
+                    path = os.path.join(top, name)
+                    entries.append((os.path.join(rel, os.path.relpath(path, full)), os.lstat(path)))
+    return entries, missing
+
+
+def _parents(root: str, rel: str, seen: set[str]) -> list[tuple[str, os.stat_result]]:
+    """The directories between ``root`` and ``rel`` not in ``seen`` (added to it), outermost first."""
+    found, head = [], os.path.dirname(rel)
+    while head and head not in seen:
+        seen.add(head)
+        found.append((head, os.lstat(os.path.join(root, head))))
+        head = os.path.dirname(head)
+    return found[::-1]
+
+
 def digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from bundles.errors import DestinationError, PalletError, SourceError, StreamError
-from bundles.inline import InlineFile, digest, stable_read, write_inline
+from bundles.inline import InlineFile, digest, selection_entries, stable_read, write_inline
 from bundles.safety import path_problem
 from bundles.state import holding_lock
 
@@ -120,21 +120,7 @@ def get_files(payload: bytes) -> bytes:
     do not exist; TooLarge when the selection holds more bytes than its limit, or anything but files and
     directories."""
     root, paths, limit = decode_get(payload, _SOURCE)
-    entries: list[tuple[str, os.stat_result]] = []
-    missing: list[str] = []
-    parents: set[str] = set()
-    for rel in paths:
-        full = os.path.join(root, rel)
-        try:
-            info = os.lstat(full)
-        except (FileNotFoundError, NotADirectoryError):
-            missing.append(rel)
-            continue
-        entries += _parents(root, rel, parents)
-        entries.append((rel, info))
-        if stat.S_ISDIR(info.st_mode):
-            entries += [(os.path.join(rel, os.fsdecode(name)), below)
-                        for name, below, _ in _walk(os.fsencode(full), b"")]
+    entries, missing = selection_entries(root, paths)
     if missing:
         raise SourceError(f"{len(missing)} path(s) do not exist: {', '.join(missing[:5])}", root,
                           "check the URL, and that what makes it has run")
@@ -150,13 +136,3 @@ def get_files(payload: bytes) -> bytes:
         files.append(InlineFile(rel, stat.S_IMODE(info.st_mode), info.st_mtime_ns, len(data), digest(data)))
         contents.append(data)
     return encode_files(files, contents)
-
-
-def _parents(root: str, rel: str, seen: set[str]) -> list[tuple[str, os.stat_result]]:
-    """The directories between ``root`` and ``rel`` not in ``seen`` (added to it), outermost first."""
-    found, head = [], os.path.dirname(rel)
-    while head and head not in seen:
-        seen.add(head)
-        found.append((head, os.lstat(os.path.join(root, head))))
-        head = os.path.dirname(head)
-    return found[::-1]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bundles.errors import SourceError
-from bundles.inline import InlineDirectory, InlineFile, digest, stable_read, write_inline
+from bundles.inline import InlineDirectory, InlineFile, digest, selection_entries, stable_read, write_inline
 from bundles.state import holding_lock
 from mpi_stager.wire import TooLarge, decode_files, encode_get, encode_put
 
@@ -90,50 +90,24 @@ def local_selection(src_root: str, items: Sequence[str]) -> LocalSelection | Non
     """The regular files and directories ``items`` name below ``src_root`` (a directory with everything in it),
     and their parents up to the root; None when anything else is selected (links, devices: the usual way
     carries those) or the selection is larger than inline carries. SourceError names items that do not exist."""
-    files: list[tuple[str, str]] = []
-    dirs: dict[str, InlineDirectory] = {}
-    nbytes, missing = 0, []
-    for item in items:
-        full = os.path.join(src_root, item)
-        try:
-            info = os.lstat(full)
-        except (FileNotFoundError, NotADirectoryError):
-            missing.append(item)
-            continue
-        for rel, below in [(item, info), *_below(full, item, info)]:
-            if stat.S_ISREG(below.st_mode):
-                files.append((os.path.join(src_root, rel), rel))
-                nbytes += below.st_size
-            elif stat.S_ISDIR(below.st_mode):
-                dirs[rel] = InlineDirectory(rel, stat.S_IMODE(below.st_mode), below.st_mtime_ns)
-            else:
-                return None
-            if nbytes > INLINE_MAX_BYTES:
-                return None
-        _add_parents(src_root, item, dirs)
+    entries, missing = selection_entries(src_root, items)
     if missing:
         raise SourceError(f"{len(missing)} local path(s) do not exist: {', '.join(missing[:5])}", src_root,
                           "check the paths, and that what writes them has run")
+    files: list[tuple[str, str]] = []
+    dirs: dict[str, InlineDirectory] = {}
+    nbytes = 0
+    for rel, info in entries:
+        if stat.S_ISREG(info.st_mode):
+            files.append((os.path.join(src_root, rel), rel))
+            nbytes += info.st_size
+        elif stat.S_ISDIR(info.st_mode):
+            dirs[rel] = InlineDirectory(rel, stat.S_IMODE(info.st_mode), info.st_mtime_ns)
+        else:
+            return None
+        if nbytes > INLINE_MAX_BYTES:
+            return None
     return LocalSelection(files, list(dirs.values()), nbytes)
-
-
-def _below(full: str, rel: str, info: os.stat_result) -> list[tuple[str, os.stat_result]]:
-    if not stat.S_ISDIR(info.st_mode):
-        return []
-    found = []
-    for top, names, filenames in os.walk(full):
-        for name in names + filenames:
-            path = os.path.join(top, name)
-            found.append((os.path.join(rel, os.path.relpath(path, full)), os.lstat(path)))
-    return found
-
-
-def _add_parents(src_root: str, item: str, dirs: dict[str, InlineDirectory]) -> None:
-    head = os.path.dirname(item)
-    while head and head not in dirs:
-        info = os.lstat(os.path.join(src_root, head))
-        dirs[head] = InlineDirectory(head, stat.S_IMODE(info.st_mode), info.st_mtime_ns)
-        head = os.path.dirname(head)
 
 
 def _plan(endpoint: Endpoint, options: StagingOptions, files: int, nbytes: int,
