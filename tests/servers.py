@@ -68,6 +68,24 @@ def start_sshd(workdir: Path, extra_config: tuple[str, ...] = ()) -> SSHServer:
     return SSHServer(port, os.environ.get("USER") or "root", workdir / "user_ed25519", process, options)
 
 
+def start_bare_sshd(root: Path) -> SSHServer:
+    """An sshd whose sessions run in a home of their own (``server.home``, with ``server.shims``, a directory first
+    on PATH, for a test's own programs) with a PATH that has no pallet: python3 there cannot import it (checked).
+    The far side's ``.bashrc`` unsets PYTHONPATH, so nothing of the test's environment reaches it."""
+    home, shims = root / "home", root / "home" / "bin"
+    shims.mkdir(parents=True)
+    (home / ".bashrc").write_text(f'export PATH="{shims}:/usr/local/bin:/usr/bin:/bin"; unset PYTHONPATH\n')
+    server = start_sshd(root / "sshd", (f"SetEnv HOME={home}",))
+    server.home, server.shims = home, shims
+    lacks = subprocess.run(["ssh", *server.ssh_options, "-p", str(server.port), f"{server.user}@127.0.0.1",
+                            "python3 -c 'import mpi_stager' || echo absent"], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, timeout=60)
+    if lacks.stdout.strip() != "absent":
+        server.stop()
+        raise AssertionError("the bare far side must not import pallet")
+    return server
+
+
 def sshd_setup(workdir: Path, address: str, port: int, extra_config: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
     """Generate host and user keys in ``workdir`` and an sshd_config listening on ``address``:``port``;
     return the config's path and the ssh client options that log in with the user key."""
