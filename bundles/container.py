@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from . import codecs
 from .byte_source import ByteSource, pread_from
 from .errors import BundleError, CorruptBundleError
-from .index import FORMAT_VERSION, content_hash
+from .index import FORMAT_VERSION, READABLE_FORMATS, content_hash
 
 SIDECAR_SUFFIX = ".pidx"
 _SKIPPABLE_MAGIC = 0x184D2A5A
@@ -36,8 +36,9 @@ class Locator:
         return self.index_offset
 
 
-def index_section(codec_name: str, payload: bytes, offset: int) -> bytes:
-    """Return the bytes that follow the last shard: the wrapped index, then the locator.
+def index_section(codec_name: str, payload: bytes, offset: int, format_version: int = FORMAT_VERSION) -> bytes:
+    """Return the bytes that follow the last shard: the wrapped index, then the locator (of bundle format
+    ``format_version``, the index's own).
 
     zstd: two skippable frames (ignored by zstd and tar). gzip: a gzip member
     holding the index, stored (deflate level 0: it inflates to less than its
@@ -53,13 +54,13 @@ def index_section(codec_name: str, payload: bytes, offset: int) -> bytes:
         stored = deflate.compress(payload) + deflate.flush()
     else:
         stored = payload
-    return located(codec_name, stored, offset)
+    return located(codec_name, stored, offset, format_version)
 
 
-def located(codec_name: str, stored: bytes, offset: int) -> bytes:
+def located(codec_name: str, stored: bytes, offset: int, format_version: int = FORMAT_VERSION) -> bytes:
     """``stored`` (an index section as stored, its frame or member included) followed by the locator that points
     to it at ``offset``."""
-    check = _locator_bytes(Locator(offset, len(stored), content_hash(stored)))
+    check = _locator_bytes(Locator(offset, len(stored), content_hash(stored)), format_version)
     if codec_name == "zstd":
         tail = _FRAME.pack(_SKIPPABLE_MAGIC, len(check)) + check
     elif codec_name == "gzip":
@@ -69,8 +70,8 @@ def located(codec_name: str, stored: bytes, offset: int) -> bytes:
     return stored + tail
 
 
-def _locator_bytes(loc: Locator) -> bytes:
-    body = _LOCATOR.pack(_LOCATOR_MAGIC, FORMAT_VERSION, loc.index_offset, loc.index_length, loc.index_hash, bytes(8))
+def _locator_bytes(loc: Locator, format_version: int) -> bytes:
+    body = _LOCATOR.pack(_LOCATOR_MAGIC, format_version, loc.index_offset, loc.index_length, loc.index_hash, bytes(8))
     return body[:-8] + content_hash(body[:-8])[:8]
 
 
@@ -89,8 +90,9 @@ def read_locator(fd: int | ByteSource, file_size: int, codec_name: str) -> Locat
     _, version, offset, length, digest, check = _LOCATOR.unpack(raw)
     if content_hash(raw[:-8])[:8] != check:
         raise CorruptBundleError("the index locator at the end of the bundle is damaged", hint=_HINT)
-    if version != FORMAT_VERSION:
-        raise BundleError(f"bundle format {version} is not supported (this pallet reads {FORMAT_VERSION})",
+    if version not in READABLE_FORMATS:
+        raise BundleError(f"bundle format {version} is not supported (this pallet reads formats "
+                          f"{READABLE_FORMATS[0]} to {READABLE_FORMATS[-1]})",
                           hint="upgrade pallet, or repack the data with this version")
     if offset + length + tail_size != file_size:
         raise CorruptBundleError("the index locator does not fit the file: the bundle is truncated, has bytes "

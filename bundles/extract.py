@@ -190,13 +190,13 @@ def check_members(data: memoryview, index: Index, shard: Shard, source: str | No
         return
     paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes, index.sizes,
                                                  index.links)
-    offsets, data_offsets = index.offsets, index.data_offsets
+    offsets, data_offsets, nanoseconds = index.offsets, index.data_offsets, index.nanosecond_headers
     blob, position = native.as_bytes(data), 0        # bytes.startswith compares ~15x faster than a view slice
     for i in range(shard.first_entry, shard.first_entry + shard.entry_count):
         start, data_start, size = offsets[i], data_offsets[i], sizes[i]
         if kinds[i] > Kind.HARDLINK or start != position:
             raise members_differ(source, index, shard, i)
-        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], size, links[i])
+        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], size, links[i], nanoseconds)
         if data_start - start != len(header) or not blob.startswith(header, start):
             raise members_differ(source, index, shard, i)
         position = data_start + (size + -size % BLOCK if kinds[i] == Kind.FILE else 0)

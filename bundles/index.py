@@ -13,7 +13,8 @@ import zstandard
 from .errors import BundleError, CorruptBundleError
 from .tarformat import Kind
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                  # what this pallet writes (docs/bundle-format.md, "Versions")
+READABLE_FORMATS = (1, 2)           # what it reads: format 1 differs only in its tar headers' mtimes
 HASH_NAME = "xxh3-128"
 HASH_SIZE = 16
 _MAGIC = b"PALLETIX"
@@ -107,6 +108,9 @@ class Index:
     Columns hold one value per entry, in stream order (directories first).
     ``link`` is the symlink target or, for hard links, the path of the group's
     first member; ``link_group`` is that member's entry number or -1.
+    ``format`` is the bundle format version whose tar headers the shards
+    hold: 2 (whole-second mtimes in ustar, nanoseconds in ``mtimes`` only) for
+    what this pallet writes, 1 for a bundle read from an earlier pallet.
     """
 
     codec: str
@@ -124,6 +128,12 @@ class Index:
     offsets: array = field(default_factory=lambda: array("Q"))
     data_offsets: array = field(default_factory=lambda: array("Q"))
     shards: list = field(default_factory=list)
+    format: int = FORMAT_VERSION
+
+    @property
+    def nanosecond_headers(self) -> bool:
+        """True when the shards' tar headers carry sub-second mtimes in pax records (format 1)."""
+        return self.format < 2
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -146,7 +156,7 @@ class Index:
         shard; ``link_group`` values still name entries of the whole index.
         """
         end = first + count
-        part = Index(self.codec, self.level, self.shard_size)
+        part = Index(self.codec, self.level, self.shard_size, format=self.format)
         for name in ("paths", "kinds", "modes", "mtimes", "sizes", "links", "link_groups", "shard_of",
                      "offsets", "data_offsets"):
             setattr(part, name, getattr(self, name)[first:end])
@@ -180,12 +190,12 @@ class Index:
         """The ``.pidx`` payload before compression: header and columns, self-hashed. Two indexes are equal
         exactly when their blobs are (their compressed payloads may differ between zstd versions)."""
         header = json.dumps({
-            "format": FORMAT_VERSION, "hash": HASH_NAME, "codec": self.codec, "level": self.level,
+            "format": self.format, "hash": HASH_NAME, "codec": self.codec, "level": self.level,
             "shard_size": self.shard_size, "entries": len(self),
             "columns": [name for name, _ in ENTRY_COLUMNS],
             "shards": [s.to_json() for s in self.shards],
         }, sort_keys=True, separators=(",", ":")).encode()
-        parts = [_HEAD.pack(_MAGIC, FORMAT_VERSION, len(header)), header,
+        parts = [_HEAD.pack(_MAGIC, self.format, len(header)), header,
                  *self.column_parts([name for name, _ in ENTRY_COLUMNS])]
         hasher = new_hasher()
         for part in parts:
@@ -232,11 +242,12 @@ class Index:
         magic, version, header_len = _HEAD.unpack_from(blob)
         if magic != _MAGIC:
             raise BundleError("not a pallet index", source, "pass a bundle written by `pallet pack`")
-        if version != FORMAT_VERSION:
-            raise BundleError(f"index format {version} is not supported (this pallet reads {FORMAT_VERSION})",
+        if version not in READABLE_FORMATS:
+            raise BundleError(f"index format {version} is not supported (this pallet reads formats "
+                              f"{READABLE_FORMATS[0]} to {READABLE_FORMATS[-1]})",
                               source, "upgrade pallet, or repack the data with this version")
         try:
-            index, entries = cls._from_header(json.loads(blob[_HEAD.size:_HEAD.size + header_len]))
+            index, entries = cls._from_header(json.loads(blob[_HEAD.size:_HEAD.size + header_len]), version)
             index.load_columns(memoryview(blob)[_HEAD.size + header_len:-HASH_SIZE],
                                [name for name, _ in ENTRY_COLUMNS], entries, source)
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as exc:
@@ -289,15 +300,18 @@ class Index:
         return os.fsdecode(self.paths[i]) if 0 <= i < len(self.paths) else f"#{i}"
 
     @classmethod
-    def _from_header(cls, header) -> tuple[Index, int]:
-        """An empty Index with the shards a decoded JSON header lists, and its entry count; ValueError,
-        KeyError or TypeError when a field is missing or of the wrong type."""
+    def _from_header(cls, header, version: int) -> tuple[Index, int]:
+        """An empty Index of format ``version`` with the shards a decoded JSON header lists, and its entry count;
+        ValueError, KeyError or TypeError when a field is missing or of the wrong type, or the header names
+        another format than the binary head."""
         if not isinstance(header, dict) or not isinstance(header["shards"], list):
             raise TypeError("the header is not an object with a list of shards")
+        if header["format"] != version:
+            raise ValueError(f"the header says format {header['format']!r}, the head {version}")
         numbers = ("level", "shard_size", "entries")
         if not isinstance(header["codec"], str) or not all(_natural(header[key]) for key in numbers):
             raise ValueError("codec, level, shard_size or entries is not valid")
-        index = cls(header["codec"], header["level"], header["shard_size"])
+        index = cls(header["codec"], header["level"], header["shard_size"], format=version)
         fields = ("offset", "length", "raw_size", "first_entry", "entry_count", "file_bytes")
         for n, shard in enumerate(header["shards"]):
             if not isinstance(shard, dict) or not all(_natural(shard[key]) for key in fields) \

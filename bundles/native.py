@@ -17,7 +17,7 @@ from types import ModuleType
 
 from .errors import UsageError
 
-INTERFACE = 4          # the extension's interface version this wrapper speaks
+INTERFACE = 5          # the extension's interface version this wrapper speaks
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def blob(parts) -> bytes:
 
 def entry_columns(index) -> tuple:
     """The entry columns of ``index`` (an Index) as the extension takes them, one tuple: (count, paths,
-    links, kinds, modes, mtimes, sizes)."""
+    links, kinds, modes, mtimes, sizes, format), ``format`` the bundle format whose tar headers they make."""
     return (len(index), blob(index.paths), blob(index.links), raw(index.kinds), raw(index.modes),
-            raw(index.mtimes), raw(index.sizes))
+            raw(index.mtimes), raw(index.sizes), index.format)
 
 
 def as_bytes(data) -> bytes:

@@ -184,11 +184,11 @@ def _build_in_python(tree: SourceTree, codec: Codec, plan: ShardPlan, md5: bool)
     index, parts = tree.index, []
     paths, kinds, modes, mtimes, sizes, links = (index.paths, index.kinds, index.modes, index.mtimes,
                                                  index.sizes, index.links)
-    root = tree.root + b"/"
+    root, nanoseconds = tree.root + b"/", index.nanosecond_headers
     hashes, offsets, data_offsets, md5s = [], array("Q"), array("Q"), []
     position = file_bytes = 0
     for i in range(plan.first, plan.first + plan.count):
-        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], sizes[i], links[i])
+        header = member_header(paths[i], kinds[i], modes[i], mtimes[i], sizes[i], links[i], nanoseconds)
         offsets.append(position)
         position += len(header)
         data_offsets.append(position)
@@ -259,7 +259,7 @@ def build_streamed_shard(tree: SourceTree, plan: ShardPlan, codec: Codec, thread
 def entry_header(index: Index, i: int) -> bytes:
     """The header block(s) (pax, then ustar) that precede entry ``i``'s data in the tar stream."""
     return member_header(index.paths[i], index.kinds[i], index.modes[i], index.mtimes[i],
-                         index.sizes[i], index.links[i])
+                         index.sizes[i], index.links[i], index.nanosecond_headers)
 
 
 def _read_file(path: bytes, size: int, mtime_ns: int) -> bytes:

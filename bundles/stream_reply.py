@@ -5,7 +5,7 @@ import json
 
 from .errors import StreamError
 
-STREAM_VERSION = 1                       # listed with every protocol version in mpi_stager.wire (docs/wire.md)
+STREAM_VERSION = 2                       # listed with every protocol version in mpi_stager.wire (docs/wire.md)
 
 
 def encode_resume_reply(stream_id: str, done: dict[int, bytes]) -> bytes:

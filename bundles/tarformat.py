@@ -1,4 +1,4 @@
-"""Byte-exact pax/ustar member headers: the one writer and checker of tar headers in pallet."""
+"""Byte-exact ustar/pax member headers of both bundle formats: the one writer and checker of tar headers in pallet."""
 from __future__ import annotations
 
 from enum import IntEnum
@@ -95,7 +95,7 @@ _FILE_SUM = _CONSTANT_SUM + ord("0")                      # a regular file: type
 _FILE_BLOCK_END = bytes(100) + _TAIL + bytes(155 + 12)    # link name, magic .. device numbers, prefix, padding
 
 
-def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int) -> bytes:
+def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int, nanoseconds: bool) -> bytes:
     """The common case of member_header: a short name, a regular file, an mtime after 1970 (the same bytes as
     ``_ustar_block(path, b"", mode & 0o7777, size, seconds, b"0", b"")``, built with fewer steps: every tar
     member pallet packs, unpacks or verifies goes through here)."""
@@ -103,7 +103,7 @@ def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int) -> byte
     numbers = b"%07o\0" % (mode & 0o7777) + _IDS + b"%011o\0%011o\0" % (size, seconds)
     ustar = b"".join((path.ljust(100, b"\0"), numbers, b"%06o\0 0" % (_FILE_SUM + sum(path) + sum(numbers)),
                       _FILE_BLOCK_END))
-    if not nanos:
+    if not nanos or not nanoseconds:
         return ustar
     body = b" mtime=%d.%09d\n" % (seconds, nanos)
     record = b"%d" % (len(body) + 2) + body
@@ -112,17 +112,21 @@ def _plain_file_header(path: bytes, mode: int, mtime_ns: int, size: int) -> byte
     return b"".join((_pax_block(len(record)), record, _ZEROS[:-len(record) % BLOCK], ustar))
 
 
-def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, link: bytes) -> bytes:
+def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, link: bytes,
+                  nanoseconds: bool = False) -> bytes:
     """Return the header bytes (pax extended header if needed, then ustar) of one member.
 
     ``path`` is relative, without a trailing slash; directories get one. Owner
     and group are always 0 with empty names, so the bytes depend only on the
-    arguments. A pax header carries whatever ustar cannot: sub-second or
-    out-of-range mtimes, sizes of 8 GiB and more, long paths and link targets.
-    Data of ``size`` bytes (files only) and its padding follow the header.
+    arguments. A pax header carries whatever ustar cannot: out-of-range
+    mtimes, sizes of 8 GiB and more, long paths and link targets. An mtime
+    ustar can hold is written as its whole seconds (bundle format 2: the
+    index keeps the nanoseconds), or, with ``nanoseconds`` (format 1), with a
+    pax ``mtime`` record whenever it has a fraction of a second. Data of
+    ``size`` bytes (files only) and its padding follow the header.
     """
     if kind == 0 and len(path) <= 100 and size <= _MAX_OCTAL_11 and 0 <= mtime_ns < _FAST_MTIME_LIMIT:
-        return _plain_file_header(path, mode, mtime_ns, size)
+        return _plain_file_header(path, mode, mtime_ns, size, nanoseconds)
     name = path + b"/" if kind == 1 else path       # Kind.DIR
     data_size = size if kind == 0 else 0             # Kind.FILE
     records = []
@@ -137,7 +141,7 @@ def member_header(path: bytes, kind: int, mode: int, mtime_ns: int, size: int, l
     if len(link) > 100:
         records.append(_pax_record(b"linkpath", link))
     seconds, nanos = divmod(mtime_ns, 1_000_000_000)
-    if nanos or not 0 <= seconds <= _MAX_OCTAL_11:
+    if not 0 <= seconds <= _MAX_OCTAL_11 or nanos and nanoseconds:
         records.append(_mtime_record(mtime_ns, seconds, nanos))
         seconds = min(max(seconds, 0), _MAX_OCTAL_11)
     if data_size > _MAX_OCTAL_11:

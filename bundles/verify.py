@@ -69,7 +69,7 @@ def _sidecar_problems(bundle: Bundle) -> list[str]:
 def _index_section_problems(bundle: Bundle, index: Index) -> list[str]:
     """The bytes after the last shard must be exactly the index section and locator pack writes."""
     end = max((s.offset + s.length for s in index.shards), default=0)
-    expected = container.index_section(index.codec, index.to_bytes(), end)
+    expected = container.index_section(index.codec, index.to_bytes(), end, index.format)
     if bundle.size == end + len(expected) and os.pread(bundle.fd, len(expected), end) == expected:
         return []
     return [f"the embedded index or its locator after byte {end} is damaged, missing or cut short"]

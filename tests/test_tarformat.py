@@ -31,16 +31,26 @@ def test_size_just_below_the_ustar_limit_needs_no_pax():
     assert len(header) == BLOCK
 
 
-@pytest.mark.parametrize("mtime_ns,expected", [
-    (1_700_000_000_000_000_000, 1_700_000_000),
-    (1_700_000_000_123_456_789, 1_700_000_000.123456789),
-    (-5_500_000_000, -5.5),
-    (2**34 * 1_000_000_000, 2**34),
+@pytest.mark.parametrize("mtime_ns,format_2,format_1", [
+    (1_700_000_000_000_000_000, 1_700_000_000, 1_700_000_000),
+    (1_700_000_000_123_456_789, 1_700_000_000, 1_700_000_000.123456789),
+    (-5_500_000_000, -5.5, -5.5),                       # out of ustar's range: a pax record in both formats
+    (2**34 * 1_000_000_000, 2**34, 2**34),
+    (2**34 * 1_000_000_000 + 7, 2**34 + 7e-9, 2**34 + 7e-9),
 ])
-def test_mtimes_round_trip_through_tarfile(mtime_ns, expected):
-    info = read_header(member_header(b"f", Kind.FILE, 0o640, mtime_ns, 3, b""), 3)
-    assert info.mtime == pytest.approx(expected, abs=1e-6)
-    assert info.mode == 0o640 and info.size == 3
+def test_mtimes_round_trip_through_tarfile(mtime_ns, format_2, format_1):
+    """Format 2 cuts an mtime ustar can hold to its whole seconds; format 1 kept its nanoseconds in pax."""
+    for nanoseconds, expected in ((False, format_2), (True, format_1)):
+        info = read_header(member_header(b"f", Kind.FILE, 0o640, mtime_ns, 3, b"", nanoseconds), 3)
+        assert info.mtime == pytest.approx(expected, abs=1e-6)
+        assert info.mode == 0o640 and info.size == 3
+
+
+def test_format_2_writes_one_ustar_block_where_ustar_holds_every_value():
+    for kind, link in ((Kind.FILE, b""), (Kind.DIR, b""), (Kind.SYMLINK, b"target"), (Kind.HARDLINK, b"lead")):
+        header = member_header(b"entry", kind, 0o755, 1_700_000_000_999_999_999, 0, link)
+        assert len(header) == BLOCK and header[257:263] == b"ustar\0"
+        assert len(member_header(b"entry", kind, 0o755, 1_700_000_000_999_999_999, 0, link, True)) == 3 * BLOCK
 
 
 @pytest.mark.parametrize("path", [b"a" * 100, b"d" * 150 + b"/" + b"f" * 100, b"x/" * 200 + b"end",
@@ -61,7 +71,7 @@ def test_directories_get_a_trailing_slash_and_links_keep_long_targets():
 
 
 def test_headers_are_blocks_with_valid_checksums():
-    header = member_header(b"f", Kind.FILE, 0o644, 1_700_000_000_5, 10, b"")
+    header = member_header(b"f", Kind.FILE, 0o644, 1_700_000_000_5, 10, b"", True)
     assert len(header) == 3 * BLOCK           # pax header, its records, the ustar header
     for block in (header[:BLOCK], header[-BLOCK:]):
         stored = int(block[148:154], 8)

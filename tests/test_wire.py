@@ -109,8 +109,10 @@ def test_the_probe_reads_the_session_version_of_a_pallet_with_wire_and_none_of_a
     assert (found.pallet_python, found.stream_version, found.session_version) == ("python3", STREAM_VERSION,
                                                                                  SESSION_VERSION)
     assert f"(stream v{STREAM_VERSION}, session v{SESSION_VERSION})" in found.summary()[0]
-    older = parse_probe(endpoint, "pallet=python3\t/usr/bin/python3\t0.1.0\t1\n", 0.0)
+    older = parse_probe(endpoint, f"pallet=python3\t/usr/bin/python3\t0.1.0\t{STREAM_VERSION}\n", 0.0)
     assert older.pallet_usable and older.session_version == 0 and "session v" not in older.summary()[0]
+    format_1 = parse_probe(endpoint, "pallet=python3\t/usr/bin/python3\t0.3.0\t1\t3\n", 0.0)
+    assert format_1.stream_version == 1 and not format_1.pallet_usable     # its receiver checks format 1 headers
 
 
 # ---------------------------------------------------------------- the hello over ssh, with far sides of each version

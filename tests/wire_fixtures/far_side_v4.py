@@ -1,7 +1,7 @@
 """A far side one session protocol version newer than this pallet's, which no longer speaks it (a fixture).
 
 Usage (as --remote-python): ``python far_side_v4.py LOG -m mpi_stager ARGS...``. For ``session`` it answers
-with the hello of a session v4 far side that serves v4 only (summaries v2, bundle stream v1, one capability
+with the hello of a session v4 far side that serves v4 only (summaries v2, bundle stream v2, one capability
 more), then reads its input to the end; it serves nothing. Any other command is refused (status 2): a client
 that falls back to separate commands fails differently. LOG gets one line per event.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-HELLO = b"pallet-session 4 session=4 summary=2 stream=1 caps=clear,dirs,listing,receive,receive-new,store,wait\n"
+HELLO = b"pallet-session 4 session=4 summary=2 stream=2 caps=clear,dirs,listing,receive,receive-new,store,wait\n"
 
 
 def log(path: str, line: str) -> None:

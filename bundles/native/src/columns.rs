@@ -27,6 +27,8 @@ pub struct Columns<'a> {
     pub modes: &'a [u8],
     pub mtimes: &'a [u8],
     pub sizes: &'a [u8],
+    /// Headers in format version 1 (nanoseconds in pax records); see `Member::nanoseconds`.
+    pub nanoseconds: bool,
 }
 
 impl<'a> Columns<'a> {
@@ -68,6 +70,7 @@ impl<'a> Columns<'a> {
             mtime_ns: self.mtime(i),
             size: self.size(i),
             link: self.links[i],
+            nanoseconds: self.nanoseconds,
         }
     }
 }

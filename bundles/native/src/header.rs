@@ -157,6 +157,9 @@ pub struct Member<'a> {
     pub mtime_ns: i64,
     pub size: u64,
     pub link: &'a [u8],
+    /// Format version 1: a pax `mtime` record carries the nanoseconds of every mtime that has any. From
+    /// version 2 on, an mtime that ustar can hold is written as its whole seconds (the index keeps the rest).
+    pub nanoseconds: bool,
 }
 
 /// Append the header (pax extended header if needed, then ustar) of `member` to `out`.
@@ -203,7 +206,8 @@ pub fn member_header(out: &mut Vec<u8>, member: &Member) {
     }
     let mut seconds = member.mtime_ns.div_euclid(1_000_000_000);
     let nanos = member.mtime_ns.rem_euclid(1_000_000_000);
-    if nanos != 0 || !(0..=MAX_OCTAL_11).contains(&seconds) {
+    let in_range = (0..=MAX_OCTAL_11).contains(&seconds);
+    if !in_range || nanos != 0 && member.nanoseconds {
         mtime_record(&mut records, member.mtime_ns, seconds, nanos);
         seconds = seconds.clamp(0, MAX_OCTAL_11);
     }

@@ -35,10 +35,11 @@ create_exception!(
 );
 
 /// The version of this engine's interface, checked by the Python wrapper before use.
-const INTERFACE: u32 = 4;
+const INTERFACE: u32 = 5;
 
-/// The entry columns as Python passes them, one tuple: (count, paths, links, kinds, modes, mtimes, sizes),
-/// names NUL-joined and numbers as `array` bytes (see `entry_columns` in bundles/native.py).
+/// The entry columns as Python passes them, one tuple: (count, paths, links, kinds, modes, mtimes, sizes,
+/// format), names NUL-joined, numbers as `array` bytes and `format` the bundle format version their tar headers
+/// follow (see `entry_columns` in bundles/native.py).
 #[derive(FromPyObject)]
 struct EntryArgs<'py>(
     usize,
@@ -48,6 +49,7 @@ struct EntryArgs<'py>(
     Bound<'py, PyBytes>,
     Bound<'py, PyBytes>,
     Bound<'py, PyBytes>,
+    u32,
 );
 
 impl EntryArgs<'_> {
@@ -65,6 +67,7 @@ impl EntryArgs<'_> {
             modes: self.4.as_bytes(),
             mtimes: self.5.as_bytes(),
             sizes: self.6.as_bytes(),
+            nanoseconds: self.7 < 2,
         };
         entries.consistent().then_some(entries).ok_or_else(bad)
     }

@@ -4,8 +4,11 @@ use crate::{header, pack, scan, words, EntryArgs, NativeFailure};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// member_header(path, kind, mode, mtime_ns, size, link) -> bytes: the same bytes as tarformat.member_header.
+/// member_header(path, kind, mode, mtime_ns, size, link, nanoseconds=False) -> bytes: the same bytes as
+/// tarformat.member_header.
 #[pyfunction]
+#[pyo3(signature = (path, kind, mode, mtime_ns, size, link, nanoseconds=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn member_header<'py>(
     py: Python<'py>,
     path: &[u8],
@@ -14,6 +17,7 @@ pub fn member_header<'py>(
     mtime_ns: i64,
     size: u64,
     link: &[u8],
+    nanoseconds: bool,
 ) -> Bound<'py, PyBytes> {
     let mut out = Vec::with_capacity(1536);
     let member = header::Member {
@@ -23,6 +27,7 @@ pub fn member_header<'py>(
         mtime_ns,
         size,
         link,
+        nanoseconds,
     };
     header::member_header(&mut out, &member);
     PyBytes::new(py, &out)
