@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench_bundle import ROOT
-from workloads import KIB, POSIX_TAR, Workload, common_parser, ensure_workload, md5_list
+from workloads import KIB, Workload, common_parser, ensure_workload, md5_list
 
 sys.path.insert(0, str(ROOT))
 from staging_core.testing import snapshot     # noqa: E402
@@ -53,8 +53,7 @@ def pipeline(sshd, src: Path, dest: Path, checked: Path | None) -> list[str]:
     if checked is not None:
         remote += f" && cd {q(str(dest))} && md5sum --quiet --strict -c {q(str(checked))}"
     ssh = shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options, f"{sshd.user}@127.0.0.1", remote])
-    tar = "tar" if checked is None else shlex.join(POSIX_TAR)
-    return ["bash", "-o", "pipefail", "-c", f"{tar} -cf - -C {q(str(src))} . | zstd -q -T0 -c | {ssh}"]
+    return ["bash", "-o", "pipefail", "-c", f"tar -cf - -C {q(str(src))} . | zstd -q -T0 -c | {ssh}"]
 
 
 def run_one(name: str, argv: list[str] | None, sshd, src: Path, dest: Path,

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from bench_bundle import child_env, pallet_cmd
 from wan import LinkSpec, WanLink, emulated_wan
 from wan_servers import NetnsGridFTP, NetnsSSHD, start_netns_gridftp, start_netns_sshd
-from workloads import POSIX_TAR, md5_list
+from workloads import md5_list
 
 Manifest = dict[str, int]          # relative path -> size of every regular file
 RUN_TIMEOUT_S = 3 * 3600           # one run taking longer than this counts as failed
@@ -263,16 +263,16 @@ def stream_peer(rig: Rig, tap: list[str] | None = None) -> Callable[[Path, Path]
 
 
 def verified_stream_peer(rig: Rig) -> Callable[[Path, Path], Outcome]:
-    """The verified floor: the hand-made stream with nanosecond mtimes (pax headers, as pallet's bundles carry
-    them), then `md5sum -c` at the far side against a list of the source's files made before the clock starts
-    (bench_tar_tools.py explains the floor)."""
+    """The verified floor: the hand-made stream (whole-second mtimes in ustar headers, as pallet's bundles carry
+    them since format 2), then `md5sum -c` at the far side against a list of the source's files made before the
+    clock starts (bench_tar_tools.py explains the floor)."""
     def run(src: Path, dest: Path) -> Outcome:
         listing = md5_list(src, src.parent / f"{src.name}.md5")
         remote = (f"{shlex.join(['mkdir', '-p', str(dest)])} && zstd -dcq | "
                   f"{shlex.join(['tar', '-xf', '-', '-C', str(dest)])}"
                   f" && cd {shlex.quote(str(dest))} && "
                   f"{shlex.join(['md5sum', '--quiet', '--strict', '-c', str(listing)])}")
-        return _timed_pipeline([[*POSIX_TAR, "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
+        return _timed_pipeline([["tar", "-cf", "-", "-C", str(src), "."], ["zstd", "-q", "-T0", "-c"],
                                 [*rig.sshd.ssh_argv(), rig.sshd.login, remote]], "verified stream")
     return run
 

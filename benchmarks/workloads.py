@@ -63,10 +63,6 @@ class MixedWorkload:
         self.large.fill(src / "large")
 
 
-# GNU tar keeping nanosecond mtimes in pax records, as pallet's bundles do (the verified floors of the push benchmarks)
-POSIX_TAR = ["tar", "--format=posix", "--pax-option=delete=atime,delete=ctime"]
-
-
 def md5_list(src: Path, listing: Path) -> Path:
     """Write md5sum's lines for every file of ``src`` (relative ``./`` names) to ``listing``, unless it is there:
     the list a verified floor checks with `md5sum -c`, made before any clock starts."""

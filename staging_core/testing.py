@@ -59,16 +59,21 @@ def _in_ustar(mtime_ns: int) -> int:
     return seconds * 10**9 if 0 <= seconds < 8**11 else mtime_ns
 
 
+def assert_same_snapshot(expected: dict, landed: dict, whole_seconds: bool = False, what: str = "") -> None:
+    """Assert that two normalized snapshots (:func:`snapshot`, :func:`normalize_groups`) are equal. With
+    ``whole_seconds``, an mtime in ``landed`` may also be the expected one as GNU tar restores it from a format 2
+    bundle (cut to whole seconds where ustar holds it): the far side's own tar wrote that entry."""
+    assert sorted(expected) == sorted(landed), what
+    for rel, value in expected.items():
+        if whole_seconds and landed[rel][2] == _in_ustar(value[2]):
+            value = value[:2] + (landed[rel][2],) + value[3:]
+        assert value == landed[rel], f"{what} {rel!r}"
+
+
 def assert_same_tree(a, b, whole_seconds: bool = False) -> None:
     """Assert that trees ``a`` and ``b`` hold the same entries, types, modes, mtimes, contents, link targets and
-    hard-link groups. ``whole_seconds``: ``b`` was extracted by GNU tar from a format 2 bundle, so its mtimes must
-    be ``a``'s as those headers carry them: cut to whole seconds where ustar holds them, exact elsewhere."""
-    left, right = normalize_groups(snapshot(a)), normalize_groups(snapshot(b))
-    if whole_seconds:
-        left = {rel: (value[:2] + (_in_ustar(value[2]),) + value[3:]) for rel, value in left.items()}
-    assert sorted(left) == sorted(right)
-    for rel in left:
-        assert left[rel] == right[rel], rel
+    hard-link groups (``whole_seconds``: see :func:`assert_same_snapshot`)."""
+    assert_same_snapshot(normalize_groups(snapshot(a)), normalize_groups(snapshot(b)), whole_seconds)
 
 
 def make_nasty_tree(root: str) -> str:

@@ -12,7 +12,11 @@ entries, every kind of entry, kill -9 and rerun) run with
 (``individual`` True): whatever the planner picks, nothing is written
 outside DEST and nothing of the source is left out. An interrupted run
 (SIGINT to its process group, as a terminal's Ctrl-C; SIGTERM to pallet
-alone) ends with 130 or 143 and one line, and a rerun finishes it.
+alone) ends with 130 or 143 and one line, and a rerun finishes it. On a
+route that compares DEST with the source (``compares_dest``), a second run
+of the same command finds everything in place and moves nothing; where the
+far side's own tar sets DEST's mtimes (``whole_seconds``), they are the
+source's to the second, as GNU tar restores them from a format 2 bundle.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from typing import ClassVar
 
 import pytest
 
-from staging_core.testing import assert_same_tree, make_nasty_tree, normalize_groups, snapshot
+from staging_core.testing import (assert_same_snapshot, assert_same_tree, make_nasty_tree, normalize_groups,
+                                  snapshot)
 from staging_core.transports.base import Direction
 
 KILL_PATIENCE_S = 60          # the kill case kills a run that left no state by then
@@ -76,6 +81,8 @@ class RouteConformance:
     direction: ClassVar[Direction] = Direction.PUSH
     individual: ClassVar[bool] = True       # the route also sends files one by one (--strategy individual)
     tree_at_dest: ClassVar[bool] = True     # DEST receives the tree itself (not a kept bundle)
+    whole_seconds: ClassVar[bool] = False   # DEST's mtimes are set by a tar that restores whole seconds only
+    compares_dest: ClassVar[bool] = True    # the route compares DEST with the source and sends only what differs
     tested_routes: ClassVar[set[tuple[Direction, str]]] = set()
 
     def __init_subclass__(cls, **kwargs):
@@ -142,11 +149,28 @@ class RouteConformance:
 
     # ------------------------------------------------------------ the cases
 
+    def _same_tree(self, tree: str, landed: str) -> None:
+        """Strict comparison (nothing left over); mtimes to the second where the route's far tar sets them."""
+        assert_same_tree(tree, landed, whole_seconds=self.whole_seconds)
+
     def test_round_trip_of_a_nasty_tree(self, route_case: RouteCase, tmp_path):
         tree = make_nasty_tree(str(tmp_path / "src"))
         src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
         self._succeeds(route_case, self._argv(route_case, src, dest))
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))    # strict: nothing left over
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+
+    def test_a_second_run_finds_everything_in_place(self, route_case: RouteCase, tmp_path):
+        """What a run wrote (mtimes with nanoseconds; whole seconds where a far tar wrote them) compares equal
+        on the next run, which moves nothing."""
+        self._strategy("bundle")
+        if not self.compares_dest:
+            pytest.skip(f"the {self.route} route sends the whole selection every time")
+        tree = make_nasty_tree(str(tmp_path / "src"))
+        src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
+        self._succeeds(route_case, self._argv(route_case, src, dest))
+        again = self._succeeds(route_case, self._argv(route_case, src, dest))
+        assert again.get("route") == "already in place", again
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
 
     def test_a_run_killed_midway_is_finished_by_a_rerun(self, route_case: RouteCase, tmp_path):
         tree = str(tmp_path / "src")
@@ -160,7 +184,7 @@ class RouteConformance:
         killed = self._kill_midway(route_case, self._argv(route_case, src, dest, *extra), dest)
         assert killed, "the run finished before it left any state to kill it in: give the case a bigger tree"
         self._rerun(route_case, self._argv(route_case, src, dest, *extra))
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
 
     def test_a_missing_source_is_named_and_nothing_is_made(self, route_case: RouteCase, tmp_path):
         src, dest = str(tmp_path / "no-such-source"), str(tmp_path / "dest")
@@ -193,7 +217,7 @@ class RouteConformance:
         assert snapshot(outside) == before, f"{strategy}: pallet wrote through a link planted in DEST"
         assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
         if done.returncode == 0:
-            assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+            self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
         else:
             assert any(name in done.stderr for name in _PLANTED), f"{strategy}: refused without naming the link:\n" \
                                                                    f"{done.stderr[-2000:]}"
@@ -208,9 +232,10 @@ class RouteConformance:
         landed = normalize_groups(snapshot(route_case.landed(dest, str(tmp_path / "landed"))))
         assert landed.pop(b"extra.txt")[0] == "f" and landed.pop(b"extra-dir")[0] == "d", "extras lost"
         landed.pop(b"extra-dir/inside.txt")
-        assert landed == normalize_groups(snapshot(tree)), f"{strategy}: DEST not repaired"
+        assert_same_snapshot(normalize_groups(snapshot(tree)), landed, self.whole_seconds, f"{strategy}: DEST not "
+                                                                                            "repaired")
         self._succeeds(route_case, self._argv(route_case, src, dest, "--delete", strategy=strategy))
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed-again")))
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed-again")))
 
     @pytest.mark.parametrize("strategy", ["bundle", "individual"])
     def test_hard_links_in_dest_are_regrouped_as_the_source_has_them(self, route_case: RouteCase, tmp_path,
@@ -222,7 +247,7 @@ class RouteConformance:
         src, dest = route_case.source(tree, str(tmp_path / "prepared")), str(tmp_path / "dest")
         _grouped_otherwise(tree, dest, outside)
         self._succeeds(route_case, self._argv(route_case, src, dest, strategy=self._strategy(strategy)))
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
         with open(os.path.join(outside, "file.txt"), "rb") as handle:
             assert handle.read() == b"VICTIM\n", "a file outside DEST was written through a hard link"
 
@@ -243,7 +268,7 @@ class RouteConformance:
         killed = self._kill_midway(route_case, argv, dest)
         assert killed, "the run finished before it left any state to kill it in: give the case a bigger tree"
         self._rerun(route_case, argv)
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
 
     # ------------------------------------------------------------ interrupts
 
@@ -261,7 +286,7 @@ class RouteConformance:
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1 and "interrupted" in stderr, \
             f"{signum.name}: not one line saying so:\n{stderr[-3000:]}"
         self._rerun(route_case, argv)
-        assert_same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
+        self._same_tree(tree, route_case.landed(dest, str(tmp_path / "landed")))
 
     def _interrupt_midway(self, case: RouteCase, argv: list[str], dest: str,
                           signum: signal.Signals) -> tuple[int | None, str, float]:
