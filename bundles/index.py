@@ -183,12 +183,25 @@ class Index:
         return sorted(found) if len(kinds) > 1 else found
 
     def to_bytes(self) -> bytes:
-        """Encode as the ``.pidx`` payload: a zstd frame of header and columns, self-hashed."""
-        return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(self.to_blob())
+        """Encode as the ``.pidx`` payload: a zstd frame of header and columns, self-hashed. The parts are fed to
+        the compressor one by one, so that encoding holds the compressed payload and one column at a time, not
+        the whole blob besides (the frame may differ from a one-shot compression's: indexes are compared
+        decoded, :meth:`to_blob`)."""
+        parts = self._blob_parts()
+        size = sum(memoryview(part).nbytes for part in parts)
+        compressor = zstandard.ZstdCompressor(level=3, write_checksum=True).compressobj(size=size)
+        chunks = [compressor.compress(part) for part in parts]
+        chunks.append(compressor.flush())
+        return b"".join(chunks)
 
     def to_blob(self) -> bytes:
         """The ``.pidx`` payload before compression: header and columns, self-hashed. Two indexes are equal
         exactly when their blobs are (their compressed payloads may differ between zstd versions)."""
+        return b"".join(self._blob_parts())
+
+    def _blob_parts(self) -> list:
+        """The parts that make up :meth:`to_blob`, its digest last (views of the columns where they need no
+        conversion)."""
         header = json.dumps({
             "format": self.format, "hash": HASH_NAME, "codec": self.codec, "level": self.level,
             "shard_size": self.shard_size, "entries": len(self),
@@ -201,7 +214,7 @@ class Index:
         for part in parts:
             hasher.update(part)
         parts.append(hasher.digest())
-        return b"".join(parts)
+        return parts
 
     def column_parts(self, names: list[str]) -> list:
         """The named entry columns in their ``.pidx`` encoding: per column a u64 LE byte length, then the bytes."""
@@ -308,8 +321,9 @@ class Index:
             raise TypeError("the header is not an object with a list of shards")
         if header["format"] != version:
             raise ValueError(f"the header says format {header['format']!r}, the head {version}")
-        numbers = ("level", "shard_size", "entries")
-        if not isinstance(header["codec"], str) or not all(_natural(header[key]) for key in numbers):
+        numbers = ("shard_size", "entries")
+        if not isinstance(header["codec"], str) or not all(_natural(header[key]) for key in numbers) \
+                or not _level(header["level"]):
             raise ValueError("codec, level, shard_size or entries is not valid")
         index = cls(header["codec"], header["level"], header["shard_size"], format=version)
         fields = ("offset", "length", "raw_size", "first_entry", "entry_count", "file_bytes")
@@ -417,6 +431,12 @@ def little_endian(values: array) -> array:
     swapped = array(values.typecode, values)
     swapped.byteswap()
     return swapped
+
+
+def _level(value) -> bool:
+    """True for a compression level a bundle may record: an int within zstd's range (its fast levels are negative;
+    a stream fitted to its link may start at one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 17) <= value <= 22
 
 
 def _natural(value) -> bool:
