@@ -17,7 +17,7 @@ from types import ModuleType
 
 from .errors import UsageError
 
-INTERFACE = 5          # the extension's interface version this wrapper speaks
+INTERFACE = 6          # the extension's interface version this wrapper speaks
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,19 @@ def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
     their bytes and hashes. A file of ``shard_size`` (or half HELD_RAW_LIMIT) or more stands alone; any other
     shard closes after an entry that :func:`cuts_after` picks once the shard holds half the target, and at
     the latest once it holds the target — or before an entry that could take its tar bytes (headers counted
-    at their largest, :func:`entry_bound`) past HELD_RAW_LIMIT."""
+    at their largest, :func:`entry_bound`) past HELD_RAW_LIMIT. The native engine makes the same cuts."""
+    engine = native.module()
+    if engine is None:
+        cuts = _cuts_in_python(index, shard_size)
+    else:
+        firsts, counts, bigs = engine.plan_cuts(native.blob(index.paths), native.blob(index.links), len(index),
+                                                native.raw(index.sizes), shard_size, HELD_RAW_LIMIT, _CUTS_PER_TARGET)
+        cuts = list(zip(array("Q", firsts), array("Q", counts), map(bool, bigs), strict=True))
+    return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+
+
+def _cuts_in_python(index: Index, shard_size: int) -> list[tuple[int, int, bool]]:
+    """plan_shards' cuts (first, count, big) in the Python engine."""
     cuts: list[tuple[int, int, bool]] = []
     first, filled, bound, half = 0, 0, 2 * BLOCK, max(1, shard_size // 2)
     paths, links = index.paths, index.links
@@ -85,7 +97,7 @@ def plan_shards(index: Index, shard_size: int) -> list[ShardPlan]:
             first, filled, bound = i + 1, 0, 2 * BLOCK
     if first < len(index) or not cuts:
         cuts.append((first, len(index) - first, False))
-    return [ShardPlan(n, f, c, big, n == len(cuts) - 1) for n, (f, c, big) in enumerate(cuts)]
+    return cuts
 
 
 def stands_alone(size: int, shard_size: int) -> bool:

@@ -43,6 +43,32 @@ _names = st.binary(min_size=1, max_size=300).filter(lambda b: b"\0" not in b)
 
 
 @needs_native
+@settings(max_examples=300, deadline=None)
+@given(entries=st.lists(st.tuples(_names, st.sampled_from([0, 1, 700, 5_000, 70_000, 300 << 20, 400 << 20, 600 << 20]),
+                                  st.binary(max_size=150).filter(lambda b: b"\0" not in b)), max_size=60),
+       shard_size=st.sampled_from([1, 4096, 65_536, 4 << 20, 2 << 30]))
+def test_shard_plans_are_identical(entries, shard_size):
+    """plan_shards cuts the same entries in both engines: content-defined cuts, big files alone, and cuts before
+    a held shard's bytes could pass HELD_RAW_LIMIT (sizes are only numbers here; nothing is read)."""
+    from bundles.shards import plan_shards
+    index = Index("zstd", 3, shard_size)
+    for path, size, link in entries:
+        index.paths.append(path)
+        index.sizes.append(size)
+        index.links.append(link)
+    before = os.environ.get("PALLET_ENGINE")
+    try:
+        os.environ["PALLET_ENGINE"] = "native"
+        natively = plan_shards(index, shard_size)
+        os.environ["PALLET_ENGINE"] = "python"
+        assert plan_shards(index, shard_size) == natively
+    finally:
+        os.environ.pop("PALLET_ENGINE")
+        if before is not None:
+            os.environ["PALLET_ENGINE"] = before
+
+
+@needs_native
 @settings(max_examples=400, deadline=None)
 @given(path=_names, kind=st.sampled_from(list(Kind)), mode=st.integers(0, 0o177777),
        mtime_ns=st.integers(-2**62, 2**62), size=st.integers(0, 2**40), link=st.binary(max_size=300))

@@ -13,6 +13,7 @@ mod header;
 mod pack;
 mod plain_header;
 mod plain_run;
+mod plan;
 mod py_copy;
 mod py_pack;
 mod py_plain;
@@ -35,7 +36,7 @@ create_exception!(
 );
 
 /// The version of this engine's interface, checked by the Python wrapper before use.
-const INTERFACE: u32 = 5;
+const INTERFACE: u32 = 6;
 
 /// The entry columns as Python passes them, one tuple: (count, paths, links, kinds, modes, mtimes, sizes,
 /// format), names NUL-joined, numbers as `array` bytes and `format` the bundle format version their tar headers
@@ -90,6 +91,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_pack::member_header, m)?)?;
     m.add_function(wrap_pyfunction!(py_pack::build_shard, m)?)?;
     m.add_function(wrap_pyfunction!(py_pack::scan_tree, m)?)?;
+    m.add_function(wrap_pyfunction!(py_pack::plan_cuts, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::check_members, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::extract_files, m)?)?;
     m.add_function(wrap_pyfunction!(py_unpack::content_mismatches, m)?)?;

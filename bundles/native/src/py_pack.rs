@@ -1,6 +1,6 @@
 //! Bindings of the pack side: tar headers, building a shard, scanning a tree.
 
-use crate::{header, pack, scan, words, EntryArgs, NativeFailure};
+use crate::{header, names, pack, plan, scan, words, EntryArgs, NativeFailure};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -100,5 +100,42 @@ pub fn scan_tree<'py>(py: Python<'py>, root: &[u8], threads: usize) -> PyResult<
         PyBytes::new(py, &words(&tree.sizes, u64::to_ne_bytes)),
         PyBytes::new(py, &words(&linked, u64::to_ne_bytes)),
         PyBytes::new(py, &words(&tree.attention, u64::to_ne_bytes)),
+    ))
+}
+
+/// plan_cuts(paths, links, count, sizes, shard_size, held_raw_limit, cuts_per_target) -> (firsts, counts, bigs):
+/// the shard cuts of `count` entries (names NUL-joined, sizes as `array("Q")` bytes), as bundles/shards.py's
+/// `plan_shards` makes them; firsts and counts as u64 `array` bytes, bigs one byte per shard.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn plan_cuts<'py>(
+    py: Python<'py>,
+    paths: &[u8],
+    links: &[u8],
+    count: usize,
+    sizes: &[u8],
+    shard_size: u64,
+    held_raw_limit: u64,
+    cuts_per_target: u64,
+) -> PyResult<(Bytes<'py>, Bytes<'py>, Bytes<'py>)> {
+    let (paths, links) = (names(paths, count)?, names(links, count)?);
+    if sizes.len() != 8 * count {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "wrong number of sizes",
+        ));
+    }
+    let rules = plan::CutRules {
+        shard_size,
+        held_raw_limit,
+        cuts_per_target,
+    };
+    let cuts = py.allow_threads(|| plan::plan_cuts(&paths, &links, sizes, &rules));
+    let firsts: Vec<u64> = cuts.iter().map(|c| c.first as u64).collect();
+    let counts: Vec<u64> = cuts.iter().map(|c| c.count as u64).collect();
+    let bigs: Vec<u8> = cuts.iter().map(|c| u8::from(c.big)).collect();
+    Ok((
+        PyBytes::new(py, &words(&firsts, u64::to_ne_bytes)),
+        PyBytes::new(py, &words(&counts, u64::to_ne_bytes)),
+        PyBytes::new(py, &bigs),
     ))
 }
