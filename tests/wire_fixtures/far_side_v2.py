@@ -4,8 +4,9 @@ Usage (as --remote-python): ``python far_side_v2.py LOG -m mpi_stager ARGS...``.
 [--list] DEST`` it does what a v2 session did up to its requests: lock DEST (an flock on the directory),
 write the hello ``pallet-session 2``, with --list DEST's listing block; then it reads its input to the end,
 as a v2 session that is left. Any other command (``receive``, ``send``, ...) runs with the real pallet,
-so its stream and summaries are this pallet's (what the fallback after the session is tested on). LOG gets one line per event: the client's hello as
-its environment carried it, the session's start and end, each other command.
+so its stream and summaries are this pallet's (what the fallback after the session is tested on). LOG
+gets one line per event: the client's hello as its environment carried it, the session's start and end,
+each other command.
 """
 from __future__ import annotations
 
