@@ -9,12 +9,15 @@ import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import zstandard
 
 from .byte_source import Readable
 from .errors import BundleError, UsageError
+
+if TYPE_CHECKING:
+    from .level_fit import LevelFit
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -34,19 +37,36 @@ class Codec:
     ``raw_size`` bytes or raise BundleError. Output bytes depend only on the
     data, the codec and the level — never on the number of threads.
     ``source`` names the file being decoded in those errors.
+
+    With ``fit`` (a stream's level fitted to the link, bundles.level_fit)
+    ``compress`` uses the level the fit holds when it is called; ``level``
+    is the stream's starting level, which ``compress_stream`` (a shard of
+    one large file) always uses. Sent to a worker process, such a codec
+    goes as a plain one at the level of that moment (``__reduce__``).
     """
 
     name: str
     level: int
     suffix: str
     source: str | None = field(default=None, compare=False)
+    fit: LevelFit | None = field(default=None, compare=False, repr=False)
 
     def compress(self, data: bytes) -> bytes:
+        if self.fit is not None:
+            return self.fit.compress(data, self.compress_at)
+        return self.compress_at(data, self.level)
+
+    def compress_at(self, data: bytes, level: int) -> bytes:
+        """``data`` as one frame/member at ``level``."""
         if self.name == "zstd":
-            return zstandard.ZstdCompressor(level=self.level).compress(data)
+            return zstandard.ZstdCompressor(level=level).compress(data)
         if self.name == "gzip":
-            return _gzip_compress(data, self.level)
+            return _gzip_compress(data, level)
         return bytes(data)
+
+    def __reduce__(self):
+        level = self.level if self.fit is None else self.fit.take()
+        return Codec, (self.name, level, self.suffix, self.source)
 
     def compress_stream(self, chunks: Iterator[bytes], out: BinaryIO, threads: int) -> None:
         """Compress the concatenated ``chunks`` as one frame/member onto ``out``."""
@@ -102,13 +122,14 @@ class Codec:
 
 def get_codec(name: str, level: int | None = None, source: str | None = None) -> Codec:
     """Return the codec called ``name`` at ``level`` (None: the codec's default), decoding ``source``."""
-    defaults = {"zstd": (3, ".tar.zst", 1, 19), "gzip": (6, ".tar.gz", 1, 9), "none": (0, ".tar", 0, 0)}
+    defaults = {"zstd": (3, ".tar.zst", -5, 19), "gzip": (6, ".tar.gz", 1, 9), "none": (0, ".tar", 0, 0)}
     if name not in defaults:
         raise UsageError(f"unknown codec {name!r}", hint="use one of: zstd, gzip, none")
     default, suffix, low, high = defaults[name]
     level = default if level is None else level
-    if not low <= level <= high:
-        raise UsageError(f"level {level} is out of range for {name}", hint=f"use {low}..{high}")
+    if not low <= level <= high or (level == 0 and low < 0):     # zstd's 0 would mean its default
+        raise UsageError(f"level {level} is out of range for {name}",
+                         hint=f"use 1..{high} (or {low}..-1, its fast levels)" if low < 0 else f"use {low}..{high}")
     return Codec(name, level, suffix, source)
 
 

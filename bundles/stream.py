@@ -1,18 +1,19 @@
-"""Bundle stream v1: a bundle framed for unpacking while it is still being packed (docs/bundle-format.md §7)."""
+"""Bundle stream v2: a bundle framed for unpacking while it is still being packed (docs/bundle-format.md §7)."""
 from __future__ import annotations
 
 import enum
 import json
 import struct
+import time
 from array import array
 from dataclasses import dataclass
-from typing import BinaryIO, cast
+from typing import BinaryIO, Protocol, cast
 
 import zstandard
 
 from .codecs import get_codec
 from .errors import PalletError, StreamError
-from .index import HASH_SIZE, MAX_DECODE_RATIO, Index, content_hash, decoded_size_limit, little_endian
+from .index import HASH_SIZE, MAX_DECODE_RATIO, READABLE_FORMATS, Index, content_hash, decoded_size_limit, little_endian
 from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan, entry_bound
 from .stream_reply import STREAM_VERSION
 from .tarformat import BLOCK, Kind
@@ -55,8 +56,10 @@ class Frame:
 class Skeleton:
     """The first frame, decoded: entry columns (no hashes or offsets yet), codec, shard plan and stream id.
 
-    ``stream_id`` is a hash of the skeleton's bytes: the same tree, codec,
-    level and shard plan give the same id, whatever the file contents.
+    ``stream_id`` is a hash of the skeleton's bytes but its level: the same
+    tree, codec and shard plan give the same id, whatever the file contents
+    and the level the stream starts at (a stream's level is fitted to the
+    link, so a rerun may start at another; bundles.level_fit).
     """
 
     index: Index
@@ -75,7 +78,8 @@ class ShardRecord:
 
 def encode_skeleton(index: Index, plans: list[ShardPlan]) -> tuple[bytes, str]:
     """The SKELETON payload for ``index`` (entry columns filled, codec and shard size set) and its stream id."""
-    header = json.dumps({"stream": STREAM_VERSION, "codec": index.codec, "level": index.level,
+    header = json.dumps({"stream": STREAM_VERSION, "format": index.format, "codec": index.codec,
+                         "level": index.level,
                          "shard_size": index.shard_size, "entries": len(index), "shards": len(plans),
                          "columns": SKELETON_COLUMNS}, sort_keys=True, separators=(",", ":")).encode()
     counts, big = array("I", (p.count for p in plans)), array("B", (p.big for p in plans))
@@ -95,7 +99,7 @@ def decode_skeleton(payload: bytes, source: str | None) -> Skeleton:
     """
     blob = memoryview(_decompress(payload, source))
     header, pos = _skeleton_header(blob, source)
-    index = Index(header["codec"], header["level"], header["shard_size"])
+    index = Index(header["codec"], header["level"], header["shard_size"], format=header["format"])
     pos += index.load_columns(blob[pos:], SKELETON_COLUMNS, header["entries"], source)
     counts, pos = _plan_column(blob, pos, "I", header["shards"], source)
     big, pos = _plan_column(blob, pos, "B", header["shards"], source)
@@ -149,12 +153,23 @@ def compressed_bound(raw: int) -> int:
     return raw + raw // 64 + 65536
 
 
+class WriteMeter(Protocol):
+    """What a stream's writer reports each frame to (bundles.level_fit.LevelFit): seconds since the previous
+    frame ended, seconds spent writing this one, whether it ends a shard, and whether that shard was sent."""
+
+    def wrote(self, waited_s: float, blocked_s: float, ends_shard: bool, moves: bool = True) -> None: ...
+
+
 class FrameWriter:
-    """Writes a stream onto a binary file object; ``bytes_written`` counts everything written."""
+    """Writes a stream onto a binary file object; ``bytes_written`` counts everything written. ``meter``
+    (None: none) is told how long each shard's frames waited and how long writing them took."""
 
     def __init__(self, out: BinaryIO):
         self.out = out
         self.bytes_written = 0
+        self.meter: WriteMeter | None = None
+        self._ended = time.monotonic()
+        self._flushing = 0.0
 
     def prelude(self) -> None:
         """The stream's first bytes: magic and version."""
@@ -162,12 +177,25 @@ class FrameWriter:
 
     def frame(self, kind: FrameKind, number: int, *parts) -> None:
         """Write one frame whose payload is the concatenation of ``parts`` (bytes-like)."""
+        started = time.monotonic()
         self._write(_FRAME.pack(kind, number, sum(memoryview(p).nbytes for p in parts)))
         for part in parts:
             self._write(part)
+        self._measured(kind, started)
 
     def flush(self) -> None:
+        started = time.monotonic()
         self.out.flush()
+        if self.meter is not None:
+            self._flushing += time.monotonic() - started
+
+    def _measured(self, kind: FrameKind, started: float) -> None:
+        ended = time.monotonic()
+        if self.meter is not None and kind in (FrameKind.SHARD, FrameKind.DATA, FrameKind.SKIP):
+            waited = max(0.0, started - self._ended - self._flushing)
+            self.meter.wrote(waited, ended - started + self._flushing, kind != FrameKind.DATA,
+                             kind != FrameKind.SKIP)
+        self._ended, self._flushing = ended, 0.0
 
     def _write(self, data) -> None:
         self.out.write(data)
@@ -260,15 +288,20 @@ def frame_limit(skeleton: Skeleton, source: str | None) -> int:
 
 
 def _stream_id(blob) -> str:
-    return content_hash(blob).hex()[:24]
+    """A hash of a skeleton's bytes with its header's level left out (the blob is checked or made already)."""
+    (length,) = _U32.unpack_from(blob)
+    header = json.loads(bytes(blob[_U32.size:_U32.size + length]))
+    header.pop("level", None)
+    identity = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return content_hash(b"".join([_U32.pack(len(identity)), identity, blob[_U32.size + length:]])).hex()[:24]
 
 
 def shard_key(index: Index, plan: ShardPlan) -> bytes:
-    """What shard ``plan`` of a stream holds, as a hash: its entries' skeleton columns, codec, level and place
-    (big, last). Two streams' shards with one key hold the same entries with the same metadata, so a shard
-    that one stream finished at a DEST can answer for the other's (the sender still compares the bytes'
-    hashes before it skips one)."""
-    head = json.dumps([index.codec, index.level, plan.big, plan.last]).encode()
+    """What shard ``plan`` of a stream holds, as a hash: its entries' skeleton columns, codec and place (big,
+    last), not the level (a fitted stream's shards each have their own). Two streams' shards with one key hold
+    the same entries with the same metadata, so a shard that one stream finished at a DEST can answer for the
+    other's (the sender still compares the bytes' hashes before it skips one)."""
+    head = json.dumps([index.codec, plan.big, plan.last]).encode()
     return content_hash(b"".join([head, *index.slice(plan.first, plan.count).column_parts(SKELETON_COLUMNS)]))
 
 
@@ -292,6 +325,8 @@ def _skeleton_header(blob: memoryview, source: str | None) -> tuple[dict, int]:
             raise StreamError(f"skeleton version {version} is not supported", source,
                               "use the same pallet version on both sides")
         get_codec(header["codec"], header["level"])
+        if header["format"] not in READABLE_FORMATS:
+            raise ValueError(f"bundle format {header['format']!r} is not one this pallet reads")
         for key, least in _HEADER_MINIMUMS.items():
             if not isinstance(header[key], int) or header[key] < least:
                 raise ValueError(f"{key} is {header[key]!r}")

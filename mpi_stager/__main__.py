@@ -1,15 +1,19 @@
 """`python -m mpi_stager`: unpack (resumably) or pack a bundle with every MPI rank, or serially; receive a stream."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
+from bundles.allocator import return_freed_buffers
 from bundles.errors import PalletError, UsageError
 
 from .wire import RECEIVER_GONE
-from .wire import encode_summary as encode
+
+if TYPE_CHECKING:
+    import argparse
 
 _EPILOG = """\
 run it as:  mpirun -np 8 python -m mpi_stager unpack B.tar.zst /scratch/dest
@@ -32,10 +36,11 @@ _LOCKED_HELP = ("the caller holds DEST's lock (pallet push does); otherwise DEST
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
     parser = argparse.ArgumentParser(prog="python -m mpi_stager", epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Parallel, resumable unpack of pallet bundles across MPI ranks.")
-    parser.add_argument("--version", action=_VersionAction, help="print the versions of pallet and its protocols")
+    parser.add_argument("--version", action=_version_action(), help="print the versions of pallet and its protocols")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_unpack, _add_receive, _add_send, _add_session, _add_serve, _add_hello, _add_pack):
         add(commands)
@@ -43,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_unpack(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    import argparse
     unpack = commands.add_parser("unpack", help="unpack BUNDLE into DEST with all ranks",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     unpack.add_argument("bundle", metavar="BUNDLE")
@@ -64,6 +70,7 @@ def _add_unpack(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _add_receive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    import argparse
     receive = commands.add_parser("receive", help="unpack a bundle stream read from stdin into DEST as it arrives",
                                   description="Read a bundle stream (docs/bundle-format.md, 'Bundle stream v1') "
                                               "on stdin, as `pallet push` sends it over ssh, and unpack each shard "
@@ -146,6 +153,15 @@ def _add_pack(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names, loading only that command's modules (a far-side session starts fast)."""
+    if argv is None:
+        return_freed_buffers()            # the process's peak memory stays that of its buffers
+    words = sys.argv[1:] if argv is None else argv
+    session = _session_args(words)
+    if session is not None:
+        return _run_session(session)
+    sending = _send_args(words)
+    if sending is not None:
+        return _run_send(sending)
     args = build_parser().parse_args(argv)
     if args.command == "receive":
         return _run_receive(args)
@@ -183,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def encode(summary) -> str:
+    """``summary`` as its JSON line (the summaries' module loads only for a command that prints one)."""
+    from .wire import encode_summary
+    return encode_summary(summary)
+
+
 def _run_receive(args) -> int:
     from .receive import receive
     try:
@@ -199,21 +221,24 @@ def _run_receive(args) -> int:
     return 0
 
 
-class _VersionAction(argparse.Action):
+def _version_action() -> type[argparse.Action]:
     """``--version``: pallet's version and those of the protocols it speaks (docs/wire.md), looked up only when
     asked for (a far-side session starts without reading package metadata)."""
+    import argparse
 
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, **kwargs)
+    class VersionAction(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest, nargs=0, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        from importlib.metadata import version
+        def __call__(self, parser, namespace, values, option_string=None):
+            from importlib.metadata import version
 
-        from . import wire
-        print(f"mpi_stager (pallet {version('pallet')}): session protocol v{wire.SESSION_VERSION}, summary "
-              f"v{wire.SUMMARY_VERSION}, bundle stream v{wire.STREAM_VERSION}, tar tools v{wire.TAR_TOOLS_VERSION}, "
-              f"host session v{wire.HOST_VERSION}")
-        parser.exit()
+            from . import wire
+            print(f"mpi_stager (pallet {version('pallet')}): session protocol v{wire.SESSION_VERSION}, summary "
+                  f"v{wire.SUMMARY_VERSION}, bundle stream v{wire.STREAM_VERSION}, tar tools "
+                  f"v{wire.TAR_TOOLS_VERSION}, host session v{wire.HOST_VERSION}")
+            parser.exit()
+    return VersionAction
 
 
 def _run_hello() -> int:
@@ -224,6 +249,49 @@ def _run_hello() -> int:
         print(f"mpi_stager hello: error: {agreed.problem(client_side=False)}", file=sys.stderr)
         return 1
     return 0
+
+
+class _SessionArgs:
+    """The arguments of `session` (as argparse would give them), read without argparse: a push waits for them."""
+
+    def __init__(self, dest: str, listing: bool, wait: bool):
+        self.dest, self.list, self.wait = dest, listing, wait
+
+
+def _session_args(argv: list[str]) -> _SessionArgs | None:
+    """``session [--list] [--wait] DEST``, each flag at most once, DEST not an option: its arguments; anything
+    else (help, another command, a usage error): None, and argparse reads it."""
+    if not argv or argv[0] != "session":
+        return None
+    flags = [word for word in argv[1:] if word.startswith("-")]
+    places = [word for word in argv[1:] if not word.startswith("-")]
+    if len(places) != 1 or len(set(flags)) != len(flags) or not set(flags) <= {"--list", "--wait"}:
+        return None
+    return _SessionArgs(places[0], "--list" in flags, "--wait" in flags)
+
+
+_SEND_OPTIONS = {"--codec": ("zstd", "gzip", "none"), "--shard-size": int, "--jobs": int, "--files-from": str}
+
+
+def _send_args(argv: list[str]) -> SimpleNamespace | None:
+    """``send [--codec C] [--shard-size N] [--jobs N] [--files-from FILE] SRC`` as a pull writes it, each option
+    at most once: its arguments, as argparse would give them; anything else: None, and argparse reads it."""
+    if not argv or argv[0] != "send":
+        return None
+    values: dict[str, object] = {"codec": "zstd", "shard_size": None, "jobs": 0, "files_from": None}
+    places, seen, words = [], set(), iter(argv[1:])
+    for word in words:
+        if not word.startswith("-") or word == "-":
+            places.append(word)
+            continue
+        kind, value = _SEND_OPTIONS.get(word), next(words, None)
+        if kind is None or value is None or word in seen or (value.startswith("-") and value != "-"):
+            return None
+        if (kind is int and not value.isdigit()) or (isinstance(kind, tuple) and value not in kind):
+            return None
+        seen.add(word)
+        values[word[2:].replace("-", "_")] = int(value) if kind is int else value
+    return SimpleNamespace(src=places[0], **values) if len(places) == 1 else None
 
 
 def _run_session(args) -> int:
@@ -308,6 +376,8 @@ def end_process(status: int) -> None:
     finalization would then abort the process (exit 134), as CPython cannot
     take stdin's buffer lock from a daemon thread. Nothing else is pending:
     their workers are joined and their files closed before they return.
+    `send` ends so too: its peer waits for it to exit, and finalization
+    (collecting what the walk and the index made) would only add to that.
     """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -317,6 +387,6 @@ def end_process(status: int) -> None:
 
 if __name__ == "__main__":
     status = main()
-    if sys.argv[1:2] in (["receive"], ["session"]):
+    if sys.argv[1:2] in (["receive"], ["session"], ["send"]):
         end_process(status)
     sys.exit(status)

@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from contextlib import AbstractContextManager
 from typing import BinaryIO
 
 from bundles.errors import DestinationError, StreamError
-from bundles.safety import path_problem, safe_mode
-from bundles.state import INCOMPLETE, holding_lock, remove_state, state_path
-from bundles.stream import FrameKind, FrameReader
+from bundles.state import INCOMPLETE, STATE_DIR, holding_lock, remove_state, state_path
 
-from .receive import receive
-from .wire import encode_summary as encode
-from .wire import (DECLINED, LISTING_ARGV, NOT_COMPARABLE, OK, Hello, SessionRequest, WireVersionError, decode_dirs,
-                   far_hello_for, install_hint, listing_block, read_exactly)
+from .wire import (DECLINED, LISTING_ARGV, NOT_COMPARABLE, OK, Hello, SessionRequest, WireVersionError, far_hello_for,
+                   install_hint, listing_block)
+
+# What serves the requests (the receiver, the stream's framing) is loaded after the hello and the listing are out,
+# so that it loads while they travel: the client answers them with the stream's first shard.
 
 
 def run_session(dest: str, inp: BinaryIO, out: BinaryIO, wait: bool = False, listing: bool = False,
@@ -72,9 +70,12 @@ def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO, emp
         drop_offer(inp, f"session at {dest}")
         return DECLINED
     if request.op in ("receive", "receive-new"):
+        from .receive import receive
+        from .wire import encode_summary
         summary = receive(inp, out, dest, request.verify, lock_held=True, ends_at_index=True)
-        return encode(summary).encode() + b"\n"
+        return encode_summary(summary).encode() + b"\n"
     if request.op == "dirs":
+        from .wire import decode_dirs, read_exactly
         set_directories(dest, decode_dirs(read_exactly(inp, request.size, f"session at {dest}")))
     else:
         remove_state(dest)
@@ -84,6 +85,7 @@ def _serve(request: SessionRequest, dest: str, inp: BinaryIO, out: BinaryIO, emp
 def set_directories(dest: str, entries: list[tuple[bytes, int, int]]) -> None:
     """Give DEST's directories ``entries`` (relative path, mode, mtime ns) that mode (without setuid and setgid)
     and mtime; an entry that is not a safe name, not a directory, or reached through a link, is left alone."""
+    from bundles.safety import path_problem, safe_mode
     root = os.fsencode(dest)
     for path, mode, mtime in entries:
         if path_problem(path) is not None:
@@ -102,6 +104,7 @@ def set_directories(dest: str, entries: list[tuple[bytes, int, int]]) -> None:
 def drop_offer(inp: BinaryIO, source: str) -> None:
     """Read and drop a declined stream's prelude and skeleton (all that a ``receive-new`` sender writes before
     it reads the listing); StreamError if anything else follows the request."""
+    from bundles.stream import FrameKind, FrameReader
     reader = FrameReader(inp, source)
     reader.prelude()
     frame = reader.next()
@@ -123,9 +126,21 @@ def _locked(dest: str, wait: bool) -> AbstractContextManager:
 def _listing(dest: str) -> bytes:
     if os.path.lexists(state_path(dest, INCOMPLETE)):
         return NOT_COMPARABLE
+    if _holds_nothing(dest):
+        return b""                  # what find prints there, without starting it (a push into a new DEST)
+    import subprocess
     found = subprocess.run(LISTING_ARGV, cwd=dest, stdin=subprocess.DEVNULL, capture_output=True)
     if found.returncode != 0:
         said = found.stderr.decode(errors="replace").strip().splitlines()
         raise DestinationError(f"cannot list the destination ({said[-1] if said else found.returncode})", dest,
                                "make everything under DEST readable to you, then rerun")
     return found.stdout
+
+
+def _holds_nothing(dest: str) -> bool:
+    """Whether DEST holds no entry but DEST/.pallet (False when it cannot be read: find then says why)."""
+    try:
+        with os.scandir(dest) as entries:
+            return all(entry.name == STATE_DIR for entry in entries)
+    except OSError:
+        return False

@@ -26,6 +26,8 @@ class StagingOptions:
 
     strategy      'auto' asks the planner; 'individual', 'bundle', 'hybrid' override it.
     codec         bundle codec (None: the plan's choice, zstd for pulls).
+    level         compression level of every shard (None: a stream's level is fitted to the link, a stored
+                  bundle's is the codec's default; see staging_core.planning.level).
     shard_size    target uncompressed shard size (None: automatic, see bundles.shards.auto_shard_size).
     large_file_bytes  files at least this big travel individually in a hybrid plan.
     jobs          local worker processes (0: automatic, one per CPU, or none for small work).
@@ -57,6 +59,7 @@ class StagingOptions:
 
     strategy: str = "auto"
     codec: str | None = None
+    level: int | None = None
     shard_size: int | None = None
     large_file_bytes: int = LARGE_FILE_BYTES
     jobs: int = 0
@@ -128,6 +131,7 @@ class PlanningOptions:
 
     strategy: str = "auto"
     codec: str | None = None
+    level: int | None = None
     shard_size: int | None = None
     large_file_bytes: int = LARGE_FILE_BYTES
     profile: str | None = None
@@ -303,6 +307,9 @@ OPTION_DECLARATIONS: tuple[OptionDeclaration, ...] = (
     OptionDeclaration("codec", "planning", str, "bundle compression: zstd, gzip or none (default: the plan's "
                       "choice for a push, zstd for a pull)", ("--codec",), choices=CODECS,
                       snakemake=True, parsl=True),
+    OptionDeclaration("level", "planning", int, "compression level of every shard, e.g. 1 (zstd -5..-1, 1..19; "
+                      "gzip 1..9; default: a stream's is fitted to the link and adjusted as it runs, a stored "
+                      "bundle's is the codec's default)", ("--level",), "N", commands=("plan", "push")),
     OptionDeclaration("shard_size", "planning", int, "target uncompressed shard size, e.g. 16M (default: "
                       "automatic, 4-64 MiB; above 64M the bundle is stored and forwarded, not streamed)",
                       ("--shard-size",), "SIZE", size=True, minimum=1, parsl=True),

@@ -24,7 +24,9 @@ class StagingResult:
     push's far-side session was offered and declined (the skeleton of the
     whole tree, sent before DEST's listing came back and found DEST not
     empty; not in ``bytes_sent``); a dry run lists in ``would_send`` and
-    ``would_delete`` what it would do.
+    ``would_delete`` what it would do. ``shard_levels``: a pushed stream's
+    shards compressed at each level (level -> shards; its level is fitted
+    to the link, staging_core.planning.level), in ``--json`` only then.
     """
 
     dest: str
@@ -44,6 +46,7 @@ class StagingResult:
     offered_bytes: int = 0
     would_send: tuple[str, ...] | None = None
     would_delete: tuple[str, ...] = ()
+    shard_levels: dict[int, int] = field(default_factory=dict)
 
     @property
     def sent_nothing(self) -> bool:
@@ -68,5 +71,6 @@ class StagingResult:
                 "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
                 "skipped_shards": self.skipped_shards, "attempts": self.attempts, "bytes_sent": self.bytes_sent,
                 "in_place": self.in_place, "deleted": self.deleted, "offered_bytes": self.offered_bytes,
+                **({"shard_levels": {str(k): v for k, v in self.shard_levels.items()}} if self.shard_levels else {}),
                 **({} if self.would_send is None else {"would_send": list(self.would_send),
                                                        "would_delete": list(self.would_delete)})}

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import zstandard
 
 from bundles.errors import StreamError
-from bundles.index import decode_zstd_bounded
 from bundles.state import STATE_DIR
 
 from .versions import install_hint
@@ -77,6 +76,7 @@ def listing_size(header: bytes) -> int | None:
 
 def decode_listing(block: bytes, source: str) -> bytes:
     """The listing a block's N bytes hold (decoded within a bound of their size; StreamError if damaged)."""
+    from bundles.index import decode_zstd_bounded      # the client's alone: a far side starts without it
     return decode_zstd_bounded(block, source, "the session's listing", StreamError, "rerun the push")
 
 

@@ -33,51 +33,78 @@ xargs -0 -r md5sum --
 cd -- "$1" || exit 3
 tar -c --null --no-recursion -T - -f - --format=posix --numeric-owner | $2
 """,
-    # $1 DEST, $2 decoder, with the far side's own tools (GNU tar, coreutils, util-linux). It makes DEST, checks
-    # DEST/.pallet is a directory of ours, waits on a flock of it (a tar of a killed push may still be writing),
-    # and replies with the tree's listing records. Then one command per line on stdin:
-    #   H N   hash the N bytes of NUL-separated ./names that follow; reply with md5sum lines
-    #   T     mark DEST incomplete; extract one run of tar shards sent as frames "SIZE\n" + SIZE bytes, ended by
-    #         "0\n"; the first T starts a background md5sum fed by V, so checking overlaps the next extraction
-    #   V N   queue the N bytes of NUL-separated ./names that follow (files already extracted) for that md5sum
-    #   W     wait for the queued md5sums; reply with their lines
-    #   F C   done: remove the INCOMPLETE mark (C=1: all of DEST/.pallet, else only if that empties it); reply
-    #         "done"
+    # $1 DEST, $2 decoder, $3 DEST's lock: "held" (the caller holds it; the default), "try" or "wait" (the session
+    # takes it: a flock on DEST itself, as staging_core.locking takes it; exit 4 when another run holds it, unless
+    # that is a session whose pusher went away and whose tar still writes: then it waits for it). With the far
+    # side's own tools (GNU tar, coreutils, util-linux). It makes DEST, checks DEST/.pallet is a directory of ours,
+    # waits on a flock of it (a tar of a killed push may still be writing), and replies with the tree's listing
+    # records. Then one command per line on stdin:
+    #   T     mark DEST incomplete; extract one run of tar shards sent as frames "SIZE\n" + SIZE bytes, ended by "0\n"
+    #   V N M queue the N bytes of md5sum check lines that follow ("HEX  ./NAME\n", files already there) for a
+    #         background `md5sum -c`, which checks them while the next run arrives; then append the M bytes of
+    #         NUL-separated ./names that follow (names md5sum -c cannot read back) to those hashed at W
+    #   W     wait for the queued checks; reply with md5sum -c's status, the numbers of the lines that failed and
+    #         the count of lines checked, one per line; then reply with the md5sum lines of the names to hash
+    #   F C S done: remove the INCOMPLETE mark (C=1: all of DEST/.pallet, else only if that empties it), give DEST
+    #         the mtime S (seconds.nanoseconds; none: leave it); reply "done". The lock is held until input ends.
     # A reply is its length in bytes on one line, then the bytes. End of input before F: the pusher is gone
-    # (exit 9). Exit 5, 6, 8: the script's own refusals (message on stderr).
+    # (exit 9). Exit 4: DEST is locked; 5, 6, 8: the script's own refusals (message on stderr).
     "session": (r"""
 set -u
 fail() { echo "pallet: $1" >&2; exit "$2"; }
 mkdir -p -- "$1" 2>/dev/null && cd -- "$1" || fail "cannot create or enter $1" 5
+case ${3:-held} in
+held) ;;
+wait) exec 7<. && flock 7 || fail "cannot lock $1" 5 ;;
+*) exec 7<. || fail "cannot open $1" 5
+   flock -n 7 || { [ -f .pallet/ABANDONED ] && flock -w 600 7; } || exit 4 ;;
+esac
 if [ -L .pallet ] || { [ -e .pallet ] && { [ ! -d .pallet ] || [ ! -O .pallet ]; }; }; then
   fail "$1/.pallet is not a directory of yours; remove it" 5
 fi
 mkdir -p .pallet && exec 9<.pallet || fail "cannot create $1/.pallet" 5
 flock -w 600 9 || fail "an earlier transfer into $1 is still running" 6
-rm -f .pallet/list .pallet/sums .pallet/queue .pallet/checked
+STATE=".pallet/list .pallet/sums .pallet/queue .pallet/checked .pallet/failed .pallet/status .pallet/odd"
+rm -f $STATE .pallet/ABANDONED
+trap 'rm -f .pallet/ABANDONED' EXIT            # made when the pusher went away while this session's tar wrote
 reply() { wc -c < "$1"; cat -- "$1"; }
 """ + FIND_RECORDS + r""" > .pallet/list
 reply .pallet/list
-checker=
-while read -r command size; do
+checker= marked= finished=
+start_checker() {
+  [ -n "$checker" ] && return 0
+  mkfifo .pallet/queue && exec 8<>.pallet/queue 6<.pallet/queue || fail "cannot write in $1" 5
+  { LC_ALL=C md5sum -c - 2>/dev/null; echo "$?" > .pallet/status; } <&6 > .pallet/checked 6<&- 7<&- 8>&- &
+  checker=$!
+  exec 6<&-          # the checker holds the queue's reading end from its start: no open of it waits for a writer
+}
+while read -r command size more; do
   case $command in
-  H) head -c "$size" | xargs -0 -r md5sum -- > .pallet/sums 2>/dev/null; reply .pallet/sums ;;
-  T) if [ -z "$checker" ]; then
-       rm -rf JOURNALS && : > .pallet/INCOMPLETE && mkfifo .pallet/queue \
-         && exec 8<>.pallet/queue || fail "cannot write in $1" 5
-       xargs -0 -r -n 2048 md5sum -- < .pallet/queue > .pallet/checked 2>/dev/null 8>&- &
-       checker=$!
+  T) if [ -z "$marked" ]; then
+       rm -rf JOURNALS && : > .pallet/INCOMPLETE || fail "cannot write in $1" 5
+       marked=1
      fi
-     while read -r frame && [ "$frame" != 0 ]; do head -c "$frame" || exit 1; done 8>&- \
+     { while read -r frame && [ "$frame" != 0 ]; do head -c "$frame" || exit 1; done
+       [ "$frame" = 0 ] || : > .pallet/ABANDONED; } 8>&- \
        | $2 8>&- | tar -x -p --no-same-owner -f - 8>&- || exit 7 ;;
-  V) head -c "$size" >&8 ;;
-  W) exec 8>&-; wait "$checker"; checker=; rm -f .pallet/queue; reply .pallet/checked ;;
-  F) rm -f .pallet/INCOMPLETE .pallet/list .pallet/sums .pallet/checked
+  V) if [ "$size" != 0 ]; then start_checker; head -c "$size" >&8; fi
+     if [ "$more" != 0 ]; then head -c "$more" >> .pallet/odd; fi ;;
+  W) if [ -n "$checker" ]; then
+       exec 8>&-; wait "$checker"; checker=; rm -f .pallet/queue
+       { cat .pallet/status; LC_ALL=C sed -n -e '/: OK$/!=' -e '$=' .pallet/checked; } > .pallet/failed
+     else echo 0 > .pallet/failed; fi
+     reply .pallet/failed
+     : > .pallet/sums; [ ! -s .pallet/odd ] || xargs -0 -r md5sum -- < .pallet/odd > .pallet/sums 2>/dev/null
+     rm -f .pallet/odd; reply .pallet/sums ;;
+  F) rm -f .pallet/INCOMPLETE $STATE
      if [ "$size" = 1 ]; then rm -rf .pallet; else rmdir .pallet 2>/dev/null; fi
-     printf '4\ndone'; exit 0 ;;
+     [ -z "$more" ] || touch -m -d "@$more" . 2>/dev/null || :
+     marked= finished=1; printf '4\ndone' ;;
   *) fail "unexpected command from the pusher" 8 ;;
   esac
 done
+[ -n "$finished" ] && exit 0
+[ -n "$marked" ] || { rm -f $STATE; rmdir .pallet 2>/dev/null; }
 exit 9
 """).replace("JOURNALS", " ".join(f".pallet/{kind}*" for kind in JOURNAL_KINDS)),
 }

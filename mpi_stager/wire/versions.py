@@ -1,9 +1,6 @@
 """Protocol versions, the exit statuses a client acts on, and the error of a version no side shares."""
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
-
 from bundles.errors import PalletError
 # The bundle stream's version and its receiver's answer are defined beside that framing in bundles.stream_reply (the
 # bundle format's streamed form is below mpi_stager) and listed here, so that this package names every version.
@@ -20,7 +17,7 @@ SUMMARY_VERSION = 1         # the far side's JSON summaries (below); readers rea
 MIN_SUMMARY_VERSION = 0     # a summary without a version field (a pallet before versioned summaries) reads as 0
 HOST_VERSION = 1            # `mpi_stager serve`: the host session's hello, requests and answers (wire/host.py)
 MIN_HOST_VERSION = 1        # the oldest host-session version this pallet speaks, as client and as far side
-TAR_TOOLS_VERSION = 1       # the shell scripts of the tar-tools route and their output
+TAR_TOOLS_VERSION = 2       # the shell scripts of the tar-tools route and their output
 # STREAM_VERSION, the bundle stream's framing, is defined with that framing in bundles.stream (the bundle format's
 # streamed form, below mpi_stager) and listed here: this module is the one place that names every version.
 
@@ -39,6 +36,7 @@ class WireVersionError(PalletError):
 def install_hint(where: str | None) -> str:
     """The fix for a far side of another version: `pallet remote install` of the host ``where`` names (an ssh
     URL gives ``ssh://[user@]host[:port]``, anything else HOST)."""
+    from urllib.parse import urlsplit       # only for an error: a far side starts without it
     parts = urlsplit(where) if where and "://" in where else None
     host = f"ssh://{parts.netloc}" if parts is not None and parts.scheme == "ssh" and parts.netloc else "HOST"
     return f"install the same pallet version at the far side: `pallet remote install {host}`"

@@ -79,7 +79,8 @@ def _run_plan(args) -> int:
     if uses_local_copy(destination.scheme, routes.profile) and not routes.unpack_via and not routes.keep_packed:
         profile, routed = local_profile(destination.path), False
     chosen = plan(inventory.stats, profile, compress_ratio(args.src, paths) if paths else 1.0, max(1, routes.ranks),
-                  bundle_possible=routed, in_place=None if comparison is None else comparison.in_place)
+                  bundle_possible=routed, in_place=None if comparison is None else comparison.in_place,
+                  level=routes.level)
     source_files = sum(1 for kind in tree.index.kinds if kind == Kind.FILE)
     if args.json:
         print(json.dumps({**chosen.to_json(), "histogram": inventory.histogram(), "dest": destination.url(),
@@ -118,7 +119,8 @@ def _look_at_dest(destination, options, tree):
     try:
         with open_endpoint(destination, options) as transport:
             options, far = far_side_options(transport, destination, options, current_space=True)
-            return far, compare_with_dest(transport, destination, tree)
+            tar_tools = far is not None and far.routes()[:1] == ["tar tools"]     # its tar sets whole seconds
+            return far, compare_with_dest(transport, destination, tree, whole_seconds=tar_tools)
     except (TransportError, MissingDependencyError) as exc:
         print(f"pallet plan: far side not probed, DEST not compared: {str(exc).splitlines()[0]}", file=sys.stderr)
         return None, None

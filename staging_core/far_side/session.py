@@ -45,7 +45,10 @@ class FarSession:
     :meth:`clear`) are queued and sent with the session's end in one write,
     so that they cost one round trip between them, not one each; their
     errors are raised by :meth:`close`, and a session closed as failed
-    drops them unsent. SessionUnavailable when the far side's pallet is older
+    drops them unsent. When a stream is the push's last request and
+    ``clear`` its only finishing (:meth:`end_with_stream`), that ``clear``
+    and the end of the input go right after the stream, costing no round
+    trip after it. SessionUnavailable when the far side's pallet is older
     (see there); WireVersionError, naming both sides' versions and the fix,
     when it is newer and no longer speaks this session version, or shares
     no bundle stream or summary version; FarStagerError or TransportError
@@ -75,6 +78,8 @@ class FarSession:
         self._broken = False
         self._streams = 0
         self._queued: list[bytes] = []
+        self._last_stream = False       # the next stream ends the session's input (end_with_stream)
+        self._answers_due = 0           # answers of requests sent with the session's end, read by close()
 
     def entries(self) -> dict[bytes, FarEntry] | None:
         """DEST's entries as the session listed them (DEST/.pallet left out); None when DEST is marked
@@ -89,6 +94,7 @@ class FarSession:
         if self._broken:
             self._far.close()
             self._far = self._start(False)          # a retry: the last stream ended that session
+            self._answers_due = 0
         self._broken = True                         # until the stream's summary has come back
         begun, self._begun = self._begun, None
         if begun is None:
@@ -104,8 +110,25 @@ class FarSession:
             self._queue(SessionRequest("dirs", size=len(payload)), payload)
 
     def clear(self) -> None:
-        """Queue: remove DEST/.pallet, the lock still held."""
-        self._queue(SessionRequest("clear"))
+        """Queue: remove DEST/.pallet, the lock still held (nothing when the last stream's end asked for it)."""
+        if not self._answers_due:
+            self._queue(SessionRequest("clear"))
+
+    def end_with_stream(self) -> None:
+        """Declare that a stream is the last thing the push asks of the far side, and that its finishing is only
+        :meth:`clear`: once its index is written, ``clear`` and the end of the session's input follow at once
+        (requests are served in order, each only after the one before succeeded), so that the far side answers
+        the summary, clears and ends without a further round trip. :meth:`close` reads that answer."""
+        self._last_stream = True
+
+    def _end_after(self, stream: SessionStream) -> None:
+        """After ``stream``'s index, when it is the last one: ``clear`` and the end of the input."""
+        if not self._last_stream:
+            return
+        stream.stdin.write(SessionRequest("clear").encode())
+        stream.stdin.flush()
+        self._far.close_input()
+        self._answers_due = 1
 
     def close(self, failed: bool = False) -> None:
         """End the session: unless ``failed``, send the queued requests and check their answers; the far side
@@ -113,9 +136,12 @@ class FarSession:
         raised."""
         queued, self._queued = self._queued, []
         if not failed and queued:
+            if self._answers_due:       # set_directories after end_with_stream: the caller's defect
+                raise StreamError("a request queued after the far-side session's input ended", self.endpoint.url())
             self._send_all(queued)
+        if not failed:
             self._far.close_input()
-            for _ in queued:
+            for _ in range(len(queued) + self._answers_due):
                 if self._far.stdout.readline() != OK:
                     raise self._far.failure()
         self._far.close()
@@ -279,6 +305,7 @@ class SessionStream:
         """The receiver's summary line; the session is then ready for its next request. No line: the far side's
         error; a line that is no receive summary: SummaryError (the session then ends)."""
         self.stdin.flush()
+        self.session._end_after(self)
         if self._answer is not None:
             self._answer.join()
             if not self._answer_line:

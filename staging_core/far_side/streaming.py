@@ -5,18 +5,21 @@ import os
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from bundles.codecs import get_codec
 from bundles.errors import PalletError, StreamError
+from bundles.level_fit import LevelFit, level_range
 from bundles.progress import Progress
 from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.receive import read_skeleton, receive
-from mpi_stager.send import prepare_source, selection_block, send_stream
+from mpi_stager.send import BegunStream, StreamSource, begin_stream, prepare_source, selection_block, send_stream
 from mpi_stager.wire import ReceiveSummary
 
 from staging_core.far_side.far_process import FarStager
 from staging_core.options import StagingOptions
+from staging_core.planning.level import FittedLevel, fixed_level
 from staging_core.transports.base import Endpoint, Transport
 
 _GRACE_SECONDS = 5
@@ -25,18 +28,20 @@ _GRACE_SECONDS = 5
 @dataclass(frozen=True)
 class StreamOutcome:
     """What a streaming push or pull did: shards skipped (finished by an earlier run), stream bytes, seconds
-    per stage (push: 'scan', 'stream': pack ∥ wire ∥ unpack, 'finish'; pull: 'stream'), and the receiver's
-    summary (the far side's for a push, this side's for a pull)."""
+    per stage (push: 'scan', 'stream': pack ∥ wire ∥ unpack, 'finish'; pull: 'stream'), the receiver's
+    summary (the far side's for a push, this side's for a pull), and the shards compressed at each level
+    (level -> shards, those skipped too; a push's only: a pull's are compressed at the far side)."""
 
     skipped_shards: int
     bytes_sent: int
     stage_seconds: dict[str, float]
     receiver: ReceiveSummary
+    shard_levels: dict[int, int] = field(default_factory=dict)
 
 
 def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, options: StagingOptions,
                 progress: Progress, tree: SourceTree | None = None,
-                receiver: Callable[[], FarStager] | None = None) -> StreamOutcome:
+                receiver: Callable[[], FarStager] | None = None, level: FittedLevel | None = None) -> StreamOutcome:
     """Push the tree under ``src`` to ``endpoint.path`` as a bundle stream and return what was done.
 
     ``transport`` is open and can stream (ssh); ``remote_python -m mpi_stager
@@ -53,15 +58,24 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     ``receiver`` starts the far-side receiver instead (a push's far-side
     session, staging_core.far_side.session); a stream the session offered and
     the far side took (its ``begun``) goes on from its skeleton.
+    ``level``: the shards' level (None: ``options.level``, else the codec's
+    default, for every shard); one not ``fixed`` starts there and is fitted
+    as the stream runs (bundles.level_fit), and the index's level is where
+    it started (a stream the session began declares the codec's default).
     """
     started = time.monotonic()
+    level = level or fixed_level(codec, options.level)
+    fit = None if level.fixed else LevelFit(level_range(codec, level.level, level.low, level.high))
     far = receiver() if receiver is not None else FarStager(transport, receive_argv(options, endpoint.path),
                                                              endpoint.url())
     begun = far.begun
     source = begun.source if begun is not None else prepare_source(src, codec, options.jobs, options.shard_size, tree)
+    source = at_level(source, level.level, fit, declared=begun is None)
     scanned = time.monotonic()
+    resume = far.handshake if fit is None else (lambda stream_id: fit.hold(far.handshake(stream_id)))
     try:
-        report = send_stream(source, far.stdin, far.handshake, progress, begun)
+        begun = _metered(begun or begin_stream(source, far.stdin), fit)
+        report = send_stream(source, far.stdin, resume, progress, begun)
         sent = time.monotonic()
         summary = far.summary()
     except (BrokenPipeError, ConnectionResetError):
@@ -72,7 +86,34 @@ def stream_push(transport: Transport, src: str, endpoint: Endpoint, codec: str, 
     finally:
         far.close()
     seconds = {"scan": scanned - started, "stream": sent - scanned, "finish": time.monotonic() - sent}
-    return StreamOutcome(report.skipped_shards, report.bytes_sent, seconds, summary)
+    return StreamOutcome(report.skipped_shards, report.bytes_sent, seconds, summary, shard_levels(source, fit))
+
+
+def at_level(source: StreamSource, level: int, fit: LevelFit | None, declared: bool) -> StreamSource:
+    """``source`` compressing at ``level`` (with ``fit``: starting there, then as the fit says); ``declared``:
+    its skeleton is not written yet, and its index says ``level`` too."""
+    codec = replace(get_codec(source.codec.name, level), fit=fit)
+    if declared:
+        source.tree.index.level = level
+    return replace(source, codec=codec)
+
+
+def _metered(begun: BegunStream, fit: LevelFit | None) -> BegunStream:
+    """``begun``, its writer reporting each frame to ``fit``."""
+    begun.wire.meter = fit
+    return begun
+
+
+def shard_levels(source: StreamSource, fit: LevelFit | None) -> dict[int, int]:
+    """Shards of ``source`` compressed at each level: as ``fit`` handed them out, and a shard of one large file
+    at the codec's starting level (level -> shards)."""
+    big = sum(1 for plan in source.plans if plan.big)
+    if fit is None:
+        return {source.codec.level: len(source.plans)}
+    used = fit.used()
+    if big:
+        used[source.codec.level] = used.get(source.codec.level, 0) + big
+    return dict(sorted(used.items()))
 
 
 def stream_pull(transport: Transport, endpoint: Endpoint, dest: str, codec: str, options: StagingOptions,

@@ -25,6 +25,7 @@ from staging_core.planning.inventory import Inventory, compress_ratio, tree_inve
 from staging_core.planning.local_profile import route_profile
 from staging_core.planning.planner import Plan, plan
 from staging_core.routes.base import HYBRID, INDIVIDUAL, Route, carries, route_streams
+from staging_core.routes.tar_tools import session_lock
 from staging_core.routes.unpack import closing, unpack_route
 from staging_core.transports.base import EarlyConnection, Endpoint, Transport, parse_url
 from staging_core.transports.registry import open_endpoint
@@ -60,9 +61,10 @@ class OpenDestination:
             self.route: Route | None = self._stack.enter_context(
                 closing(unpack_route(self.endpoint, self.transport, self.options, self.far)))
             offer = (lambda: self._stream_offer(*walked())) if walked is not None else None
+            own = session_lock(self.route, self.endpoint, self.transport, wait)     # the tar tools lock in a session
             self.lock: DestinationLock | FarSession = self._stack.enter_context(
-                destination_lock(self.endpoint, self.transport, self.options, self.streams, wait=wait,
-                                 listing=listing, offer=offer))
+                own if own is not None else destination_lock(self.endpoint, self.transport, self.options,
+                                                             self.streams, wait=wait, listing=listing, offer=offer))
         except BaseException:
             self._stack.close()
             raise
@@ -219,7 +221,8 @@ def finish_push(dest: OpenDestination, full: SourceTree, comparison: Comparison 
     cleared = dest.route is not None and dest.route.clears_state_itself and strategy != INDIVIDUAL
     if whole and not dest.options.keep_packed and not cleared:
         clear_state(dest)
-    if whole and not dest.options.keep_packed and dest.session is None:     # a session clears DEST/.pallet last
+    stamped = cleared and not dest.options.delete       # the tar tools' session gave DEST its time as it finished
+    if whole and not dest.options.keep_packed and dest.session is None and not stamped:
         stamp_top(dest.transport, dest.endpoint, os.stat(full.root).st_mtime_ns)
     return deleted
 

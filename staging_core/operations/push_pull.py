@@ -5,25 +5,20 @@ Policy in one place, read from what the transports and routes declare.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from bundles.errors import SourceError, UsageError
-from bundles.extract import prepare_destination
 from bundles.progress import NoProgress, Progress
-from bundles.scan import SourceTree, scan
+from bundles.scan import scan
 from bundles.state import remove_state
 
-from staging_core.far_side.streaming import PullStream
-from staging_core.operations.dry_run import pull_dry_run, push_dry_run
 from staging_core.locking import DestinationLock
-from staging_core.operations.pull_phases import OpenSource, plan_pull
-from staging_core.operations.pull_strategies import PullContext, early_stream, pull_strategy
-from staging_core.operations.push_phases import OpenDestination, SourceSurvey, finish_push, plan_push, scan_and_survey
-from staging_core.operations.push_strategies import PushContext, push_strategy
 from staging_core.operations.repair import (PullComparison, compare_with_local, delete_extra, dest_md5, extra_entries,
                                             finish_local_pull, stamp_top)
 from staging_core.operations.strategy_base import Attempt, check_stream_shard_size, resolve_strategy
@@ -33,11 +28,19 @@ from staging_core.planning.inventory import Inventory
 from staging_core.planning.local_profile import copies_locally, observe
 from staging_core.planning.planner import Plan
 from staging_core.routes.base import Route
-from staging_core.routes.pack import bundle_source
 from staging_core.routes.registry import check_route_options
-from staging_core.transports.base import Direction, EarlyConnection, Endpoint, Transport, check_destination, parse_url
+from staging_core.transports.base import (Direction, EarlyConnection, Endpoint, RemoteEntry, Transport,
+                                         check_destination, parse_url)
 from staging_core.transports.errors import TransportError
 from staging_core.transports.registry import open_transport
+
+# Each direction's own phases and strategies are loaded by its function, so that a push does not load the pull's
+# (nor a pull the push's) while its far side starts.
+if TYPE_CHECKING:
+    from bundles.scan import SourceTree
+    from staging_core.far_side.streaming import PullStream
+    from staging_core.operations.pull_strategies import PullContext
+    from staging_core.operations.push_phases import OpenDestination, PushPlan, SourceSurvey
 
 
 _DEFAULTS = StagingOptions()
@@ -76,7 +79,9 @@ def push(src: str, dest_url: str, options: StagingOptions = _DEFAULTS,
     if items is None:
         check_destination(endpoint, options.allow_root_dest)
     include = None if items is None else frozenset(os.fsencode(i) for i in items)
+    from staging_core.operations.push_phases import OpenDestination, scan_and_survey
     if options.dry_run:
+        from staging_core.operations.dry_run import push_dry_run
         return push_dry_run(scan(src, "none", 0, include=include), endpoint, options, started)
     walker = ThreadPoolExecutor(1, thread_name_prefix="pallet-walk")     # while ssh connects and locks
     walking, interrupted = walker.submit(scan_and_survey, src, include, options.large_file_bytes), False
@@ -97,6 +102,8 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
                  include: frozenset[bytes] | None, started: float) -> StagingResult:
     """push, once DEST is open and locked: compare and plan (:func:`plan_push`), run the strategy with retries,
     then finish (:func:`finish_push`: deletions, directory times, DEST/.pallet cleared)."""
+    from staging_core.operations.push_phases import finish_push, plan_push
+    from staging_core.operations.push_strategies import PushContext, push_strategy
     transport, endpoint, options, whole = dest.transport, dest.endpoint, dest.options, include is None
     planned = dest.taken_plan or plan_push(dest, full, include, surveyed)
     inventory, comparison = planned.inventory, planned.comparison
@@ -110,6 +117,8 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
             delete_extra(transport, endpoint, comparison.stale, broad_ok=options.allow_root_dest)
         session = dest.session
         receiver = (lambda: session.receiver(options.verify)) if session is not None else None
+        if session is not None and _stream_is_last(planned, options, whole):
+            session.end_with_stream()
         context = PushContext(transport, endpoint, dest.route, planned.tree, planned.chosen, inventory,
                               planned.paths, options, progress or NoProgress(), planned.include, receiver,
                               selection=not whole)
@@ -123,6 +132,14 @@ def _push_locked(full: SourceTree, surveyed: SourceSurvey, dest: OpenDestination
                                                                                      options.profile):
         observe(endpoint.path, result.files, result.file_bytes, result.seconds)
     return result
+
+
+def _stream_is_last(planned: PushPlan, options: StagingOptions, whole: bool) -> bool:
+    """Whether a streamed bundle is all a push asks of its far-side session but clearing DEST/.pallet: a whole
+    tree (its directories' times come with it, nothing to restore after a comparison), without --delete (whose
+    deletions follow the stream) or --keep-packed. (A bundle that does not stream never ends the session.)"""
+    return whole and planned.strategy == "bundle" and planned.comparison is None and not options.delete \
+        and not options.keep_packed
 
 
 def pull(src_url: str, dest: str, options: StagingOptions = _DEFAULTS,
@@ -157,7 +174,12 @@ def pull(src_url: str, dest: str, options: StagingOptions = _DEFAULTS,
     if whole:
         check_destination(local, options.allow_root_dest)
     if options.dry_run:
+        from staging_core.operations.dry_run import pull_dry_run
         return pull_dry_run(endpoint, local.path, options, started)
+    from bundles.extract import prepare_destination
+    from staging_core.operations.pull_phases import OpenSource, plan_pull
+    from staging_core.operations.pull_strategies import PullContext, early_stream
+    from staging_core.routes.pack import bundle_source
     with OpenSource(endpoint, options, early_connection) as source, ExitStack() as stack:
         transport, options, route, early = source.transport, source.options, source.route, None
         if bundle_source(route) is None:           # a published bundle: nothing to compare, list or stream
@@ -168,6 +190,7 @@ def pull(src_url: str, dest: str, options: StagingOptions = _DEFAULTS,
             early = early_stream(transport, endpoint, route, options, items) if sizes is None else None
             if early is not None:
                 sizes = stack.enter_context(early).file_sizes()
+        root = _SourceRoot(transport, endpoint) if whole and bundle_source(route) is None else None
         inventory, chosen = plan_pull(source, local.path, items, sizes)
         strategy = resolve_strategy(chosen, options, route, endpoint)
         strategy = "bundle" if strategy == "hybrid" else strategy
@@ -191,23 +214,55 @@ def pull(src_url: str, dest: str, options: StagingOptions = _DEFAULTS,
             deleted = finish_local_pull(local.path, comparison, options.delete) if comparison else 0
             if whole:
                 remove_state(local.path)
-                _stamp_from_source(transport, endpoint, local)
+                _stamp_from_source(transport, root, local)
     return replace(_result(local.path, chosen, strategy, inventory, run, attempts, started,
                            comparison.in_place if comparison else 0), deleted=deleted)
 
 
-def _stamp_from_source(transport: Transport, endpoint: Endpoint, local: Endpoint) -> None:
-    """Give a whole pull's DEST the source root's mtime, from a stat of it where that is exact (a transport that
-    declares ``exact_listing``: local and ssh sources; not a published bundle, a file)."""
-    if transport.capabilities.exact_listing:
-        root = transport.stat(endpoint.path)
-        if root is not None and root.kind == "d":
-            stamp_top(transport, local, root.mtime_ns)
+class _SourceRoot:
+    """A stat of a whole pull's source root, where it is exact (a transport that declares ``exact_listing``:
+    local and ssh sources), made on a thread of its own once the pull is planned (a streamed pull's skeleton is
+    in): over ssh it is one more far-side command, whose login and round trips then overlap the transfer
+    instead of following it (and no longer compete with the sender's start). Made before the data arrives, it
+    is the root as the sender walked it (tar keeps a directory's time as it finds it, too)."""
+
+    def __init__(self, transport: Transport, endpoint: Endpoint):
+        self._found: list[RemoteEntry | None] = []
+        self._error: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        if transport.capabilities.exact_listing:
+            self._thread = threading.Thread(target=self._stat, args=(transport, endpoint.path), daemon=True,
+                                            name="pallet-source-root")
+            self._thread.start()
+
+    def _stat(self, transport: Transport, path: str) -> None:
+        try:
+            self._found.append(transport.stat(path))
+        except BaseException as exc:        # raised by mtime_ns(), in the pull's own thread
+            self._error.append(exc)
+
+    def mtime_ns(self) -> int | None:
+        """The root's mtime when it is a directory stated exactly; None otherwise. The stat's error, if any."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        if self._error:
+            raise self._error[0]
+        found = self._found[0] if self._found else None
+        return found.mtime_ns if found is not None and found.kind == "d" else None
+
+
+def _stamp_from_source(transport: Transport, root: _SourceRoot | None, local: Endpoint) -> None:
+    """Give a whole pull's DEST the source root's mtime (``root``'s stat: not of a published bundle, a file)."""
+    mtime_ns = root.mtime_ns() if root is not None else None
+    if mtime_ns is not None:
+        stamp_top(transport, local, mtime_ns)
 
 
 def _pull_attempts(context: PullContext, begun: PullStream | None, planned: str) -> Callable[[], Attempt]:
     """One attempt of the pull's strategy per call: the first one receives the stream ``begun`` before planning
     (if any), later ones start their own."""
+    from staging_core.operations.pull_strategies import pull_strategy
     waiting = [begun] if begun is not None else []
 
     def attempt() -> Attempt:
@@ -235,6 +290,7 @@ def _listed_comparison(transport: Transport, endpoint: Endpoint, route: Route | 
                        dest: str) -> PullComparison | None:
     """After a whole pull whose route compared nothing, DEST against the source (DEST's marker is the pull's
     own): from the bundle's index for a published bundle, else from a listing where one carries exact times."""
+    from staging_core.routes.pack import bundle_source
     published = bundle_source(route)
     if published is not None:
         return PullComparison(extra=extra_entries(dest, published.paths))
@@ -276,4 +332,4 @@ def _result(dest: str, chosen: Plan, strategy: str, inventory: Inventory, run: A
         files, file_bytes, in_place = run.files_sent, run.file_bytes, run.in_place
     return StagingResult(dest, chosen, strategy, run.route, files, file_bytes, run.transfers,
                          time.monotonic() - started, run.stage_seconds, run.skipped_shards, attempts, run.bytes_sent,
-                         in_place)
+                         in_place, shard_levels=run.shard_levels)

@@ -21,6 +21,7 @@ from staging_core.operations.strategy_base import (Attempt, Stage, Strategy, reg
                                                    streams_where, transfer_all)
 from staging_core.options import StagingOptions
 from staging_core.planning.inventory import Inventory
+from staging_core.planning.level import FittedLevel, planned_level
 from staging_core.planning.planner import Plan
 from staging_core.routes.base import (HYBRID, INDIVIDUAL, STORE_AND_FORWARD, STREAM, TAR_TOOLS, Route, carries,
                                       declaring, route_streams)
@@ -57,6 +58,11 @@ class PushContext:
     @property
     def codec(self) -> str:
         return stream_codec(self.options, self.chosen)
+
+    @property
+    def level(self) -> FittedLevel:
+        """The level a streamed bundle starts at (and whether it is fitted as it runs)."""
+        return planned_level(self.chosen.details, self.codec, self.options.level)
 
 
 def stream_codec(options: StagingOptions, chosen: Plan) -> str:
@@ -108,7 +114,9 @@ class TarToolsPush(Strategy[PushContext]):
         route = cast(TarToolsRoute, declaring(ctx.route, self.name))   # what listing tar-tools promises
         outcome = push_tar_tools(ctx.transport, ctx.tree, ctx.endpoint, route, ctx.options.jobs, ctx.progress,
                                  clear_state=ctx.include is None and not ctx.options.keep_packed)
-        attempt = Attempt(route.description, outcome.rounds, dict(outcome.stage_seconds))
+        moved = outcome.rounds or outcome.bytes_sent
+        attempt = Attempt(route.description if moved else "already in place", outcome.rounds,
+                          dict(outcome.stage_seconds))
         attempt.bytes_sent = outcome.bytes_sent
         attempt.compared(outcome)
         return attempt
@@ -131,7 +139,7 @@ class StreamPush(Strategy[PushContext]):
         # a session's SessionStream serves stream_push as a FarStager does (duck-typed, see far_side.session)
         receiver = cast("Callable[[], FarStager] | None", ctx.receiver)
         attempt.streamed(stream_push(ctx.transport, ctx.src, ctx.endpoint, ctx.codec, ctx.options, ctx.progress,
-                                     ctx.tree, receiver))
+                                     ctx.tree, receiver, ctx.level))
         return attempt
 
 
@@ -223,8 +231,8 @@ def push_bundle(ctx: PushContext, exclude: frozenset[bytes], attempt: Attempt, r
     try:
         bundle = os.path.join(staging, bundle_name(ctx.codec))
         with Stage(attempt, NoProgress(), "pack"):          # pack draws its own bar
-            pack(ctx.src, bundle, PackOptions(codec=ctx.codec, shard_size=options.shard_size, jobs=options.jobs,
-                                              exclude=exclude, include=include), ctx.progress)
+            pack(ctx.src, bundle, PackOptions(codec=ctx.codec, level=options.level, shard_size=options.shard_size,
+                                              jobs=options.jobs, exclude=exclude, include=include), ctx.progress)
         if endpoint.is_local:
             ensure_state_dir(endpoint.path)     # never follow a link planted at DEST/.pallet
         transport.mkdir(route.incoming)

@@ -51,30 +51,33 @@ class Comparison:
 
 
 def compare_with_dest(transport: Transport, endpoint: Endpoint, tree: SourceTree,
-                      checksum: bool = False, own_mark: bool = False) -> Comparison | None:
+                      checksum: bool = False, own_mark: bool = False, whole_seconds: bool = False
+                      ) -> Comparison | None:
     """Compare ``tree`` with the tree at ``endpoint`` (DEST/.pallet left out): None when DEST cannot be listed
     with its metadata here (only local paths and ssh hosts can), or when it is empty or missing. With
     ``checksum`` the files whose metadata match are compared by md5 too (md5sum there over ssh); those that
     differ are ``stale``: removed before they are sent again, since a transport that skips files whose size
     and mtime match would skip them. ``own_mark``: DEST's INCOMPLETE marker is this operation's own (it is
-    finishing), so DEST is listed all the same."""
+    finishing), so DEST is listed all the same. ``whole_seconds``: DEST is written by the far side's own tar
+    (the tar-tools route), so an mtime of the source's whole seconds there is the same (tar_tools.same_mtime)."""
     return compare_with_dest_entries(dest_entries(transport, endpoint, own_mark), transport, endpoint, tree,
-                                     checksum)
+                                     checksum, whole_seconds)
 
 
 def compare_with_dest_entries(entries: dict[bytes, FarEntry] | None, transport: Transport, endpoint: Endpoint,
-                              tree: SourceTree, checksum: bool = False) -> Comparison | None:
+                              tree: SourceTree, checksum: bool = False, whole_seconds: bool = False
+                              ) -> Comparison | None:
     """:func:`compare_with_dest` with DEST's ``entries`` already listed (a push's far-side session lists them)."""
     if not entries:
         return None
     index, far = tree.index, FarTree(entries)
-    same = unchanged_files(tree, far) if checksum else []
+    same = unchanged_files(tree, far, whole_seconds) if checksum else []
     if same:
         far.md5 = dest_md5(transport, endpoint, same)
     local_md5 = hash_local_files(tree, 0, set(same)) if same else {}
     stale = {path for path in same if far.md5.get(path) != local_md5.get(path)}
     groups = link_groups(tree)
-    changed = set(differing(tree, local_md5, far, set(same))) | regrouped(groups, entries)
+    changed = set(differing(tree, local_md5, far, set(same), whole_seconds)) | regrouped(groups, entries)
     numbers = {path: i for i, path in enumerate(index.paths) if path in changed}
     dirs_to_fix = [i for path, i in numbers.items() if index.kinds[i] == Kind.DIR and entries.get(path)
                    and entries[path].kind == "d"]

@@ -27,7 +27,8 @@ class Attempt:
     """What one attempt of a strategy did: the route it reports, transfers made, seconds per stage, shards an
     earlier attempt had finished, and the file bytes the transport sent (None when it cannot tell). A route
     that compares DEST itself (the tar tools) reports the regular files it sent (``files_sent``, of
-    ``file_bytes``; None: the operation's own count holds) and found in place."""
+    ``file_bytes``; None: the operation's own count holds) and found in place. A pushed stream reports the
+    shards it compressed at each level (``shard_levels``, level -> shards)."""
 
     route: str = "in place"
     transfers: int = 0
@@ -37,6 +38,7 @@ class Attempt:
     files_sent: int | None = None
     file_bytes: int = 0
     in_place: int = 0
+    shard_levels: dict[int, int] = field(default_factory=dict)
 
     def compared(self, outcome) -> None:
         """Record what a route that compared DEST itself found (a routes.tar_tools.TarToolsOutcome)."""
@@ -47,6 +49,7 @@ class Attempt:
         self.route, self.transfers, self.skipped_shards = "stream", 1, outcome.skipped_shards
         self.bytes_sent = outcome.bytes_sent
         self.stage_seconds.update(outcome.stage_seconds)
+        self.shard_levels = dict(outcome.shard_levels)
 
     def count(self, result: TransferResult) -> None:
         """Add one transfer and the bytes it moved."""

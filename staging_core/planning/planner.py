@@ -17,6 +17,11 @@ TAR_BYTES_PER_MEMBER = 512 * 3 + 256
 HEADER_RATIO = 0.05
 DEFAULT_SPREAD = (0.5, 3.0)       # a generic profile's predictions: measured time within 0.5x to 3x of them
 MIN_SPREAD = (0.6, 1.6)           # the narrowest range a measured profile gives (other work on the machine, write-back)
+# zstd levels a profile has compress rates and ratios for (`pallet calibrate`); the defaults were measured on CSV
+# text like W1's by one core of a 2-core development machine (docs/benchmarks.md)
+CALIBRATED_LEVELS = (-5, -1, 1, 2, 3, 6, 9)
+DEFAULT_LEVEL_RATES = (570e6, 360e6, 315e6, 213e6, 95e6, 42e6, 26e6)
+DEFAULT_LEVEL_RATIOS = (0.818, 0.722, 0.437, 0.422, 0.441, 0.419, 0.408)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class LinkProfile:
     (from repeated measurements of the route; the default's are generic),
     so a prediction is the range predicted × [low, high];
     ``per_file_samples`` are the recent per-file costs they come from.
+    ``levels``, ``level_compress_rates`` and ``level_ratios``: zstd's
+    compress rate (one core) and compressed/raw size on the calibration
+    sample at each of those levels, from which a stream's level is fitted
+    (staging_core.planning.level).
     """
 
     name: str = "default"
@@ -63,6 +72,9 @@ class LinkProfile:
     spread_high: float = DEFAULT_SPREAD[1]
     per_file_samples: tuple[float, ...] = ()
     observed: int = 0                # real copies folded into the samples (local profiles)
+    levels: tuple[int, ...] = CALIBRATED_LEVELS
+    level_compress_rates: tuple[float, ...] = DEFAULT_LEVEL_RATES
+    level_ratios: tuple[float, ...] = DEFAULT_LEVEL_RATIOS
     is_default: bool = True
 
 
@@ -167,7 +179,8 @@ def bundle_seconds(files: int, nbytes: int, profile: LinkProfile, ratio: float, 
 
 
 def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ranks: int = 1,
-         bundle_possible: bool = True, in_place: int | None = None, inline_possible: bool = False) -> Plan:
+         bundle_possible: bool = True, in_place: int | None = None, inline_possible: bool = False,
+         level: int | None = None) -> Plan:
     """Choose how to move a tree. Pure: the same inputs always give the same plan.
 
     ``compress_ratio`` is compressed/original size measured on a sample
@@ -180,6 +193,9 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
     request (a workflow's small operation); inline is then a candidate when
     the files fit (:func:`inline_fits`), and chosen unless another is more
     than 5 % faster, as the simplest.
+    A bundle that is compressed streams at a level fitted to the link
+    (staging_core.planning.level; ``level``: the user's, which wins): the
+    details' ``level`` and the reason say which and why.
     """
     raw, compressed = bundle_bytes(stats.files, stats.bytes, compress_ratio, True)
     bundle_ratio = compressed / raw if raw else 1.0
@@ -206,13 +222,26 @@ def plan(stats: TreeStats, profile: LinkProfile, compress_ratio: float = 1.0, ra
     if candidates[0].predicted_seconds <= best.predicted_seconds * (1 + SIMPLER_WINS_WITHIN):
         best = candidates[0]          # the simplest unless another is clearly faster
     reason = _reason(best, candidates, stats, profile, compress, compress_ratio)
+    fitted = _fitted(best, stats, profile, compress_ratio, ranks, level) if bundle_possible else None
+    reason += f"; {fitted['why']}" if fitted and compress and best.strategy in ("bundle", "hybrid") else ""
     if in_place is not None:
         reason = _incremental(stats, in_place, reason)
     return Plan(best.strategy, candidates, reason,
                 {"compress": compress, "compress_ratio": compress_ratio, "bundle_ratio": round(bundle_ratio, 4),
                  "profile": profile.name, "default_profile": profile.is_default,
                  "spread": [profile.spread_low, profile.spread_high],
+                 **({"level": fitted} if fitted else {}),
                  **({} if in_place is None else {"incremental": True, "in_place": in_place})})
+
+
+def _fitted(best: Candidate, stats: TreeStats, profile: LinkProfile, ratio: float, ranks: int,
+            level: int | None) -> dict:
+    """The level a zstd bundle of the plan streams at (staging_core.planning.level), as JSON (the bundle
+    may be forced on an individual plan, or zstd on one that would not compress)."""
+    from staging_core.planning.level import fit_level       # it builds on this module's model
+    bundled = stats if best.strategy != "hybrid" else TreeStats(stats.files - stats.large_files,
+                                                               stats.bytes - stats.large_bytes)
+    return fit_level(bundled, profile, ratio, ranks, "zstd", level).to_json()
 
 
 def _incremental(stats: TreeStats, in_place: int, reason: str) -> str:

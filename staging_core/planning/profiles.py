@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import random
 import shlex
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import zstandard
@@ -18,7 +19,7 @@ import zstandard
 from bundles.errors import UsageError
 from bundles.writer import PackOptions, pack
 
-from staging_core.planning.planner import LinkProfile, spread_of, typical
+from staging_core.planning.planner import CALIBRATED_LEVELS, LinkProfile, spread_of, typical
 from staging_core.scratch import scratch_dir
 from staging_core.transports.base import Direction, Transport
 
@@ -26,6 +27,7 @@ PROBE_FILES = 400
 PER_FILE_RUNS = 3                # the per-file probe's repeats: their spread bounds the plan's ranges
 PROBE_BYTES = 32 << 20
 CREATE_PROBE_FILES = 2000
+CODEC_SAMPLE_ROWS = 25_000      # about 1 MB of CSV text: each calibrated level compresses it once
 _CREATE_PROBE = """\
 import os, sys, time
 root, count = sys.argv[1], int(sys.argv[2])
@@ -108,7 +110,7 @@ def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: s
         per_file_samples = _per_file(transport, local, remote_dir, bandwidth)
         create_rate = _create_rate(transport, os.path.join(remote_dir, "create"), remote_python)
         pack_per_file = _pack_per_file(local)
-        compress, decompress = _codec_rates()
+        rates = _codec_rates()
     finally:
         shutil.rmtree(local, ignore_errors=True)
         _remove_scratch(transport, remote_dir)
@@ -116,11 +118,12 @@ def calibrate(transport: Transport, remote_dir: str, name: str, remote_python: s
     low, high = spread_of(per_file_samples)
     per_file = typical(per_file_samples)
     return LinkProfile(name=name, rtt_s=rtt, bandwidth=bandwidth, per_file_s=per_file,
-                       create_rate=create_rate or default.create_rate, compress_rate=compress,
-                       decompress_rate=decompress, pack_per_file_s=pack_per_file,
+                       create_rate=create_rate or default.create_rate, compress_rate=rates.compress,
+                       decompress_rate=rates.decompress, pack_per_file_s=pack_per_file,
                        concurrency=transport.capabilities.concurrency, cores=len(os.sched_getaffinity(0)),
                        create_rate_measured=create_rate is not None, spread_low=low, spread_high=high,
-                       per_file_samples=tuple(per_file_samples), is_default=False)
+                       per_file_samples=tuple(per_file_samples), levels=CALIBRATED_LEVELS,
+                       level_compress_rates=rates.by_level, level_ratios=rates.ratios, is_default=False)
 
 
 def _remove_scratch(transport: Transport, remote_dir: str) -> None:
@@ -190,11 +193,30 @@ def _pack_per_file(local: str) -> float:
     return (time.perf_counter() - started) / CREATE_PROBE_FILES
 
 
-def _codec_rates() -> tuple[float, float]:
-    sample = b"".join(b"%d,%d,%.6f\n" % (n, n * n, n / 7) for n in range(400_000))
-    started = time.perf_counter()
-    packed = zstandard.ZstdCompressor(level=3).compress(sample)
-    compress = len(sample) / max(time.perf_counter() - started, 1e-6)
+@dataclass(frozen=True)
+class CodecRates:
+    """zstd on the calibration sample: compress rate at level 3, decompress rate, and per calibrated level
+    (CALIBRATED_LEVELS) its compress rate and compressed/raw size; rates in bytes/s of one core."""
+
+    compress: float
+    decompress: float
+    by_level: tuple[float, ...]
+    ratios: tuple[float, ...]
+
+
+def _codec_rates() -> CodecRates:
+    """Each calibrated level compresses a sample of CSV text (rows of random numbers, as workflows write) once."""
+    rng = random.Random(0)
+    sample = "".join(f"{rng.randrange(10**7)},{1_700_000_000 + rng.randrange(10**6)},s{rng.randrange(64):02d},"
+                     f"{rng.uniform(-50, 150):.4f},{rng.choice('ABCD')}\n" for _ in range(CODEC_SAMPLE_ROWS)).encode()
+    rates, ratios, packed = [], [], b""
+    for level in CALIBRATED_LEVELS:
+        started = time.perf_counter()
+        out = zstandard.ZstdCompressor(level=level).compress(sample)
+        rates.append(len(sample) / max(time.perf_counter() - started, 1e-6))
+        ratios.append(round(len(out) / len(sample), 4))
+        packed = out if level == 3 else packed
     started = time.perf_counter()
     zstandard.ZstdDecompressor().decompress(packed)
-    return compress, len(sample) / max(time.perf_counter() - started, 1e-6)
+    decompress = len(sample) / max(time.perf_counter() - started, 1e-6)
+    return CodecRates(rates[CALIBRATED_LEVELS.index(3)], decompress, tuple(rates), tuple(ratios))

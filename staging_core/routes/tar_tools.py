@@ -11,10 +11,13 @@ from bundles.scan import SourceTree
 from bundles.tarformat import Kind
 from mpi_stager.wire import MANIFEST_END, FarEntry, parse_records, strip_tar_tools_line, tar_tools_script
 
+from staging_core.locking import DestinationLock
 from staging_core.routes.base import TAR_TOOLS, Route
-from staging_core.transports.base import Transport
+from staging_core.routes.tar_tools_session import SessionLock, SessionSlot
+from staging_core.transports.base import Endpoint, Transport
 
 MD5_CHUNK = 256                  # files per local hashing task
+SECOND = 1_000_000_000
 ROUNDS = 2                       # a file still wrong after this many sends is an error
 
 DECODERS = {"zstd": "zstd -dc", "gzip": "gzip -dc", "none": "cat"}
@@ -36,6 +39,8 @@ class TarToolsRoute(Route):
     host: str
     codec: str
     pulling: bool = False
+    # The far-side session of a push that holds DEST's lock (session_lock): per operation, as the route is.
+    sessions: SessionSlot = field(default_factory=SessionSlot, compare=False, repr=False)
     # What it declares (staging_core.routes.base.Route): only the tar-tools strategy carries a bundle through it,
     # which compares DEST itself and clears DEST/.pallet itself, over a transport that runs sh and streams.
     strategies = frozenset({TAR_TOOLS})
@@ -54,10 +59,23 @@ class TarToolsRoute(Route):
         """Nothing is left at the far side to remove (a pull's stream is never stored there)."""
 
     def close(self) -> None:
-        """Nothing to release: the route runs through the push's own transport."""
+        """End a far-side session still open (its lock's exit ends it first; the route runs through the push's own
+        transport)."""
+        self.sessions.close(failed=True)
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def session_lock(route: Route | None, endpoint: Endpoint, transport: Transport, wait: bool = False
+                 ) -> DestinationLock | None:
+    """DEST's lock for a push through the tar-tools ``route``, taken by the route's far-side session (which then
+    lists DEST while the source is walked) instead of a separate lock command; None for other routes, pulls and
+    local destinations (staging_core.locking.DestinationLock as before)."""
+    if not isinstance(route, TarToolsRoute) or route.pulling or endpoint.is_local \
+            or not transport.capabilities.remote_exec:
+        return None
+    return SessionLock(route.sessions, endpoint, transport, DECODERS[route.codec], wait)
 
 
 @dataclass
@@ -74,8 +92,9 @@ class TarToolsOutcome:
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
-    """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt."""
+def unchanged_files(tree: SourceTree, far: FarTree, whole_seconds: bool = False) -> list[bytes]:
+    """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt.
+    ``whole_seconds``: a far mtime of the source's whole seconds is the same (see :func:`same_mtime`)."""
     index, entries = tree.index, far.entries
     same: list[bytes] = []
     if not entries:
@@ -84,9 +103,17 @@ def unchanged_files(tree: SourceTree, far: FarTree) -> list[bytes]:
     for i, path in enumerate(index.paths):
         there = entries.get(path)
         if there is not None and there.kind == "f" and kinds[i] in _FILE_KINDS \
-                and (there.size, there.mtime_ns, there.mode) == (_size(index, i), mtimes[i], modes[i] & 0o7777):
+                and (there.size, there.mode) == (_size(index, i), modes[i] & 0o7777) \
+                and same_mtime(there.mtime_ns, mtimes[i], whole_seconds):
             same.append(path)
     return same
+
+
+def same_mtime(there_ns: int, source_ns: int, whole_seconds: bool) -> bool:
+    """Whether a far mtime is the source's: equal, or with ``whole_seconds`` (a DEST written by the far side's
+    own tar, which restores the whole seconds the bundle's tar headers carry) equal to its whole seconds,
+    floor(source) (the nanoseconds restored from a pax record are equal too)."""
+    return there_ns == source_ns or (whole_seconds and there_ns == source_ns - source_ns % SECOND)
 
 
 def far_tree(transport: Transport, dest: str, hashed: list[bytes]) -> FarTree:
@@ -118,9 +145,10 @@ def parse_md5_lines(text: bytes) -> dict[bytes, bytes]:
     return digests
 
 
-def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, checked: set[bytes]) -> list[bytes]:
+def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, checked: set[bytes],
+              whole_seconds: bool = False) -> list[bytes]:
     """Source entries the far tree lacks or holds otherwise (content compared for ``checked`` files only; a
-    directory differs in mode or mtime)."""
+    directory differs in mode or mtime; ``whole_seconds``: see :func:`same_mtime`)."""
     index, entries = tree.index, far.entries
     if not entries:
         return list(index.paths)
@@ -134,9 +162,10 @@ def differing(tree: SourceTree, local_md5: dict[bytes, bytes], far: FarTree, che
             if there.target != index.links[i]:
                 wanted.append(path)
         elif kind == Kind.DIR:
-            if there.mode != modes[i] & 0o7777 or there.mtime_ns != mtimes[i]:
+            if there.mode != modes[i] & 0o7777 or not same_mtime(there.mtime_ns, mtimes[i], whole_seconds):
                 wanted.append(path)
-        elif (there.size != _size(index, i) or there.mtime_ns != mtimes[i] or there.mode != modes[i] & 0o7777
+        elif (there.size != _size(index, i) or not same_mtime(there.mtime_ns, mtimes[i], whole_seconds)
+              or there.mode != modes[i] & 0o7777
               or (path in checked and far.md5.get(path) != local_md5.get(path))):
             wanted.append(path)
     return wanted

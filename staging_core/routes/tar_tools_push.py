@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from binascii import hexlify
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -46,15 +47,18 @@ def push_tar_tools(transport: Transport, tree: SourceTree, endpoint: Endpoint, r
     """
     outcome = TarToolsOutcome()
     clock = _Clock(outcome.stage_seconds)
-    with FarSession(transport, endpoint, DECODERS[route.codec]) as session:
+    with route.sessions.attempt(transport, endpoint, DECODERS[route.codec]) as session:
         with clock("list"):
             far = FarTree(parse_records(session.listing()))
-            same = unchanged_files(tree, far)
-            if same:
-                far.md5 = parse_md5_lines(session.hash_now(_names_input(same)))
+            same = unchanged_files(tree, far, whole_seconds=True)
         with clock("hash"):
             local_md5 = hash_local_files(tree, jobs, set(same))
-        wanted = sorted(set(differing(tree, local_md5, far, set(same))) | regrouped(link_groups(tree), far.entries))
+            checks = FarChecks(session, endpoint)
+            checks.queue(same, local_md5)
+            wrong = set(checks.wait(local_md5))
+            far.md5 = {path: local_md5[path] for path in same if path not in wrong}
+        wanted = sorted(set(differing(tree, local_md5, far, set(same), whole_seconds=True))
+                        | regrouped(link_groups(tree), far.entries))
         restamped = _directories_there(tree, far, wanted)
         wanted = [path for path in wanted if path not in restamped]
         _count_files(tree, wanted, outcome)
@@ -63,12 +67,55 @@ def push_tar_tools(transport: Transport, tree: SourceTree, endpoint: Endpoint, r
                 raise DestinationError(f"{len(wanted)} file(s) differ from the source after {ROUNDS} sends: "
                                        f"{shown_names(wanted)}", endpoint.url(),
                                        "check the far side's disk and file system; rerun to try again")
-            wanted = _send_round(session, tree, route, wanted, local_md5, jobs, progress, outcome, restamped)
+            wanted = _send_round(checks, tree, route, wanted, local_md5, jobs, progress, outcome, restamped)
         if restamped and not outcome.rounds:
             outcome.bytes_sent += _send_directories(session, tree.index, restamped, get_codec(route.codec))
         with clock("finish"):
-            session.finish(clear_state)
+            session.finish(clear_state, os.stat(tree.root).st_mtime_ns if clear_state else None)
     return outcome
+
+
+class FarChecks:
+    """Files queued for checking at the far side since the last :meth:`wait`, in order: each as an md5sum check
+    line (its digest taken here) that the far side's ``md5sum -c`` checks, so that only failures come back; a
+    name a check line cannot carry (a newline, carriage return or backslash in it) is hashed there instead and
+    its digest comes back."""
+
+    def __init__(self, session: FarSession, endpoint: Endpoint):
+        self.session, self.endpoint = session, endpoint
+        self.lines: list[bytes] = []        # the paths of the check lines queued, in order
+        self.odd: list[bytes] = []          # the paths to hash there
+
+    def queue(self, paths: list[bytes], digests: dict[bytes, bytes]) -> None:
+        """Queue ``paths`` (files already there) with their ``digests``."""
+        plain = [path for path in paths if not _odd(path)]
+        odd = [path for path in paths if _odd(path)] if len(plain) != len(paths) else []
+        lines = b"".join(b"%s  ./%s\n" % (hexlify(digests[path]), path) for path in plain)
+        self.session.queue_check(lines, _names_input(odd))
+        self.lines += plain
+        self.odd += odd
+
+    def wait(self, digests: dict[bytes, bytes]) -> list[bytes]:
+        """Wait for the far side's checks of what was queued: the paths whose content there is not ``digests``'s.
+        Raises DestinationError when its md5sum did not check every line (it cannot vouch for the files)."""
+        if not self.lines and not self.odd:
+            return []
+        reply, lines, odd = self.session.checked(), self.lines, self.odd
+        self.lines, self.odd = [], []
+        if reply.count != len(lines) or (reply.status != 0 and not reply.failed) \
+                or any(not 0 < number <= len(lines) for number in reply.failed):
+            raise DestinationError(f"the far side's md5sum -c checked {reply.count} of {len(lines)} files "
+                                   f"(status {reply.status}): it cannot vouch for them", self.endpoint.url(),
+                                   "check that md5sum there is GNU coreutils' (md5sum -c), then rerun")
+        there = parse_md5_lines(reply.sums) if odd else {}
+        return [lines[number - 1] for number in reply.failed] + [path for path in odd
+                                                                 if there.get(path) != digests[path]]
+
+
+def _odd(path: bytes) -> bool:
+    """Whether md5sum -c cannot read ``path`` back as it is in a check line (a newline, carriage return or
+    backslash in it)."""
+    return b"\n" in path or b"\r" in path or b"\\" in path
 
 
 def _count_files(tree: SourceTree, wanted: list[bytes], outcome: TarToolsOutcome) -> None:
@@ -92,7 +139,7 @@ def _directories_there(tree: SourceTree, far: FarTree, wanted: list[bytes]) -> f
     return frozenset(path for path in wanted if path in dirs and getattr(entries.get(path), "kind", "") == "d")
 
 
-def _send_round(session: FarSession, tree: SourceTree, route: TarToolsRoute, wanted: list[bytes],
+def _send_round(checks: FarChecks, tree: SourceTree, route: TarToolsRoute, wanted: list[bytes],
                 local_md5: dict[bytes, bytes], jobs: int, progress: Progress, outcome: TarToolsOutcome,
                 restamped: frozenset[bytes] = frozenset()) -> list[bytes]:
     """Send ``wanted`` once (and the headers of the directories ``restamped``); the files whose digest there
@@ -100,12 +147,11 @@ def _send_round(session: FarSession, tree: SourceTree, route: TarToolsRoute, wan
     clock = _Clock(outcome.stage_seconds)
     outcome.rounds += 1
     with clock("stream"):
-        sent = _send(session, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress, restamped)
+        sent = _send(checks, tree, route, frozenset(with_link_groups(tree, wanted)), jobs, progress, restamped)
     outcome.bytes_sent += sent.bytes
     local_md5.update(sent.md5)
     with clock("check"):
-        there = parse_md5_lines(session.checked())
-    return [path for path in sent.md5 if there.get(path) != local_md5[path]]
+        return checks.wait(local_md5)
 
 
 class _Clock:
@@ -131,7 +177,7 @@ class SentShards:
     bytes: int = 0
 
 
-def _send(session: FarSession, tree: SourceTree, route: TarToolsRoute, items: frozenset[bytes], jobs: int,
+def _send(checks: FarChecks, tree: SourceTree, route: TarToolsRoute, items: frozenset[bytes], jobs: int,
           progress: Progress, restamped: frozenset[bytes]) -> SentShards:
     """Stream the bundle of ``items`` into the session in runs of shards, each run extracted by one tar and its
     files queued for checking; then one tar of directories alone (those the bundle held, and ``restamped``)
@@ -140,8 +186,8 @@ def _send(session: FarSession, tree: SourceTree, route: TarToolsRoute, items: fr
     selected = tree if len(items) == len(tree.index) else scan(root, route.codec, 0, include=items)
     source = prepare_source(root, route.codec, jobs, tree=selected)
     index, sent = selected.index, SentShards()
-    runs = _TarBatches(session, sum(index.sizes) + 1024 * len(index))
     digests = _ShardDigests(index, sent.md5)
+    runs = _TarBatches(checks, sent.md5, sum(index.sizes) + 1024 * len(index))
     dir_modes = _writable_dirs(index)
     progress.start("stream", len(index), sum(index.sizes))
     try:
@@ -155,23 +201,18 @@ def _send(session: FarSession, tree: SourceTree, route: TarToolsRoute, items: fr
             index.modes[i] = mode
         progress.finish()
     stamped = restamped | {index.paths[i] for i in range(len(index)) if index.kinds[i] == Kind.DIR}
-    sent.bytes += _send_directories(session, tree.index, stamped, source.codec)
-    if Kind.HARDLINK in index.kinds:
-        paths, kinds, groups = index.paths, index.kinds, index.link_groups
-        for i in range(len(index)):
-            if kinds[i] == Kind.HARDLINK:
-                sent.md5[paths[i]] = sent.md5[paths[groups[i]]]
+    sent.bytes += _send_directories(checks.session, tree.index, stamped, source.codec)
     return sent
 
 
 class _TarBatches:
     """Consecutive shards grouped into far-side tar runs of about :data:`TAR_RUN_BYTES`; each run's files are
-    queued for checking when it ends. Toward the end a run also ends once it holds as much as is left to send
-    (about ``total`` bytes in all), so the last runs halve and the check of the last, which nothing overlaps,
-    is short. A big shard's compressor output is relayed into the open run."""
+    queued for checking (with their ``digests``) when it ends. Toward the end a run also ends once it holds as
+    much as is left to send (about ``total`` bytes in all), so the last runs halve and the check of the last,
+    which nothing overlaps, is short. A big shard's compressor output is relayed into the open run."""
 
-    def __init__(self, session: FarSession, total: int):
-        self.session = session
+    def __init__(self, checks: FarChecks, digests: dict[bytes, bytes], total: int):
+        self.checks, self.session, self.digests = checks, checks.session, digests
         self.frames: FrameWriter | None = None
         self.relay: RelaySink | None = None
         self.names: list[bytes] = []
@@ -200,7 +241,8 @@ class _TarBatches:
     def end(self) -> None:
         """End the open run there and queue its files for checking."""
         if self.frames is not None:
-            self.session.end_shard(self.frames, _names_input(self.names))
+            self.session.end_shard(self.frames)
+            self.checks.queue(self.names, self.digests)
         self.frames, self.names, self.run_bytes = None, [], 0
 
     def _open(self) -> FrameWriter:
@@ -229,13 +271,14 @@ def _send_directories(session: FarSession, index, chosen: frozenset[bytes] | set
     compressed = codec.compress(headers + bytes(1024))
     frames = session.shard()
     frames.write(compressed)
-    session.end_shard(frames, b"")
+    session.end_shard(frames)
     return len(compressed)
 
 
 class _ShardDigests:
     """Records, shard by shard in order, the md5 digests a built shard carries (one per regular file, in entry
-    order) under the files' paths; :meth:`record` returns the shard's files and hard links, to check there."""
+    order) under the files' paths, and a hard link's under its name (its group's, recorded before it: tar
+    order puts the file first); :meth:`record` returns the shard's files and hard links, to check there."""
 
     def __init__(self, index, digests: dict[bytes, bytes]):
         self.index, self.digests, self.taken = index, digests, 0
@@ -248,8 +291,10 @@ class _ShardDigests:
         self.digests.update(zip(files, [md5s[at:at + 16] for at in range(0, 16 * count, 16)], strict=False))
         kinds = self.index.kinds
         if Kind.HARDLINK in kinds[plan.first:plan.first + plan.count]:
-            files += [self.index.paths[i] for i in range(plan.first, plan.first + plan.count)
-                      if kinds[i] == Kind.HARDLINK]
+            paths, groups = self.index.paths, self.index.link_groups
+            links = [i for i in range(plan.first, plan.first + plan.count) if kinds[i] == Kind.HARDLINK]
+            self.digests.update((paths[i], self.digests[paths[groups[i]]]) for i in links)
+            files += [paths[i] for i in links]
         return files
 
     def check_all_taken(self, source: str) -> None:

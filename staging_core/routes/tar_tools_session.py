@@ -1,14 +1,15 @@
-"""One far-side shell session for a tar-tools push: list, hash, extract shard by shard and check, on one channel."""
+"""One far-side shell session for a tar-tools push: lock, list, extract shard by shard and check, on one channel."""
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from bundles.errors import DestinationError, StreamError
-from mpi_stager.wire import check_tar_tools_line, tar_tools_script
+from mpi_stager.wire import LOCKED, check_tar_tools_line, tar_tools_script
 
+from staging_core.locking import DestinationLock, locked_error
 from staging_core.transports.base import Endpoint, Transport
 from staging_core.transports.errors import classify
 
@@ -37,22 +38,36 @@ class FrameWriter:
         self.pending, self.size = [], 0
 
 
+@dataclass(frozen=True)
+class CheckReply:
+    """What the far side's ``md5sum -c`` of the queued lines said (``status``; the 1-based numbers of the lines
+    that ``failed``; ``count``: the lines it checked), and the md5sum lines of the names it hashed instead."""
+
+    status: int
+    failed: list[int]
+    count: int
+    sums: bytes
+
+
 class FarSession:
     """The far side's end of a tar-tools push into ``endpoint``: the tar-tools "session" script
     (mpi_stager.wire, docs/wire.md); a context manager.
 
-    Every method writes one command; those that expect a reply block until
-    it arrives. When the far side fails, the next call raises the
-    TransportError its status and message give (a DestinationError for the
-    script's own refusals). Closing without :meth:`finish` leaves DEST marked
-    incomplete and resumable.
+    ``lock``: "held" (the caller holds DEST's lock), "try" or "wait" (the
+    session takes it there, a flock on DEST itself: DestinationLocked when
+    another run holds it, or it waits). Every method writes one command;
+    those that expect a reply block until it arrives. When the far side
+    fails, the next call raises the TransportError its status and message
+    give (a DestinationError for the script's own refusals). Closing without
+    :meth:`finish` leaves DEST marked incomplete and resumable.
     """
 
-    def __init__(self, transport: Transport, endpoint: Endpoint, decoder: str):
+    def __init__(self, transport: Transport, endpoint: Endpoint, decoder: str, lock: str = "held"):
         self.endpoint = endpoint
         self.far = transport.stream_into(["sh", "-c", tar_tools_script("session"), "pallet-session", endpoint.path,
-                                          decoder])
+                                          decoder, lock])
         self._errors: list[bytes] = []
+        self._listing: bytes | None = None
         self._drain = threading.Thread(target=lambda: self._errors.append(self.far.stderr.read()),
                                        name="pallet-session-stderr", daemon=True)
         self._drain.start()
@@ -66,43 +81,52 @@ class FarSession:
         self.close(failed=kind is not None)
 
     def listing(self) -> bytes:
-        """The listing records the session opened with, after its version line (checked)."""
-        self._to_far_side(self.far.stdin.flush)
-        line = self.far.stdout.readline()
-        if not line:
-            raise self._failure(self._ended())
-        try:
-            check_tar_tools_line(line, self.endpoint.url())
-        except StreamError:
-            self._abandon()
-            raise
-        return self._reply()
-
-    def hash_now(self, names: bytes) -> bytes:
-        """md5sum lines of the NUL-separated ``./names`` (files as they are there now)."""
-        self._send(b"H %d\n" % len(names) + names)
-        return self._reply()
+        """The listing records the session opened with, after its version line (checked): once it is read, DEST's
+        lock is held (with ``lock`` "try" or "wait")."""
+        if self._listing is None:
+            self._to_far_side(self.far.stdin.flush)
+            line = self.far.stdout.readline()
+            if not line:
+                raise self._failure(self._ended())
+            try:
+                check_tar_tools_line(line, self.endpoint.url())
+            except StreamError:
+                self._abandon()
+                raise
+            self._listing = self._reply()
+        return self._listing
 
     def shard(self) -> FrameWriter:
         """Start one tar run there; write its shards' bytes to the FrameWriter, then call :meth:`end_shard`."""
         self._send(b"T\n")
         return FrameWriter(self._send)
 
-    def end_shard(self, frames: FrameWriter, names: bytes) -> None:
-        """End the run and queue its files (NUL-separated ``./names``) for checking once its tar is done."""
+    def end_shard(self, frames: FrameWriter) -> None:
+        """End the run there."""
         frames.flush()
-        self._send(b"0\n" + (b"V %d\n" % len(names) + names if names else b""))
+        self._send(b"0\n")
 
-    def checked(self) -> bytes:
-        """md5sum lines of every file queued since the last call, waiting for the far side's md5sum."""
+    def queue_check(self, lines: bytes, names: bytes) -> None:
+        """Queue md5sum check ``lines`` (``HEX  ./NAME\\n``, of files already there) for the far side's background
+        ``md5sum -c``, and NUL-separated ``./names`` to hash there at the next :meth:`checked`."""
+        if lines or names:
+            self._send(b"V %d %d\n" % (len(lines), len(names)) + lines + names)
+
+    def checked(self) -> CheckReply:
+        """Wait for the far side's checks of everything queued since the last call: what they found."""
         self._send(b"W\n")
-        return self._reply()
+        numbers = [int(word) for word in self._reply().split()]
+        sums = self._reply()
+        if not numbers:
+            raise self._failure(self._ended())
+        return CheckReply(numbers[0], numbers[1:-1], numbers[-1] if len(numbers) > 1 else 0, sums)
 
-    def finish(self, clear_state: bool) -> None:
-        """Take the INCOMPLETE mark away (and DEST/.pallet with ``clear_state``); the session ends."""
-        self._send(b"F %d\n" % clear_state)
+    def finish(self, clear_state: bool, mtime_ns: int | None = None) -> None:
+        """Take the INCOMPLETE mark away (and DEST/.pallet with ``clear_state``) and give DEST the mtime
+        ``mtime_ns`` (None: leave it). A session that holds DEST's lock keeps it until it is closed."""
+        stamp = b"" if mtime_ns is None else b" %d.%09d" % divmod(mtime_ns, 1_000_000_000)
+        self._send(b"F %d%s\n" % (clear_state, stamp))
         self._reply()
-        self.close()
 
     def close(self, failed: bool = False) -> None:
         """End the session, waiting for the far side to exit; raise if it failed before finishing, unless
@@ -151,8 +175,89 @@ class FarSession:
 
     def _failure(self, code: int):
         message = b"".join(self._errors).decode(errors="replace").strip()
+        if code == LOCKED:
+            return locked_error(self.endpoint)
         if code in (5, 6, 8):
             return DestinationError(message.removeprefix("pallet: ") or f"the far side stopped ({code})",
                                     self.endpoint.url(), "fix that, then rerun: what landed intact is kept")
         return classify(message, code, ["tar", "-x"], self.endpoint.url(),
                         f"the far side's tar session failed with status {code}")
+
+
+@dataclass
+class SessionSlot:
+    """The session of one tar-tools push that holds DEST's lock there (``lock``: "try" or "wait"), opened by
+    :class:`SessionLock` before the push plans and used by its first attempt; a later attempt (a retry) opens a
+    new one, which takes the lock again. Without a SessionLock (``lock`` None) each attempt opens a session of
+    its own under the caller's lock and closes it."""
+
+    lock: str | None = None
+    session: FarSession | None = None
+    fresh: bool = False
+
+    def open(self, transport: Transport, endpoint: Endpoint, decoder: str, lock: str) -> None:
+        """Open the session that takes DEST's lock; return once it holds it (its listing has come)."""
+        self.lock = lock
+        self._start(transport, endpoint, decoder)
+
+    @contextlib.contextmanager
+    def attempt(self, transport: Transport, endpoint: Endpoint, decoder: str) -> Iterator[FarSession]:
+        """The session one attempt of a push works in."""
+        if self.lock is None:
+            with FarSession(transport, endpoint, decoder) as own:
+                yield own
+            return
+        if not self.fresh:
+            self.close(failed=True)
+            self._start(transport, endpoint, decoder)
+        self.fresh = False
+        assert self.session is not None
+        try:
+            yield self.session
+        except KeyboardInterrupt:
+            self.session._abandon()             # SIGINT, SIGTERM: the far side is not waited for
+            raise
+
+    def close(self, failed: bool = False) -> None:
+        """End the session (releasing DEST's lock there); see :meth:`FarSession.close`."""
+        session, self.session, self.fresh = self.session, None, False
+        if session is not None:
+            if failed:
+                with contextlib.suppress(Exception):
+                    session.close(failed=True)
+            else:
+                session.close()
+
+    def _start(self, transport: Transport, endpoint: Endpoint, decoder: str) -> None:
+        assert self.lock is not None
+        session = FarSession(transport, endpoint, decoder, self.lock)
+        try:
+            session.listing()
+        except BaseException as exc:
+            session.__exit__(type(exc), exc, None)
+            raise
+        self.session, self.fresh = session, True
+
+
+class SessionLock(DestinationLock):
+    """DEST's lock for a push through the tar-tools route, taken by the route's own far-side session
+    (:class:`SessionSlot`) instead of a separate lock command: the same flock on DEST itself, held by the far
+    side's shell for the whole push (through every attempt) and gone when this process is; DestinationLocked at
+    once when another run holds it, or with ``wait`` waiting for it."""
+
+    def __init__(self, slot: SessionSlot, endpoint: Endpoint, transport: Transport, decoder: str,
+                 wait: bool = False):
+        super().__init__(endpoint, transport, wait)
+        self.slot, self.decoder = slot, decoder
+
+    def _lock_there(self) -> None:
+        self.slot.open(self.transport, self.endpoint, self.decoder, "wait" if self.wait else "try")
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is not None and issubclass(kind, KeyboardInterrupt) and self.slot.session is not None:
+                self.slot.session._abandon()
+            self.slot.close(failed=kind is not None)
+        finally:
+            self.slot.lock = None
+            super().__exit__(kind, *exc)
