@@ -59,10 +59,11 @@ wait) exec 7<. && flock 7 || fail "cannot lock $1" 5 ;;
 *) exec 7<. || fail "cannot open $1" 5
    flock -n 7 || { [ -f .pallet/ABANDONED ] && flock -w 600 7; } || exit 4 ;;
 esac
-if [ -L .pallet ] || { [ -e .pallet ] && { [ ! -d .pallet ] || [ ! -O .pallet ]; }; }; then
+[ ! -L .pallet ] || rm -f .pallet || fail "cannot remove the link $1/.pallet" 5    # removed, never followed
+if [ -e .pallet ] && { [ ! -d .pallet ] || [ ! -O .pallet ]; }; then
   fail "$1/.pallet is not a directory of yours; remove it" 5
 fi
-mkdir -p .pallet && exec 9<.pallet || fail "cannot create $1/.pallet" 5
+mkdir -p .pallet && [ ! -L .pallet ] && exec 9<.pallet || fail "cannot create $1/.pallet" 5
 flock -w 600 9 || fail "an earlier transfer into $1 is still running" 6
 STATE=".pallet/list .pallet/sums .pallet/queue .pallet/checked .pallet/failed .pallet/status .pallet/odd"
 rm -f $STATE .pallet/ABANDONED

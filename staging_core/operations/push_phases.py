@@ -96,7 +96,7 @@ class OpenDestination:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        self._stack.__exit__(*exc)      # the lock and route learn of an error on its way (theirs is only an echo)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import hashlib
 import os
 from binascii import unhexlify
 from dataclasses import dataclass, field
+from typing import cast
 
 from bundles.errors import SourceError
 from bundles.scan import SourceTree
@@ -12,7 +13,7 @@ from bundles.tarformat import Kind
 from mpi_stager.wire import MANIFEST_END, FarEntry, parse_records, strip_tar_tools_line, tar_tools_script
 
 from staging_core.locking import DestinationLock
-from staging_core.routes.base import TAR_TOOLS, Route
+from staging_core.routes.base import TAR_TOOLS, Route, carries, declaring
 from staging_core.routes.tar_tools_session import SessionLock, SessionSlot
 from staging_core.transports.base import Endpoint, Transport
 
@@ -72,10 +73,12 @@ def session_lock(route: Route | None, endpoint: Endpoint, transport: Transport, 
     """DEST's lock for a push through the tar-tools ``route``, taken by the route's far-side session (which then
     lists DEST while the source is walked) instead of a separate lock command; None for other routes, pulls and
     local destinations (staging_core.locking.DestinationLock as before)."""
-    if not isinstance(route, TarToolsRoute) or route.pulling or endpoint.is_local \
-            or not transport.capabilities.remote_exec:
+    if not carries(route, TAR_TOOLS) or endpoint.is_local or not transport.capabilities.remote_exec:
         return None
-    return SessionLock(route.sessions, endpoint, transport, DECODERS[route.codec], wait)
+    tools = cast(TarToolsRoute, declaring(route, TAR_TOOLS))       # what listing tar-tools promises
+    if tools.pulling:
+        return None
+    return SessionLock(tools.sessions, endpoint, transport, DECODERS[tools.codec], wait)
 
 
 @dataclass
