@@ -14,7 +14,7 @@ from bench_bundle import ROOT
 from workloads import KIB, Workload, common_parser, ensure_workload, md5_list
 
 sys.path.insert(0, str(ROOT))
-from staging_core.testing import snapshot     # noqa: E402
+from staging_core.testing import assert_same_snapshot, normalize_groups, snapshot     # noqa: E402
 from tests.servers import start_sshd          # noqa: E402
 
 TARGET = 1.2      # tar-tools route, verification included, at most this times the hand-made stream
@@ -29,10 +29,22 @@ def far_side_without_pallet(work: Path):
 
 
 STREAM = "tar | zstd | ssh | zstd -d | tar x"
-FLOOR = "the same, ns mtimes, md5sum -c there"
+FLOOR = "the same, md5sum -c there"
+TAR_TOOLS = "pallet push, tar tools (verified)"
+FLOOR_TARGET = 1.15        # the tar-tools route over its verified floor (issue 37)
 # The verified floor: the hand-made stream with what the tar-tools route must add that is not pallet's own work:
-# nanosecond mtimes (pax headers, as pallet's bundles carry them) and an md5sum of every file at the far side,
-# checked against a list made before the clock starts. No verified route can take less on this machine.
+# an md5sum of every file at the far side, checked against a list made before the clock starts. (Its tar writes
+# whole-second mtimes, as the far side's tar restores them from pallet's format 2 bundles.) No verified route can
+# take less on this machine.
+
+
+def same_tree(expected: dict, dest: Path, whole_seconds: bool) -> bool:
+    """Whether ``dest`` holds the tree ``expected`` snapshots (mtimes to the second where its tar wrote them)."""
+    try:
+        assert_same_snapshot(normalize_groups(expected), normalize_groups(snapshot(dest)), whole_seconds)
+    except AssertionError:
+        return False
+    return True
 
 
 def methods(sshd, python: str) -> dict[str, list[str] | None]:
@@ -41,7 +53,7 @@ def methods(sshd, python: str) -> dict[str, list[str] | None]:
     pallet = [str(Path(python).parent / "pallet"), "push", "--quiet", "--json", "--strategy", "bundle", *options]
     return {STREAM: None,
             FLOOR: None,
-            "pallet push, tar tools (verified)": pallet,
+            TAR_TOOLS: pallet,
             "pallet push, pallet there": [*pallet, "--remote-python", python],
             "rsync -a over ssh": ["rsync", "-a", "-e", shlex.join(["ssh", "-p", str(sshd.port), *sshd.ssh_options])]}
 
@@ -93,7 +105,7 @@ def main() -> int:
             for number, (name, argv) in enumerate(methods(sshd, sys.executable).items()):
                 dest = (args.dest_root or work) / f"pallet-tar-tools-dest-{repeat}-{number}"
                 seconds, summary = run_one(name, argv, sshd, src, dest, checked)
-                if snapshot(dest) != expected and argv is not None:
+                if argv is not None and not same_tree(expected, dest, whole_seconds=name == TAR_TOOLS):
                     raise SystemExit(f"{name}: the destination differs from the source")
                 results.setdefault(name, []).append(seconds)
                 routes[name] = summary.get("route", "")
@@ -107,12 +119,12 @@ def main() -> int:
     print(f"W1 {files:,} x 1 KiB over ssh loopback, medians of {args.repeat}:")
     for name, median in medians.items():
         print(f"  {name:<40} {median:7.2f} s   {median / stream:5.2f}x the stream")
-    tar_tools_ratio = medians["pallet push, tar tools (verified)"] / stream
-    floor_ratio = medians[FLOOR] / stream
+    tar_tools_ratio = medians[TAR_TOOLS] / stream
+    floor_ratio, over_floor = medians[FLOOR] / stream, medians[TAR_TOOLS] / medians[FLOOR]
     print(f"tar tools / stream: {tar_tools_ratio:.2f}x "
           f"(target <= {TARGET}x: {'PASS' if tar_tools_ratio <= TARGET else 'MISS'})")
-    print(f"verified floor / stream: {floor_ratio:.2f}x; tar tools / verified floor: "
-          f"{medians['pallet push, tar tools (verified)'] / medians[FLOOR]:.2f}x")
+    print(f"verified floor / stream: {floor_ratio:.2f}x; tar tools / verified floor: {over_floor:.2f}x "
+          f"(target <= {FLOOR_TARGET}x: {'PASS' if over_floor <= FLOOR_TARGET else 'MISS'})")
     if args.json:
         Path(args.json).write_text(json.dumps({"files": files, "runs": results, "medians": medians,
                                                "routes": routes, "tar_tools_over_stream": tar_tools_ratio,
