@@ -14,7 +14,7 @@ import zstandard
 from .codecs import get_codec
 from .errors import PalletError, StreamError
 from .index import HASH_SIZE, MAX_DECODE_RATIO, READABLE_FORMATS, Index, content_hash, decoded_size_limit, little_endian
-from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan, entry_bound
+from .shards import HELD_RAW_LIMIT, MAX_AUTO_SHARD, BuiltShard, ShardPlan
 from .stream_reply import STREAM_VERSION
 from .tarformat import BLOCK, Kind
 
@@ -144,8 +144,13 @@ def decode_shard_record(payload: bytes, index: Index, plan: ShardPlan, inline: b
 
 
 def raw_bound(index: Index, plan: ShardPlan) -> int:
-    """An upper bound of the shard's uncompressed size: headers (with pax records), data, padding, end."""
-    return 2 * BLOCK + sum(entry_bound(index, i) for i in range(plan.first, plan.first + plan.count))
+    """An upper bound of the shard's uncompressed size: headers (with pax records), data, padding, end; the
+    sum of :func:`bundles.shards.entry_bound` over its entries, taken column by column."""
+    lo, hi, file = plan.first, plan.first + plan.count, int(Kind.FILE)
+    names = sum(map(len, index.paths[lo:hi])) + sum(map(len, index.links[lo:hi]))
+    pairs = zip(index.kinds[lo:hi], index.sizes[lo:hi], strict=True)
+    data = sum(size + -size % BLOCK for kind, size in pairs if kind == file)
+    return 2 * BLOCK + 4 * BLOCK * plan.count + names + data
 
 
 def compressed_bound(raw: int) -> int:

@@ -83,3 +83,19 @@ def test_readers_stream_a_file_that_stands_alone_below_the_target(monkeypatch, t
     index = result.index
     big = next(s for s in index.shards if index.paths[s.first_entry] == b"big")
     assert big.entry_count == 1 and is_streamed(index, big)
+
+
+def test_a_shards_raw_bound_is_the_sum_of_its_entries_bounds():
+    """The receiver's bound of a shard (bundles.stream.raw_bound, taken column by column) is the planner's own
+    entry by entry (bundles.shards.entry_bound), for every kind of entry: a file's data and padding only."""
+    index = Index("zstd", 3, 0)
+    for n, (kind, size) in enumerate([(1, 0), (0, 0), (0, 1), (0, 511), (0, 513), (2, 7), (3, 9), (0, 1 << 20)]):
+        index.paths.append(b"d/" * n + b"entry%d" % n)
+        index.links.append(b"target" * n if kind in (2, 3) else b"")
+        index.kinds.append(kind)
+        index.sizes.append(size)
+    for first in range(len(index)):
+        for count in range(1, len(index) - first + 1):
+            plan = shards.ShardPlan(0, first, count, False, False)
+            assert raw_bound(index, plan) == 2 * BLOCK + sum(shards.entry_bound(index, i)
+                                                             for i in range(first, first + count))

@@ -121,8 +121,8 @@ def _add_unpack(commands) -> None:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the shard and file hash checks (faster, unsafe on untrusted copies)")
     p.add_argument("--no-index", dest="use_index", action="store_false",
-                   help="ignore the bundle's index and extract it as a plain tar, unverified (for a bundle "
-                        "whose end is damaged; the same safety rules apply)")
+                   help="ignore the bundle's index and extract it as a plain tar, unverified, mtimes to the "
+                        "second (for a bundle whose end is damaged; the same safety rules apply)")
     _progress_flags(p)
     p.set_defaults(run=_run_unpack)
 
