@@ -70,11 +70,11 @@ def start_sshd(workdir: Path, extra_config: tuple[str, ...] = ()) -> SSHServer:
 
 def start_bare_sshd(root: Path) -> SSHServer:
     """An sshd whose sessions run in a home of their own (``server.home``, with ``server.shims``, a directory first
-    on PATH, for a test's own programs) with a PATH that has no pallet: python3 there cannot import it (checked).
-    The far side's ``.bashrc`` unsets PYTHONPATH, so nothing of the test's environment reaches it."""
+    on PATH, for a test's own programs) with a PATH that has no pallet: python3 there cannot import it (checked;
+    sshd gives its sessions an environment of their own, so nothing of the test's reaches them)."""
     home, shims = root / "home", root / "home" / "bin"
     shims.mkdir(parents=True)
-    (home / ".bashrc").write_text(f'export PATH="{shims}:/usr/local/bin:/usr/bin:/bin"; unset PYTHONPATH\n')
+    (home / ".bashrc").write_text(f'export PATH="{shims}:/usr/local/bin:/usr/bin:/bin"\n')
     server = start_sshd(root / "sshd", (f"SetEnv HOME={home}",))
     server.home, server.shims = home, shims
     lacks = subprocess.run(["ssh", *server.ssh_options, "-p", str(server.port), f"{server.user}@127.0.0.1",
