@@ -90,8 +90,7 @@ class TarToolsPull(Strategy[PullContext]):
             outcome = pull_tar_tools(source.transport, source.endpoint, route, ctx.dest, source.options.jobs,
                                      ctx.progress, ctx.items)
         attempt.transfers, attempt.bytes_sent = outcome.rounds, outcome.bytes_sent
-        if not (outcome.rounds or outcome.bytes_sent):
-            attempt.route = "already in place"
+        attempt.route = outcome.route or attempt.route
         attempt.compared(outcome)
         return attempt
 

@@ -114,9 +114,7 @@ class TarToolsPush(Strategy[PushContext]):
         route = cast(TarToolsRoute, declaring(ctx.route, self.name))   # what listing tar-tools promises
         outcome = push_tar_tools(ctx.transport, ctx.tree, ctx.endpoint, route, ctx.options.jobs, ctx.progress,
                                  clear_state=ctx.include is None and not ctx.options.keep_packed)
-        moved = outcome.rounds or outcome.bytes_sent
-        attempt = Attempt(route.description if moved else "already in place", outcome.rounds,
-                          dict(outcome.stage_seconds))
+        attempt = Attempt(outcome.route or route.description, outcome.rounds, dict(outcome.stage_seconds))
         attempt.bytes_sent = outcome.bytes_sent
         attempt.compared(outcome)
         return attempt

@@ -94,6 +94,12 @@ class TarToolsOutcome:
     rounds: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def route(self) -> str | None:
+        """'already in place' when the run sent nothing (DEST held the source already), else None: the route's
+        own description stands."""
+        return None if self.rounds or self.bytes_sent else "already in place"
+
 
 def unchanged_files(tree: SourceTree, far: FarTree, whole_seconds: bool = False) -> list[bytes]:
     """Files of ``tree`` the far side holds with the same size, mtime and mode: only their content is in doubt.
