@@ -155,3 +155,20 @@ def test_checksum_finds_a_change_that_kept_size_and_mtime(sshd, tmp_path, where)
     again = _pull(where, sshd, src, pulled, "--checksum")
     assert (again["files"], again["in_place"]) == (1, FILES - 1), again
     assert_same_tree(src, pulled)
+
+
+def test_a_local_listing_skips_a_link_swapped_away_between_its_lstat_and_readlink(tmp_path, monkeypatch):
+    """Shared scratch: an entry that is a link at its lstat and gone (or a directory) at its readlink is left out
+    of DEST's listing, as an entry gone at its lstat is, rather than ending the run with an internal error."""
+    from staging_core.operations import repair
+    (tmp_path / "kept.txt").write_bytes(b"x")
+    os.symlink("kept.txt", tmp_path / "swapped")
+    real = os.readlink
+
+    def swapped_away(path, *args):
+        if os.fsdecode(path).endswith("swapped"):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path, *args)
+
+    monkeypatch.setattr(repair.os, "readlink", swapped_away)
+    assert sorted(repair._local_entries(os.fsencode(tmp_path))) == [b"kept.txt"]

@@ -187,9 +187,11 @@ def _local_entries(root: bytes) -> dict[bytes, FarEntry]:
             path = os.path.join(relative, name) if relative else name
             try:
                 info = os.lstat(os.path.join(root, path))
-            except FileNotFoundError:
-                continue
-            link = os.readlink(os.path.join(root, path)) if stat.S_ISLNK(info.st_mode) else b""
+                link = os.readlink(os.path.join(root, path)) if stat.S_ISLNK(info.st_mode) else b""
+            except OSError as exc:      # changed while listed (gone, or no longer a link): not counted as there
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL):
+                    continue
+                raise
             entries[path] = FarEntry(_KIND_LETTERS.get(stat.S_IFMT(info.st_mode), "?"), stat.S_IMODE(info.st_mode),
                                      info.st_mtime_ns, info.st_size, link, info.st_ino, info.st_nlink)
     return entries
